@@ -1,0 +1,1 @@
+"""ftkit.kernels: CPU and Triton expert kernels."""

@@ -1,0 +1,1 @@
+"""ftkit.runtime: what ft-run loads and executes."""

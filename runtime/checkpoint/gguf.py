@@ -1,0 +1,262 @@
+"""A GGUF checkpoint opened from its header alone.
+
+We parse the header ourselves instead of using `gguf.GGUFReader`: that reader memory-maps and
+walks the whole file, so it cannot open a header-only stub, and it offers no guard against a
+corrupt header asking for gigabytes. Here every count and length is checked against what the
+file can hold before anything is allocated, the header is read sequentially in small chunks, and
+tensor data is touched only by `read`.
+
+Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64 KV count,
+the KV pairs, the tensor infos, padding to `general.alignment`, then the data section. Tensor
+offsets are relative to the data section; dims are ggml `ne` order (fastest first), so the
+torch shape is the reverse.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from .base import Q8_0, Q8_0_BLOCK, CheckpointError, TensorRef, read_ref, stored_nbytes
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+READ_CHUNK = 64 * 1024  # header read size: bounds how far past the header end we ever read
+
+# Caps against corrupt headers; far above anything a real model writes.
+MAX_HEADER_BYTES = 256 * 1024 * 1024  # real headers are a few MB, mostly the vocabulary
+MAX_KEY_LEN = 64 * 1024
+MAX_STRING_LEN = 16 * 1024 * 1024  # chat templates are the longest strings, ~100 KB
+MAX_ARRAY_LEN = 4 * 1024 * 1024  # vocabularies and merge lists are ~10^5 to 10^6 entries
+MAX_ARRAY_DEPTH = 8
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ELEMENTS = 1 << 60
+
+# ggml type ids (ggml.h; gguf-py/gguf/constants.py GGMLQuantizationType). Gaps are removed types.
+GGML_TYPE_NAMES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
+    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
+    22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
+}
+# ggml types we read, by our dtype name.
+SUPPORTED_TYPES: dict[int, str] = {
+    0: "float32", 1: "float16", 30: "bfloat16", 8: Q8_0,
+    24: "int8", 25: "int16", 26: "int32", 27: "int64", 28: "float64",
+}
+
+# GGUF metadata value types: id -> (struct code, size) for the fixed-size ones.
+_STRING, _ARRAY = 8, 9
+_SCALARS: dict[int, tuple[str, int]] = {
+    0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
+    6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8),
+}
+_MIN_VALUE_SIZE = {**{t: s for t, (_, s) in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
+
+
+def ggml_type_name(type_id: int) -> str:
+    return GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
+
+
+class _HeaderReader:
+    """Sequential little-endian reads over a file, in chunks, tracking how far we read."""
+
+    def __init__(self, f: BinaryIO, file_size: int, name: str):
+        self.f = f
+        self.file_size = file_size
+        self.name = name
+        self.buf = b""
+        self.buf_start = 0  # file offset of buf[0]
+        self.pos = 0  # file offset of the next byte to parse
+        self.bytes_read_max = 0  # highest file offset fetched from disk
+
+    def fail(self, msg: str) -> CheckpointError:
+        return CheckpointError(f"{self.name}: {msg}")
+
+    def remaining(self) -> int:
+        return self.file_size - self.pos
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n > self.remaining():
+            raise self.fail(
+                f"truncated header: {what} needs {n} bytes at byte {self.pos}, "
+                f"file has {self.file_size}"
+            )
+        end = self.pos + n
+        if end > MAX_HEADER_BYTES:
+            raise self.fail(f"header larger than {MAX_HEADER_BYTES} bytes (corrupt {what}?)")
+        have = self.buf_start + len(self.buf)
+        if end > have:
+            # Keep the unparsed tail and fetch at least one chunk (or exactly what is missing).
+            tail = self.buf[self.pos - self.buf_start :]
+            self.f.seek(have)
+            more = self.f.read(max(end - have, READ_CHUNK))
+            if len(more) < end - have:
+                raise self.fail(f"file shrank while reading its header at byte {have}")
+            self.buf, self.buf_start = tail + more, self.pos
+            self.bytes_read_max = max(self.bytes_read_max, have + len(more))
+        start = self.pos - self.buf_start
+        self.pos = end
+        return memoryview(self.buf)[start : start + n]
+
+    def scalar(self, code: str, size: int, what: str) -> Any:
+        return struct.unpack("<" + code, self.take(size, what))[0]
+
+    def u32(self, what: str) -> int:
+        return self.scalar("I", 4, what)
+
+    def u64(self, what: str) -> int:
+        return self.scalar("Q", 8, what)
+
+    def string(self, what: str, limit: int = MAX_STRING_LEN) -> str:
+        n = self.u64(f"{what} length")
+        if n > limit:
+            raise self.fail(f"{what}: string length {n} exceeds the limit of {limit} bytes")
+        # surrogateescape keeps odd token bytes round-trippable instead of failing the file.
+        return str(self.take(n, what), "utf-8", "surrogateescape")
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(*_SCALARS[vtype], what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype != _ARRAY:
+            raise self.fail(f"{what}: unknown metadata value type {vtype}")
+        if depth >= MAX_ARRAY_DEPTH:
+            raise self.fail(f"{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
+        etype = self.u32(f"{what} element type")
+        count = self.u64(f"{what} element count")
+        if etype not in _MIN_VALUE_SIZE:
+            raise self.fail(f"{what}: unknown array element type {etype}")
+        if count > MAX_ARRAY_LEN or count * _MIN_VALUE_SIZE[etype] > self.remaining():
+            raise self.fail(
+                f"{what}: array of {count} elements cannot fit in the "
+                f"{self.remaining()} bytes left in the file"
+            )
+        if etype in _SCALARS:
+            code, size = _SCALARS[etype]
+            return list(struct.unpack(f"<{count}{code}", self.take(count * size, what)))
+        return [self.value(etype, what, depth + 1) for _ in range(count)]
+
+
+class GGUFSource:
+    """A GGUF file's metadata and tensor index, read from its header; see the `Source` protocol."""
+
+    kind = "gguf"
+
+    def __init__(self, path: str | os.PathLike[str], allow_stub: bool = True, strict_types: bool = True):
+        self.path = Path(path)
+        self.config: dict[str, Any] = {}
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorRef] = {}
+        # Tensors of types we cannot read (only filled when strict_types is False): name -> type.
+        self.unsupported: dict[str, str] = {}
+        name = self.path.name
+        try:
+            file_size = self.path.stat().st_size
+            f = open(self.path, "rb")
+        except OSError as e:
+            raise CheckpointError(f"{name}: cannot open: {e.strerror or e}") from None
+        with f:
+            r = _HeaderReader(f, file_size, name)
+            infos = self._parse_header(r)
+        self.header_size = r.pos  # header end, before padding to the data section
+        self.bytes_read_max = r.bytes_read_max
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise CheckpointError(f"{name}: general.alignment {alignment!r} is not a power of two")
+        self.alignment = alignment
+        self.data_offset = -(-r.pos // alignment) * alignment
+        self.header_only = bool(infos) and file_size <= self.data_offset
+        if self.header_only and not allow_stub:
+            raise CheckpointError(f"{name}: header-only GGUF stub: no tensor data")
+        self._index(infos, file_size, strict_types)
+
+    def _parse_header(self, r: _HeaderReader) -> list[tuple[str, list[int], int, int]]:
+        magic = bytes(r.take(4, "magic")) if r.remaining() >= 4 else b""
+        if magic != GGUF_MAGIC:
+            raise r.fail(f"not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
+        self.version = r.u32("version")
+        if self.version not in SUPPORTED_VERSIONS:
+            hint = " (big-endian GGUF?)" if self.version.to_bytes(4, "big")[0] in SUPPORTED_VERSIONS else ""
+            raise r.fail(f"unsupported GGUF version {self.version}{hint}")
+        n_tensors = r.u64("tensor count")
+        n_kv = r.u64("metadata count")
+        # Smallest encodings: KV = key length + value type + 1-byte value; tensor info = name
+        # length + n_dims + type + offset. A count the file cannot hold is corruption.
+        if n_kv * 13 > r.remaining() or n_tensors * 24 > r.remaining():
+            raise r.fail(
+                f"header claims {n_kv} metadata entries and {n_tensors} tensors, more than the "
+                f"{r.remaining()} bytes left in the file can hold"
+            )
+        for i in range(n_kv):
+            key = r.string(f"metadata key #{i}", MAX_KEY_LEN)
+            if key in self.metadata:
+                raise r.fail(f"duplicate metadata key {key!r}")
+            self.metadata[key] = r.value(r.u32(f"type of {key}"), key)
+        infos = []
+        for i in range(n_tensors):
+            tname = r.string(f"tensor name #{i}", MAX_KEY_LEN)
+            n_dims = r.u32(f"n_dims of {tname}")
+            if n_dims > MAX_DIMS:
+                raise r.fail(f"tensor {tname}: {n_dims} dimensions, at most {MAX_DIMS} allowed")
+            ne = [r.u64(f"dims of {tname}") for _ in range(n_dims)]
+            infos.append((tname, ne, r.u32(f"type of {tname}"), r.u64(f"offset of {tname}")))
+        return infos
+
+    def _index(self, infos: list[tuple[str, list[int], int, int]], file_size: int, strict_types: bool) -> None:
+        name = self.path.name
+        for tname, ne, type_id, rel in infos:
+            if tname in self.tensors or tname in self.unsupported:
+                raise CheckpointError(f"{name}: duplicate tensor {tname}")
+            n = 1
+            for d in ne:
+                n *= d
+            if n > MAX_ELEMENTS:
+                raise CheckpointError(f"{name}: tensor {tname} has an absurd shape {ne}")
+            if rel % self.alignment:
+                raise CheckpointError(
+                    f"{name}: tensor {tname} offset {rel} is not a multiple of the alignment {self.alignment}"
+                )
+            dtype = SUPPORTED_TYPES.get(type_id)
+            if dtype is None:
+                if strict_types:
+                    raise CheckpointError(f"{name}: unsupported GGUF type {ggml_type_name(type_id)} for tensor {tname}")
+                self.unsupported[tname] = ggml_type_name(type_id)
+                continue
+            if dtype == Q8_0 and (not ne or ne[0] % Q8_0_BLOCK):
+                raise CheckpointError(
+                    f"{name}: tensor {tname} is Q8_0 but its row length {ne[0] if ne else 0} "
+                    f"is not a multiple of {Q8_0_BLOCK}"
+                )
+            shape = tuple(reversed(ne))
+            ref = TensorRef(tname, dtype, shape, self.path, self.data_offset + rel, stored_nbytes(dtype, shape))
+            self.tensors[tname] = ref
+        if self.header_only:
+            return  # a stub has no data to check offsets against
+        over = [ref for ref in self.tensors.values() if ref.offset + ref.nbytes > file_size]
+        if over:
+            first = min(over, key=lambda ref: ref.offset)
+            raise CheckpointError(
+                f"{name}: truncated: tensor {first.name} ends at byte {first.offset + first.nbytes}, "
+                f"file has {file_size}"
+            )
+
+    def read(self, name: str) -> torch.Tensor:
+        """Stored bytes of one tensor: its dtype and shape, or raw q8_0 rows (see `stored_shape`)."""
+        ref = self.tensors.get(name)
+        if ref is None:
+            why = f"has unsupported type {self.unsupported[name]}" if name in self.unsupported else "is not in the file"
+            raise CheckpointError(f"{self.path.name}: tensor {name} {why}")
+        if self.header_only:
+            raise CheckpointError(f"{self.path.name}: header-only GGUF stub: no data for tensor {name}")
+        return read_ref(ref)
+
+    def side_files(self) -> list[tuple[Path, str]]:
+        return []  # GGUF carries its tokenizer and chat template in the metadata

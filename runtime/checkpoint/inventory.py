@@ -1,0 +1,118 @@
+"""A checkpoint's tensors seen through its family: what is there, what is missing, what is wrong.
+
+Built from headers only; `ftw-convert` refuses a checkpoint with problems, `ft-diagnose`
+reports them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models import Family, Mapped, resolve
+from ..spec import ModelSpec
+from .base import Source
+
+PER_EXPERT, STACKED = "per-expert", "stacked"
+
+
+@dataclass
+class LayerExperts:
+    stacked: dict[str, str] = field(default_factory=dict)  # part -> source name
+    per: dict[tuple[int, str], str] = field(default_factory=dict)  # (expert, part) -> source name
+
+
+@dataclass
+class Inventory:
+    source: Source
+    family: Family
+    spec: ModelSpec
+    dense: dict[str, tuple[str, Mapped]] = field(default_factory=dict)  # canonical -> (source name, mapped)
+    experts: dict[int, LayerExperts] = field(default_factory=dict)  # model layer -> its expert tensors
+    missing: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+    expert_dtypes: set[str] = field(default_factory=set)
+    layouts: set[str] = field(default_factory=set)
+
+    @property
+    def gguf(self) -> bool:
+        return self.source.kind == "gguf"
+
+    @property
+    def problems(self) -> list[str]:
+        out = [f"unsupported: {u}" for u in self.unsupported]
+        out += [f"missing tensor: {m}" for m in self.missing]
+        out += [f"wrong shape: {m}" for m in self.mismatched]
+        if len(self.expert_dtypes) > 1:
+            out.append(f"experts mix dtypes {sorted(self.expert_dtypes)}; convert with --dtype to unify them")
+        return out
+
+    @property
+    def expert_layout(self) -> str:
+        return "+".join(sorted(self.layouts)) or "none"
+
+
+def _same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    # A [1, H] gate stored as [H] is the same tensor; squeeze before comparing.
+    return have == want or tuple(d for d in have if d != 1) == tuple(d for d in want if d != 1)
+
+
+def take_inventory(source: Source) -> Inventory:
+    family, spec = resolve(source)
+    inv = Inventory(source, family, spec)
+    inv.unsupported = [f"GGUF type {t} for tensor {n}" for n, t in getattr(source, "unsupported", {}).items()]
+    want_dense = family.dense_shapes(spec)
+    for name, ref in source.tensors.items():
+        mapped = family.map_name(name, inv.gguf)
+        if mapped is None:
+            inv.unexpected.append(name)
+        elif mapped.canonical is not None:
+            if mapped.canonical not in want_dense:
+                inv.unexpected.append(name)
+                continue
+            inv.dense[mapped.canonical] = (name, mapped)
+            if not _same_shape(ref.shape, want_dense[mapped.canonical]):
+                inv.mismatched.append(f"{name} is {list(ref.shape)}, expected {list(want_dense[mapped.canonical])}")
+        elif not spec.is_moe(mapped.layer):
+            inv.unexpected.append(name)
+        else:
+            _add_expert(inv, name, mapped, ref.shape, ref.dtype)
+    inv.missing += [c for c in want_dense if c not in inv.dense]
+    for layer in spec.moe_layers:
+        _check_layer(inv, layer)
+    return inv
+
+
+def _add_expert(inv: Inventory, name: str, m: Mapped, shape: tuple[int, ...], dtype: str) -> None:
+    spec = inv.spec
+    le = inv.experts.setdefault(m.layer, LayerExperts())
+    part_shapes = spec.expert_part_shapes()
+    inv.expert_dtypes.add(dtype)
+    if m.expert is None:
+        inv.layouts.add(STACKED)
+        want = (spec.num_experts, 2 * spec.moe_intermediate_size, spec.hidden_size) if m.part == "gate_up" \
+            else (spec.num_experts, *part_shapes[m.part])
+        le.stacked[m.part] = name
+    else:
+        inv.layouts.add(PER_EXPERT)
+        want = part_shapes[m.part]
+        if m.expert >= spec.num_experts:
+            inv.unexpected.append(name)
+            return
+        le.per[(m.expert, m.part)] = name
+    if tuple(shape) != want:
+        inv.mismatched.append(f"{name} is {list(shape)}, expected {list(want)}")
+
+
+def _check_layer(inv: Inventory, layer: int) -> None:
+    le = inv.experts.get(layer, LayerExperts())
+    for part in ("gate", "up", "down"):
+        if part in le.stacked or (part != "down" and "gate_up" in le.stacked):
+            continue
+        missing = [e for e in range(inv.spec.num_experts) if (e, part) not in le.per]
+        if len(missing) == inv.spec.num_experts:
+            inv.missing.append(f"layer {layer} experts' {part} projection")
+        elif missing:
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            inv.missing.append(f"layer {layer} {part} projection of expert(s) {shown}")

@@ -1,0 +1,56 @@
+"""What every command shares: one-line errors instead of tracebacks, byte sizes for humans."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from rich.console import Console
+
+from ftkit.runtime.checkpoint.base import CheckpointError
+from ftkit.runtime.ftw.manifest import FTWError
+
+err_console = Console(stderr=True)
+USER_ERRORS = (CheckpointError, FTWError, FileExistsError, FileNotFoundError, ValueError)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise SystemExit(code)
+
+
+def guarded(fn: Callable[[], object]) -> None:
+    """Run a command body; a known user-facing error becomes one line and exit code 1."""
+    try:
+        fn()
+    except USER_ERRORS as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def parse_bytes(text: str) -> int:
+    """'8G', '512M', '1.5GiB', '4096' -> bytes (binary multiples)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (try 8G, 512M)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def not_implemented(command: str) -> Callable[[], NoReturn]:
+    def main() -> NoReturn:
+        print(f"{command}: not implemented yet", file=sys.stderr)
+        raise SystemExit(2)
+
+    return main

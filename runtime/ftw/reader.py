@@ -1,0 +1,226 @@
+"""Reading FTW: manifest checks, dense tensors, and expert banks into host buffers.
+
+Banks are read with parallel positional reads straight into one page-aligned anonymous buffer
+per bank, through O_DIRECT where the filesystem takes it (probed once) and a read-only mmap
+where it does not (tmpfs, overlayfs). Buffers are pinned only after they are filled: pinning a
+lazily-mapped buffer first would fault and zero every page, only to overwrite it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .manifest import ALIGN, DENSE_FILE, MANIFEST, Bank, FTWError, Manifest, SlotLayout
+from .writer import sha256_file
+
+CHUNK = 16 << 20  # bytes per positional read
+
+
+def probe_odirect(path: Path) -> bool:
+    """Whether this file's filesystem accepts O_DIRECT reads into an aligned buffer."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        return False
+    try:
+        buf = mmap.mmap(-1, ALIGN)
+        os.preadv(fd, [buf], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class HostBanks:
+    """The host expert pool's bytes: one uint8 buffer per bank, in row order."""
+
+    layout: SlotLayout
+    banks: list[Bank]
+    buffers: list[torch.Tensor]
+    pinned: bool = False
+    seconds: float = 0.0
+    method: str = ""
+    _keep: list[object] = field(default_factory=list, repr=False)  # mmaps backing the buffers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def slot(self, row: int) -> torch.Tensor:
+        """The uint8 bytes of expert row `row`."""
+        for bank, buf in zip(self.banks, self.buffers):
+            if bank.first_row <= row < bank.first_row + bank.rows:
+                i = row - bank.first_row
+                s = self.layout.slot_bytes
+                return buf[i * s : (i + 1) * s]
+        raise IndexError(f"expert row {row} is not in any bank")
+
+    def parts(self, row: int) -> dict[str, torch.Tensor]:
+        slot = self.slot(row)
+        return {p.name: p.view(slot) for p in self.layout.parts}
+
+
+class FTWModel:
+    """An opened FTW directory; checks happen here, bytes move only when asked."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        if not mpath.is_file():
+            raise FTWError(f"{self.path}: no {MANIFEST}; not an FTW directory (convert it with ftw-convert)")
+        try:
+            raw = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise FTWError(f"{mpath}: not valid JSON ({e})") from None
+        self.manifest = Manifest.from_dict(raw, str(mpath))
+        self.spec = self.manifest.spec
+        self.layout = self.manifest.layout
+        for b in self.manifest.banks:
+            f = self.path / b.file
+            want = b.rows * self.layout.slot_bytes
+            if not f.is_file() or f.stat().st_size != want:
+                have = f.stat().st_size if f.is_file() else "missing"
+                raise FTWError(f"{f}: expected {want} bytes, found {have}; the FTW directory is incomplete")
+
+    # ---- dense ----------------------------------------------------------------------------
+    def dense_state(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path / DENSE_FILE), device=str(device))
+
+    # ---- experts --------------------------------------------------------------------------
+    def read_banks(
+        self,
+        threads: int = 8,
+        pin: bool | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> HostBanks:
+        """All expert banks into host memory. `pin=None` pins when CUDA is available."""
+        pin = torch.cuda.is_available() if pin is None else pin
+        t0 = time.perf_counter()
+        files = [self.path / b.file for b in self.manifest.banks]
+        direct = bool(files) and probe_odirect(files[0])
+        out = HostBanks(self.layout, self.manifest.banks, [], method="O_DIRECT" if direct else "mmap")
+        pinner = _Pinner() if pin else None
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            for f in files:
+                size = f.stat().st_size
+                dst = mmap.mmap(-1, size) if size else None  # page-aligned, committed as written
+                out._keep.append(dst)
+                buf = torch.frombuffer(dst, dtype=torch.uint8) if dst else torch.empty(0, dtype=torch.uint8)
+                jobs = [pool.submit(_read_range, f, dst, off, min(CHUNK, size - off), direct, progress)
+                        for off in range(0, size, CHUNK)]
+                out.buffers.append(buf)
+                if pinner:
+                    pinner.after(jobs, buf)
+                else:
+                    for j in jobs:
+                        j.result()
+        if pinner:
+            pinner.join()
+            out.pinned = True
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def verify(self, progress: Callable[[str], None] | None = None) -> list[str]:
+        """Check every checksum; returns the problems found (empty when all match)."""
+        m = self.manifest
+        todo = [(b.file, b.sha256) for b in m.banks] + [(m.dense["file"], m.dense["sha256"])]
+        todo += sorted(m.files.items())
+        problems = []
+        for rel, want in todo:
+            if progress:
+                progress(rel)
+            f = self.path / rel
+            if not f.is_file():
+                problems.append(f"{rel}: missing")
+            elif sha256_file(f) != want:
+                problems.append(f"{rel}: checksum mismatch (corrupt or modified)")
+        return problems
+
+
+def _read_range(path: Path, dst: mmap.mmap, off: int, n: int, direct: bool,
+                progress: Callable[[int], None] | None) -> None:
+    """Copy bytes [off, off+n) of `path` into `dst` at the same offset (positional, GIL-free)."""
+    if direct:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            view = memoryview(dst)
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[off + done : off + n]], off + done)
+                if got <= 0:
+                    raise FTWError(f"{path}: unexpected end of file at byte {off + done}")
+                done += got
+        finally:
+            os.close(fd)
+    else:
+        with open(path, "rb") as f:
+            src = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            try:
+                src.madvise(mmap.MADV_SEQUENTIAL, off - off % mmap.PAGESIZE, n)
+                np.copyto(np.frombuffer(dst, np.uint8, n, off), np.frombuffer(src, np.uint8, n, off))
+            finally:
+                src.close()
+    if progress:
+        progress(n)
+
+
+class _Pinner:
+    """Page-locks each bank on one background thread as soon as its reads are done, so
+    registration (driver-serialised) overlaps the remaining reads."""
+
+    def __init__(self):
+        self.items: list[tuple[list, torch.Tensor]] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def after(self, jobs: list, buf: torch.Tensor) -> None:
+        with self.cond:
+            self.items.append((jobs, buf))
+            self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.items and not self.closed:
+                    self.cond.wait()
+                if not self.items:
+                    return
+                jobs, buf = self.items.pop(0)
+            try:
+                for j in jobs:
+                    j.result()
+                if buf.numel():
+                    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+                    if int(err) != 0:
+                        raise FTWError(f"cudaHostRegister failed ({err}); run with pinning off")
+            except BaseException as e:  # surfaced by join()
+                self.error = self.error or e
+
+    def join(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join()
+        if self.error:
+            raise self.error

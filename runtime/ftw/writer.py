@@ -1,0 +1,158 @@
+"""Writer primitives: a streaming safetensors writer for dense tensors, an expert bank writer,
+and an atomic output directory. Each holds one tensor (or one slot) at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.base import Q8_0, TORCH_DTYPES, stored_nbytes
+from ..checkpoint.safetensors import ST_DTYPES
+from .manifest import ALIGN, Bank, SlotLayout
+
+TO_ST = {v: k for k, v in ST_DTYPES.items()}
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+class HashingFile:
+    """A file written sequentially, hashed as it goes (so checksums cost no second pass)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = open(path, "wb")
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+    def close(self) -> str:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return self.sha.hexdigest()
+
+
+class DenseWriter:
+    """Writes a safetensors file tensor by tensor: the header is known before any data."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]]):
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        self.expect: list[tuple[str, str, tuple[int, ...], int]] = []
+        for name, dtype, shape in entries:
+            n = stored_nbytes(dtype, shape)
+            header[name] = {"dtype": TO_ST[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            self.expect.append((name, dtype, shape, n))
+            off += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.out = HashingFile(path)
+        self.out.write(struct.pack("<Q", len(blob)) + blob)
+        self.next = 0
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        ename, dtype, shape, n = self.expect[self.next]
+        if name != ename or t.dtype != TORCH_DTYPES[dtype] or tuple(t.shape) != shape:
+            raise ValueError(f"dense writer expected {ename} {dtype}{list(shape)}, got {name} {t.dtype}{list(t.shape)}")
+        self.out.write(raw_bytes(t))
+        self.next += 1
+
+    def close(self) -> str:
+        if self.next != len(self.expect):
+            raise ValueError(f"dense writer closed after {self.next} of {len(self.expect)} tensors")
+        return self.out.close()
+
+
+class BankWriter:
+    """Writes expert slots in row order, `rows_per_bank` rows per bank file."""
+
+    def __init__(self, out_dir: Path, layout: SlotLayout, rows: int, rows_per_bank: int):
+        self.dir, self.layout, self.rows, self.per_bank = out_dir, layout, rows, max(1, rows_per_bank)
+        self.banks: list[Bank] = []
+        self.row = 0
+        self.file: HashingFile | None = None
+        self.slot = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
+
+    def write_slot(self, row: int, parts: dict[str, torch.Tensor]) -> None:
+        if row != self.row:
+            raise ValueError(f"bank writer expected row {self.row}, got {row}")
+        if self.file is None:
+            self.file = HashingFile(self.dir / f"experts-{len(self.banks):05d}.ftwb")
+            self.first = row
+        self.slot.zero_()
+        for p in self.layout.parts:
+            t = parts[p.name]
+            want = torch.uint8 if p.dtype == Q8_0 else TORCH_DTYPES[p.dtype]
+            if t.dtype != want:
+                raise ValueError(f"expert part {p.name} is {t.dtype}, layout says {p.dtype}")
+            data = t.contiguous().view(torch.uint8).reshape(-1)
+            if data.numel() != p.nbytes:
+                raise ValueError(f"expert part {p.name} has {data.numel()} bytes, layout says {p.nbytes}")
+            self.slot[p.offset : p.offset + p.nbytes] = data
+        self.file.write(raw_bytes(self.slot))
+        self.row += 1
+        if self.row - self.first == self.per_bank or self.row == self.rows:
+            self._close_bank()
+
+    def _close_bank(self) -> None:
+        assert self.file is not None
+        sha = self.file.close()
+        self.banks.append(Bank(self.file.path.name, self.first, self.row - self.first, sha))
+        self.file = None
+
+    def close(self) -> list[Bank]:
+        if self.row != self.rows:
+            raise ValueError(f"bank writer closed after {self.row} of {self.rows} rows")
+        return self.banks
+
+
+def rows_per_bank(slot_bytes: int, num_experts: int, bank_bytes: int) -> int:
+    """Whole MoE layers per bank file, at least one layer."""
+    assert slot_bytes % ALIGN == 0
+    return max(1, bank_bytes // (slot_bytes * num_experts)) * num_experts
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
+    """A temporary sibling of `out` to fill; renamed onto `out` only if the block succeeds."""
+    out = out.absolute()
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

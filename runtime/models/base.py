@@ -1,0 +1,279 @@
+"""What a family module provides, and the pieces most families share.
+
+A family knows three things: how to build a ModelSpec from a config (HF `config.json` or GGUF
+metadata), how its checkpoint tensor names map to canonical names, and its forward pass.
+
+Canonical dense names (FTW's dense file uses them):
+    embed.weight, final_norm.weight, lm_head.weight,
+    layers.N.attn_norm.weight, layers.N.mlp_norm.weight,
+    layers.N.attn.{q,k,v,o}.weight, layers.N.attn.{q,k,v}.bias, layers.N.attn.{q,k}_norm.weight,
+    layers.N.router.weight, layers.N.shared.{gate,up,down}.weight, layers.N.shared_gate.weight,
+    layers.N.mlp.{gate,up,down}.weight (dense FFN layers).
+Routed experts are not dense tensors: they map to (layer, expert, part) and go to expert banks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checkpoint.base import CheckpointError
+from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, ModelSpec
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """Where a checkpoint tensor goes: a dense canonical name, or an expert part."""
+
+    canonical: str | None = None  # dense tensors
+    layer: int | None = None  # model layer, for expert tensors
+    expert: int | None = None  # None: stacked over all experts of the layer
+    part: str | None = None  # gate | up | down | gate_up (stacked gate rows then up rows)
+
+
+Rule = tuple[re.Pattern[str], str]
+
+
+def rules(*pairs: tuple[str, str]) -> list[Rule]:
+    return [(re.compile(p), t) for p, t in pairs]
+
+
+# Llama-style HF names. Templates: a dense canonical name with {1}, {2}.. for groups, or
+# "expert:{layer}:{expert}:{part}" / "stacked:{layer}:{part}".
+HF_RULES = rules(
+    (r"model\.embed_tokens\.weight", "embed.weight"),
+    (r"model\.norm\.weight", "final_norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{1}.attn_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{1}.mlp_norm.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)", "layers.{1}.attn.{2}.{3}"),
+    (r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", "layers.{1}.attn.{2}_norm.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", "layers.{1}.router.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts?\.(gate|up|down)_proj\.weight", "layers.{1}.shared.{2}.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.shared_expert_gate\.weight", "layers.{1}.shared_gate.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{1}.mlp.{2}.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", "expert:{1}:{2}:{3}"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|gate|up|down)_proj", "stacked:{1}:{2}"),
+)
+
+# Names as llama.cpp's converter writes them.
+GGUF_RULES = rules(
+    (r"token_embd\.weight", "embed.weight"),
+    (r"output_norm\.weight", "final_norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", "layers.{1}.attn_norm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", "layers.{1}.mlp_norm.weight"),
+    (r"blk\.(\d+)\.attn_([qkv])\.(weight|bias)", "layers.{1}.attn.{2}.{3}"),
+    (r"blk\.(\d+)\.attn_output\.weight", "layers.{1}.attn.o.weight"),
+    (r"blk\.(\d+)\.attn_([qk])_norm\.weight", "layers.{1}.attn.{2}_norm.weight"),
+    (r"blk\.(\d+)\.ffn_gate_inp\.weight", "layers.{1}.router.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight", "layers.{1}.shared.{2}.weight"),
+    (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "layers.{1}.shared_gate.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", "layers.{1}.mlp.{2}.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", "stacked:{1}:{2}"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", "expert:{1}:{3}:{2}"),  # older per-expert files
+)
+
+
+def apply_rules(name: str, table: list[Rule]) -> Mapped | None:
+    for pattern, template in table:
+        m = pattern.fullmatch(name)
+        if not m:
+            continue
+        out = template.format(None, *m.groups())
+        kind, _, rest = out.partition(":")
+        if kind == "expert":
+            layer, expert, part = rest.split(":")
+            return Mapped(layer=int(layer), expert=int(expert), part=part)
+        if kind == "stacked":
+            layer, part = rest.split(":")
+            return Mapped(layer=int(layer), part=part)
+        return Mapped(canonical=out)
+    return None
+
+
+class Family:
+    """Base of every family; subclasses set the class attributes and override what differs."""
+
+    name: str  # registry key: the HF model_type
+    architectures: tuple[str, ...]
+    gguf_archs: tuple[str, ...] = ()
+    hf_rules: list[Rule] = HF_RULES
+    gguf_rules: list[Rule] = GGUF_RULES
+
+    # ---- config -> ModelSpec ---------------------------------------------------------------
+    def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
+        raise NotImplementedError
+
+    def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
+        raise NotImplementedError
+
+    # ---- names -----------------------------------------------------------------------------
+    def map_name(self, name: str, gguf: bool) -> Mapped | None:
+        return apply_rules(name, self.gguf_rules if gguf else self.hf_rules)
+
+    def sanitize(self, mapped: Mapped, tensor: torch.Tensor, spec: ModelSpec, gguf: bool) -> torch.Tensor:
+        """Undo a checkpoint quirk on one tensor (stored representation in, same out)."""
+        return tensor
+
+    def dense_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+        """Every dense tensor the forward pass needs, with its shape."""
+        return llama_dense_shapes(spec)
+
+
+# ---- shared helpers ------------------------------------------------------------------------
+def llama_dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, v = spec.hidden_size, spec.vocab_size
+    q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (v, h), "final_norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (v, h)
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        out[p + "attn_norm.weight"] = (h,)
+        out[p + "mlp_norm.weight"] = (h,)
+        out.update({p + "attn.q.weight": (q_out, h), p + "attn.k.weight": (kv_out, h)})
+        out.update({p + "attn.v.weight": (kv_out, h), p + "attn.o.weight": (h, q_out)})
+        if spec.attention_bias:
+            out.update({p + "attn.q.bias": (q_out,), p + "attn.k.bias": (kv_out,), p + "attn.v.bias": (kv_out,)})
+        if spec.qk_norm == QK_NORM_HEAD:
+            out.update({p + "attn.q_norm.weight": (spec.head_dim,), p + "attn.k_norm.weight": (spec.head_dim,)})
+        elif spec.qk_norm == QK_NORM_FULL:
+            out.update({p + "attn.q_norm.weight": (q_out,), p + "attn.k_norm.weight": (kv_out,)})
+        if spec.is_moe(i):
+            out[p + "router.weight"] = (spec.num_experts, h)
+            s = spec.shared_expert_intermediate_size
+            if s:
+                out.update({p + "shared.gate.weight": (s, h), p + "shared.up.weight": (s, h)})
+                out[p + "shared.down.weight"] = (h, s)
+                if spec.shared_expert_gate:
+                    out[p + "shared_gate.weight"] = (1, h)
+        else:
+            d = spec.intermediate_size
+            out.update({p + "mlp.gate.weight": (d, h), p + "mlp.up.weight": (d, h), p + "mlp.down.weight": (h, d)})
+    return out
+
+
+def need(cfg: dict[str, Any], *keys: str, what: str) -> Any:
+    """The first present key's value; a clear error naming what is missing otherwise."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    raise CheckpointError(f"config has no {what} (looked for {', '.join(keys)})")
+
+
+def rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling, partial_rotary_factor) from old (`rope_theta`/`rope_scaling`) or
+    transformers-5 (`rope_parameters`) configs."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    scaling = cfg.get("rope_scaling") or {
+        k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")
+    }
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None, partial
+    return theta, {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": kind}, partial
+
+
+def eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def moe_layers_from(cfg: dict[str, Any], num_layers: int, num_experts: int) -> tuple[int, ...]:
+    """Qwen-style sparse-step and dense-layer lists; every layer is MoE when they are absent."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    if num_experts <= 0:
+        return ()
+    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal wrappers nest the language model's config; the text part is what we serve."""
+    inner = cfg.get("text_config")
+    return {**cfg, **inner} if isinstance(inner, dict) else cfg
+
+
+def base_spec_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The ModelSpec fields every Llama-style config spells the same way."""
+    num_layers = int(need(cfg, "num_hidden_layers", what="layer count"))
+    num_heads = int(need(cfg, "num_attention_heads", what="attention head count"))
+    hidden = int(need(cfg, "hidden_size", what="hidden size"))
+    theta, scaling, partial = rope_from_config(cfg)
+    archs = cfg.get("architectures") or [family]
+    return dict(
+        family=family,
+        architecture=archs[0],
+        vocab_size=int(need(cfg, "vocab_size", what="vocabulary size")),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+        layer_kinds=tuple(cfg.get("layer_types") or [FULL_ATTENTION] * num_layers),
+    )
+
+
+def check_moe(spec: ModelSpec) -> ModelSpec:
+    if spec.num_experts <= 0 or not spec.moe_layers:
+        raise CheckpointError(f"{spec.architecture}: no routed experts in this config; ftkit serves MoE models")
+    if not 0 < spec.top_k <= spec.num_experts:
+        raise CheckpointError(f"{spec.architecture}: top-k {spec.top_k} is not within 1..{spec.num_experts}")
+    return spec
+
+
+def gguf_common(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """llama.cpp's metadata keys translated to HF config keys shared by Llama-style families.
+
+    Family-specific keys (FFN widths, expert counts) are left to the family, under the raw
+    names `ffn`, `expert_ffn`, `shared_ffn`, `experts`, `experts_used`.
+    """
+    arch = meta.get("general.architecture")
+
+    def g(key: str, default: Any = None) -> Any:
+        v = meta.get(f"{arch}.{key}", default)
+        return v[0] if isinstance(v, list) and v else v  # some keys may be per-layer arrays
+
+    if "token_embd.weight" not in shapes:
+        raise CheckpointError("GGUF has no token_embd.weight tensor")
+    cfg: dict[str, Any] = {
+        "architectures": None,
+        "num_hidden_layers": g("block_count"),
+        "hidden_size": g("embedding_length"),
+        "num_attention_heads": g("attention.head_count"),
+        "num_key_value_heads": g("attention.head_count_kv"),
+        "head_dim": g("attention.key_length"),
+        "rms_norm_eps": g("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": g("rope.freq_base", 10000.0),
+        "max_position_embeddings": g("context_length", 4096),
+        "vocab_size": shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "ffn": g("feed_forward_length"),
+        "expert_ffn": g("expert_feed_forward_length"),
+        "shared_ffn": g("expert_shared_feed_forward_length"),
+        "experts": g("expert_count"),
+        "experts_used": g("expert_used_count"),
+    }
+    kind = g("rope.scaling.type")
+    if kind and kind != "none":
+        cfg["rope_scaling"] = {"rope_type": kind, "factor": g("rope.scaling.factor", 1.0)}
+        if g("rope.scaling.original_context_length"):
+            cfg["rope_scaling"]["original_max_position_embeddings"] = g("rope.scaling.original_context_length")
+    return cfg

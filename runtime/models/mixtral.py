@@ -1,0 +1,81 @@
+"""Mixtral: `block_sparse_moe` naming (w1 gate, w3 up, w2 down), renormalised top-k.
+
+llama.cpp writes Mixtral as arch `llama` with an expert count, and permutes the Q/K rows for its
+interleaved RoPE; `sanitize` undoes that permutation so the weights match HF's layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..spec import ModelSpec
+from .base import (
+    HF_RULES,
+    Family,
+    Mapped,
+    base_spec_fields,
+    check_moe,
+    gguf_common,
+    need,
+    rules,
+    text_config,
+)
+
+MIXTRAL_RULES = rules(
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", "layers.{1}.router.weight"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight", "expert:{1}:{2}:gate"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight", "expert:{1}:{2}:up"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight", "expert:{1}:{2}:down"),
+    (r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(gate_up|down)_proj", "stacked:{1}:{2}"),
+) + HF_RULES
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute`: rows (heads, 2, d/2) were stored as (heads, d/2, 2)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class Mixtral(Family):
+    name = "mixtral"
+    architectures = ("MixtralForCausalLM",)
+    gguf_archs = ("llama",)
+    hf_rules = MIXTRAL_RULES
+
+    def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
+        cfg = text_config(cfg)
+        f = base_spec_fields(cfg, self.name)
+        experts = int(need(cfg, "num_local_experts", "num_experts", what="expert count"))
+        return check_moe(ModelSpec(
+            **f,
+            intermediate_size=0,
+            moe_intermediate_size=int(need(cfg, "intermediate_size", what="expert FFN width")),
+            num_experts=experts,
+            top_k=int(need(cfg, "num_experts_per_tok", what="experts per token")),
+            moe_layers=tuple(range(f["num_layers"])) if experts > 0 else (),
+            norm_topk_prob=True,
+            sliding_window=cfg.get("sliding_window"),
+        ))
+
+    def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
+        g = gguf_common(meta, tensor_shapes)
+        g.update(
+            architectures=list(self.architectures),
+            intermediate_size=g["expert_ffn"] or g["ffn"],
+            num_local_experts=g["experts"],
+            num_experts_per_tok=g["experts_used"],
+        )
+        return self.spec_from_config(g)
+
+    def sanitize(self, mapped: Mapped, tensor: torch.Tensor, spec: ModelSpec, gguf: bool) -> torch.Tensor:
+        name = mapped.canonical or ""
+        if gguf and name.endswith(".attn.q.weight"):
+            return unpermute_rows(tensor, spec.num_heads)
+        if gguf and name.endswith(".attn.k.weight"):
+            return unpermute_rows(tensor, spec.num_kv_heads)
+        return tensor
+
+
+FAMILY = Mixtral()

@@ -1,0 +1,1 @@
+"""ftkit.tools: one package per command, each thin over ftkit.runtime."""

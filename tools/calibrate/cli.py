@@ -1,0 +1,5 @@
+"""ft-calibrate (lands with its issue)."""
+
+from ftkit.runtime.console import not_implemented
+
+main = not_implemented("ft-calibrate")

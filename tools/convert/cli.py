@@ -1,0 +1,69 @@
+"""ftw-convert: HF safetensors directories and GGUF files to FTW."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from ftkit.runtime.console import guarded, human_bytes, parse_bytes
+
+from .pipeline import CAST_DTYPES, Plan, convert, make_plan
+
+console = Console()
+app = typer.Typer(add_completion=False, help="Convert a checkpoint (HF directory or GGUF file) to FTW.")
+
+
+def plan_table(plan: Plan, out: Path) -> Table:
+    spec, inv = plan.spec, plan.inventory
+    t = Table(title=f"ftw-convert plan -> {out}", show_header=False)
+    t.add_row("source", f"{inv.source.kind}: {inv.source.path}")
+    t.add_row("family", f"{spec.family} ({spec.architecture})")
+    t.add_row("layers", f"{spec.num_layers} ({spec.num_moe_layers} MoE), hidden {spec.hidden_size}")
+    t.add_row("experts", f"{spec.num_experts} per layer, top-{spec.top_k}, FFN {spec.moe_intermediate_size}, "
+                         f"stored {inv.expert_layout}")
+    t.add_row("expert dtype", f"{'/'.join(sorted(inv.expert_dtypes))} -> {plan.layout.dtype}")
+    t.add_row("expert slot", f"{human_bytes(plan.layout.slot_bytes)} ({plan.layout.slot_bytes} bytes, 4096-aligned)")
+    t.add_row("expert pool", f"{human_bytes(plan.expert_bytes)} in {plan.num_banks} bank file(s), "
+                             f"{spec.num_expert_rows} rows")
+    t.add_row("dense", f"{len(plan.dense)} tensors, {human_bytes(plan.dense_bytes)}")
+    t.add_row("side files", ", ".join(rel for _, rel in plan.side_files) or "none")
+    if inv.unexpected:
+        t.add_row("skipped", f"{len(inv.unexpected)} tensor(s) the family does not use, e.g. {inv.unexpected[0]}")
+    return t
+
+
+@app.command()
+def main(
+    src: Path = typer.Argument(..., help="HF model directory (safetensors, single or sharded) or a GGUF file"),
+    out: Path = typer.Option(..., "-o", "--out", help="FTW directory to write"),
+    dtype: Optional[str] = typer.Option(None, help=f"cast weights to one of {', '.join(CAST_DTYPES)}"),
+    force: bool = typer.Option(False, help="replace OUT if it exists"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, write nothing"),
+    bank_size: str = typer.Option("4G", help="largest expert bank file (whole layers per file)"),
+) -> None:
+    """Convert SRC to an FTW directory OUT (atomically: a temporary sibling renamed at the end)."""
+
+    def run() -> None:
+        plan = make_plan(src, dtype, parse_bytes(bank_size))
+        console.print(plan_table(plan, out))
+        if dry_run:
+            console.print("[yellow]dry run: nothing written[/]")
+            return
+        if out.exists() and not force:
+            raise FileExistsError(f"{out} exists; pass --force to replace it")
+        cols = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+        with Progress("[progress.description]{task.description}", *cols, console=console) as bar:
+            task = bar.add_task("converting", total=plan.source_bytes)
+            convert(plan, out, force, on_bytes=lambda n: bar.advance(task, n))
+        console.print(f"[green]wrote[/] {out} ({human_bytes(plan.expert_bytes + plan.dense_bytes)})")
+
+    guarded(run)
+
+
+def cli() -> None:
+    app()

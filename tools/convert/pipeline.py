@@ -1,0 +1,159 @@
+"""Checkpoint -> FTW, streaming: one dense tensor or one layer's experts in memory at a time."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ftkit import __version__
+from ftkit.runtime.checkpoint import CheckpointError, open_source
+from ftkit.runtime.checkpoint.base import Q8_0, TORCH_DTYPES, dequantize_q8_0, stored_nbytes
+from ftkit.runtime.checkpoint.inventory import Inventory, take_inventory
+from ftkit.runtime.ftw.manifest import DENSE_FILE, MANIFEST, Manifest, SlotLayout, slot_layout, write_json_atomic
+from ftkit.runtime.ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
+
+DEFAULT_BANK_BYTES = 4 << 30
+CAST_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class Plan:
+    inventory: Inventory
+    dense: list[tuple[str, str, tuple[int, ...]]]  # (canonical, out dtype, shape), write order
+    dense_bytes: int
+    layout: SlotLayout
+    rows_per_bank: int
+    side_files: list[tuple[Path, str]]
+
+    @property
+    def spec(self):
+        return self.inventory.spec
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.spec.num_expert_rows * self.layout.slot_bytes
+
+    @property
+    def num_banks(self) -> int:
+        return -(-self.spec.num_expert_rows // self.rows_per_bank)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(r.nbytes for r in self.inventory.source.tensors.values())
+
+
+def _out_dtype(src: str, cast: str | None) -> str:
+    if cast:
+        return cast
+    return "float32" if src == Q8_0 else src  # q8_0 dense tensors are dequantized exactly
+
+
+def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_BYTES) -> Plan:
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype}")
+    source = open_source(src, allow_stub=False)
+    inv = take_inventory(source)
+    if inv.problems:
+        extra = f" (and {len(inv.problems) - 1} more; run ft-diagnose)" if len(inv.problems) > 1 else ""
+        raise CheckpointError(inv.problems[0] + extra)
+    want = inv.family.dense_shapes(inv.spec)
+    dense = []
+    for canonical, shape in want.items():
+        name, _ = inv.dense[canonical]
+        dense.append((canonical, _out_dtype(source.tensors[name].dtype, dtype), shape))
+    expert_dtype = dtype or next(iter(inv.expert_dtypes))
+    layout = slot_layout(inv.spec, expert_dtype)
+    return Plan(
+        inventory=inv,
+        dense=dense,
+        dense_bytes=sum(stored_nbytes(d, s) for _, d, s in dense),
+        layout=layout,
+        rows_per_bank=rows_per_bank(layout.slot_bytes, inv.spec.num_experts, bank_bytes),
+        side_files=source.side_files(),
+    )
+
+
+def _cast(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    if src == dst:
+        return t
+    if src == Q8_0:
+        t = dequantize_q8_0(t)
+    return t.to(TORCH_DTYPES[dst])
+
+
+def convert(plan: Plan, out: Path, force: bool = False, on_bytes: Callable[[int], None] = lambda n: None) -> Manifest:
+    """Write `plan` to `out` atomically; returns the manifest written."""
+    inv, spec, source = plan.inventory, plan.spec, plan.inventory.source
+    with atomic_dir(out, force) as tmp:
+        dense = DenseWriter(tmp / DENSE_FILE, plan.dense)
+        for canonical, dtype, shape in plan.dense:
+            name, mapped = inv.dense[canonical]
+            ref = source.tensors[name]
+            t = inv.family.sanitize(mapped, source.read(name), spec, inv.gguf)
+            dense.write(canonical, _cast(t, ref.dtype, dtype).reshape(shape))
+            on_bytes(ref.nbytes)
+        dense_sha = dense.close()
+
+        banks = BankWriter(tmp, plan.layout, spec.num_expert_rows, plan.rows_per_bank)
+        for moe_index, layer in enumerate(spec.moe_layers):
+            for e, parts in enumerate(_layer_experts(plan, layer, on_bytes)):
+                banks.write_slot(moe_index * spec.num_experts + e, parts)
+        bank_list = banks.close()
+
+        files = {}
+        for path, rel in plan.side_files:
+            dst = tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dst)
+            files[rel] = sha256_file(dst)
+        manifest = Manifest(
+            spec=spec,
+            layout=plan.layout,
+            banks=bank_list,
+            dense={"file": DENSE_FILE, "sha256": dense_sha,
+                   "tensors": {c: {"dtype": d, "shape": list(s)} for c, d, s in plan.dense}},
+            files=files,
+            writer=f"ftkit {__version__}",
+            source={"kind": source.kind, "path": str(Path(source.path).absolute()),
+                    "expert_layout": inv.expert_layout},
+        )
+        write_json_atomic(tmp / MANIFEST, manifest.to_dict())
+    return manifest
+
+
+def _layer_experts(plan: Plan, layer: int, on_bytes: Callable[[int], None]):
+    """Yield each expert's {part: tensor in the bank dtype} for one model layer, in order."""
+    inv, spec = plan.inventory, plan.spec
+    le = inv.experts[layer]
+    dst = plan.layout.dtype
+    stacked: dict[str, tuple[torch.Tensor, str]] = {}
+    for part, name in le.stacked.items():
+        ref = inv.source.tensors[name]
+        t = inv.family.sanitize(_mapped(inv, name), inv.source.read(name), spec, inv.gguf)
+        on_bytes(ref.nbytes)
+        if part == "gate_up":
+            i = spec.moe_intermediate_size
+            stacked["gate"], stacked["up"] = (t[:, :i], ref.dtype), (t[:, i:], ref.dtype)
+        else:
+            stacked[part] = (t, ref.dtype)
+    for e in range(spec.num_experts):
+        parts = {}
+        for part in ("gate", "up", "down"):
+            if part in stacked:
+                t, src = stacked[part]
+                t = t[e]
+            else:
+                name = le.per[(e, part)]
+                ref = inv.source.tensors[name]
+                t, src = inv.family.sanitize(_mapped(inv, name), inv.source.read(name), spec, inv.gguf), ref.dtype
+                on_bytes(ref.nbytes)
+            parts[part] = _cast(t, src, dst)
+        yield parts
+
+
+def _mapped(inv: Inventory, name: str):
+    return inv.family.map_name(name, inv.gguf)
