@@ -1,5 +1,219 @@
-"""ft-run (lands with the runtime issue)."""
+"""ft-run: generate, chat and the built-in demo, thin over ftkit.runtime.engine."""
 
-from ftkit.runtime.console import not_implemented
+from __future__ import annotations
 
-main = not_implemented("ft-run")
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from typing_extensions import Annotated
+
+from .console import guarded, human_bytes, parse_bytes
+from .engine.generate import Generation, generate, stream
+from .engine.loader import Runtime, RuntimeOptions
+from .engine.sampling import SamplingParams
+
+console = Console()
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Run an FTW model.")
+
+Model = Annotated[Path, typer.Option("--model", "-m", help="FTW directory (from ftw-convert)")]
+Strategy = Annotated[str, typer.Option(help="fused | offload | cpu | hybrid | auto")]
+CacheExperts = Annotated[Optional[int], typer.Option(help="device expert cache size in slots")]
+CacheBytes = Annotated[Optional[str], typer.Option(help="device expert cache size in bytes, e.g. 8G")]
+Device = Annotated[str, typer.Option(help="cpu or cuda")]
+Threads = Annotated[Optional[int], typer.Option(help="CPU expert threads (default: cores - 1)")]
+Profile = Annotated[Optional[Path], typer.Option(help="bandwidth profile JSON (from ft-calibrate)")]
+Ratio = Annotated[Optional[float], typer.Option(help="B_P / B_H for hybrid without a profile")]
+Dtype = Annotated[Optional[str], typer.Option(help="compute dtype (default: the weights' dtype)")]
+
+
+def _options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio, dtype,
+             trace=False) -> RuntimeOptions:
+    return RuntimeOptions(
+        strategy=strategy, cache_experts=cache_experts,
+        cache_bytes=parse_bytes(cache_bytes) if cache_bytes else None, device=device, threads=threads,
+        profile=profile, bandwidth_ratio=bandwidth_ratio, dtype=dtype, trace_stats=trace,
+    )
+
+
+def _prompt_ids(rt: Runtime, prompt: str | None, prompt_ids: str | None, chat: bool) -> list[int]:
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of --prompt and --prompt-ids")
+    if prompt_ids is not None:
+        try:
+            return [int(t) for t in prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}") from None
+    if rt.tokenizer is None:
+        raise ValueError(f"{rt.path} has no tokenizer.json; use --prompt-ids")
+    text = rt.tokenizer.chat([{"role": "user", "content": prompt}]) if chat else prompt
+    return rt.tokenizer.encode(text)
+
+
+def stats_table(rt: Runtime) -> Table:
+    s = rt.store.stats
+    t = Table(title=f"experts ({rt.store.strategy}, cache {rt.store.cache.capacity} slots)")
+    for col in ("layer", "active", "hits", "fills", "cpu", "miss rate"):
+        t.add_column(col, justify="right")
+    for layer, c in sorted(s.layers.items()):
+        t.add_row(str(layer), str(c.active), str(c.hits), str(c.fills), str(c.cpu),
+                  f"{c.misses / c.active:.1%}" if c.active else "-")
+    tot = s.totals()
+    t.add_row("all", str(tot.active), str(tot.hits), str(tot.fills), str(tot.cpu), f"{s.miss_rate:.1%}")
+    return t
+
+
+def _report(rt: Runtime, gen: Generation, as_json: bool, show_stats: bool) -> None:
+    if as_json:
+        out = {"token_ids": gen.token_ids, "text": gen.text, "finish_reason": gen.finish_reason,
+               "stats": {**gen.stats(), "strategy": rt.store.strategy, "experts": rt.store.stats.to_dict()}}
+        print(json.dumps(out))
+        return
+    if show_stats:
+        console.print(stats_table(rt))
+    st = gen.stats()
+    console.print(f"[dim]{st['prompt_tokens']} prompt + {st['completion_tokens']} generated tokens; "
+                  f"prefill {st['prefill_tok_s']} tok/s, decode {st['decode_tok_s']} tok/s; "
+                  f"strategy {rt.store.strategy}[/]")
+
+
+@app.command("generate")
+def generate_cmd(
+    model: Model,
+    prompt: Annotated[Optional[str], typer.Option(help="prompt text")] = None,
+    prompt_ids: Annotated[Optional[str], typer.Option(help="prompt token ids, e.g. 1,2,3")] = None,
+    chat: Annotated[bool, typer.Option(help="wrap --prompt in the chat template")] = False,
+    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
+    ignore_eos: bool = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="per-layer expert hits/misses/fills/CPU")] = False,
+    strategy: Strategy = "auto",
+    cache_experts: CacheExperts = None,
+    cache_bytes: CacheBytes = None,
+    device: Device = "cpu",
+    threads: Threads = None,
+    profile: Profile = None,
+    bandwidth_ratio: Ratio = None,
+    dtype: Dtype = None,
+) -> None:
+    """Generate a completion for one prompt."""
+
+    def run() -> None:
+        rt = Runtime(model, _options(strategy, cache_experts, cache_bytes, device, threads, profile,
+                                     bandwidth_ratio, dtype))
+        try:
+            ids = _prompt_ids(rt, prompt, prompt_ids, chat)
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed, stop=stop or [], ignore_eos=ignore_eos)
+            if as_json:
+                gen = generate(rt, ids, params)
+            else:
+                gen = None
+                for _, delta, gen in stream(rt, ids, params):
+                    console.print(delta, end="", markup=False, highlight=False)
+                console.print()
+            _report(rt, gen, as_json, stats)
+        finally:
+            rt.close()
+
+    guarded(run)
+
+
+@app.command("chat")
+def chat_cmd(
+    model: Model,
+    max_tokens: int = 256,
+    temperature: float = 0.7,
+    system: Annotated[Optional[str], typer.Option(help="system prompt")] = None,
+    strategy: Strategy = "auto",
+    cache_experts: CacheExperts = None,
+    cache_bytes: CacheBytes = None,
+    device: Device = "cpu",
+    threads: Threads = None,
+    profile: Profile = None,
+    bandwidth_ratio: Ratio = None,
+    dtype: Dtype = None,
+    stats: Annotated[bool, typer.Option("--stats")] = False,
+) -> None:
+    """Chat interactively (empty line or Ctrl-D to quit); tokens stream as they come."""
+
+    def run() -> None:
+        rt = Runtime(model, _options(strategy, cache_experts, cache_bytes, device, threads, profile,
+                                     bandwidth_ratio, dtype))
+        if rt.tokenizer is None or rt.tokenizer.template is None:
+            raise ValueError(f"{model} has no tokenizer or chat template; use ft-run generate --prompt-ids")
+        messages = [{"role": "system", "content": system}] if system else []
+        try:
+            while True:
+                try:
+                    user = console.input("[bold cyan]you>[/] ")
+                except EOFError:
+                    break
+                if not user.strip():
+                    break
+                messages.append({"role": "user", "content": user})
+                ids = rt.tokenizer.encode(rt.tokenizer.chat(messages))
+                gen = None
+                console.print("[bold green]model>[/] ", end="")
+                for _, delta, gen in stream(rt, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature)):
+                    console.print(delta, end="", markup=False, highlight=False)
+                console.print()
+                messages.append({"role": "assistant", "content": gen.text})
+                _report(rt, gen, False, stats)
+        finally:
+            rt.close()
+
+    guarded(run)
+
+
+@app.command("demo")
+def demo_cmd(
+    out: Annotated[Path, typer.Option(help="where to write the built-in model")] = Path("demo"),
+    prompt: str = "Write a haiku about experts.",
+    max_tokens: int = 32,
+    threads: Threads = None,
+) -> None:
+    """Write the built-in small random-weight MoE (once) and generate from it with `hybrid`
+    and an expert cache smaller than the pool."""
+    from .ftw.random_model import demo_spec, write_random_ftw
+    from .synthetic import write_tokenizer
+
+    def run() -> None:
+        model = out / "demo.ftw"
+        if not (model / "manifest.json").is_file():
+            vocab = 512
+            console.print(f"writing the built-in model to {model} ...")
+            write_random_ftw(model, demo_spec(vocab), side_files=lambda d: write_tokenizer(d, vocab))
+        rt = Runtime(model, RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.5,
+                                           threads=threads, trace_stats=True))
+        try:
+            pool = rt.pool.nbytes
+            console.print(
+                f"[bold yellow]The built-in model has RANDOM weights: its text is gibberish.[/] It shows the "
+                f"pipeline: {rt.spec.num_expert_rows} experts in a {human_bytes(pool)} host pool, a device "
+                f"cache of {rt.store.cache.capacity} slots "
+                f"({rt.store.cache.capacity / rt.spec.num_expert_rows:.0%} of the pool), strategy hybrid."
+            )
+            ids = rt.tokenizer.encode(rt.tokenizer.chat([{"role": "user", "content": prompt}]))
+            console.print(f"[bold cyan]prompt>[/] {prompt}\n[bold green]model>[/] ", end="")
+            gen = None
+            for _, delta, gen in stream(rt, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+                console.print(delta, end="", markup=False, highlight=False)
+            console.print()
+            _report(rt, gen, False, True)
+        finally:
+            rt.close()
+
+    guarded(run)
+
+
+def main() -> None:
+    app()

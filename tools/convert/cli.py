@@ -15,7 +15,7 @@ from ftkit.runtime.console import guarded, human_bytes, parse_bytes
 from .pipeline import CAST_DTYPES, Plan, convert, make_plan
 
 console = Console()
-app = typer.Typer(add_completion=False, help="Convert a checkpoint (HF directory or GGUF file) to FTW.")
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, help="Convert a checkpoint (HF directory or GGUF file) to FTW.")
 
 
 def plan_table(plan: Plan, out: Path) -> Table:

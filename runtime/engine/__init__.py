@@ -1,0 +1,1 @@
+"""Requests in, token streams out: loading, sampling, the generation loop."""

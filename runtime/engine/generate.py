@@ -1,0 +1,99 @@
+"""The generation loop: prefill the prompt, then decode one token at a time until a stop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .loader import Runtime
+from .sampling import Sampler, SamplingParams
+from .tokenizer import StreamDecoder
+
+
+@dataclass
+class Generation:
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def stats(self) -> dict:
+        n = len(self.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_seconds": round(self.decode_seconds, 4),
+            "prefill_tok_s": round(self.prompt_tokens / self.prefill_seconds, 2) if self.prefill_seconds else None,
+            "decode_tok_s": round((n - 1) / self.decode_seconds, 2) if n > 1 and self.decode_seconds else None,
+        }
+
+
+def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
+           should_stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str, Generation]]:
+    """Yield (token, text delta, generation so far) per generated token."""
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    limit = rt.spec.max_position_embeddings
+    if len(prompt_ids) >= limit:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {limit}")
+    if bad := [t for t in prompt_ids if not 0 <= t < rt.spec.vocab_size]:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{rt.spec.vocab_size - 1})")
+    max_new = min(params.max_tokens, limit - len(prompt_ids))
+    gen = Generation(len(prompt_ids))
+    sampler = Sampler(params)
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.eos_ids)
+    detok = StreamDecoder(rt.tokenizer) if rt.tokenizer else None
+    kv = rt.new_kv(len(prompt_ids) + max_new)
+    rt.store.stats.new_step()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        logits = rt.decoder.forward(torch.tensor(prompt_ids, device=rt.device), kv)[-1]
+        gen.prefill_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        while len(gen.token_ids) < max_new:
+            token = sampler(logits)
+            gen.token_ids.append(token)
+            last = token in stops or len(gen.token_ids) == max_new or should_stop()
+            if token in stops:
+                gen.finish_reason = "stop"
+            elif detok:
+                detok.push(token)
+            full = detok.text if detok else ""
+            hit = _stop_string(full, params.stop)
+            if hit is not None:
+                full, last, gen.finish_reason = full[:hit], True, "stop"
+            # Hold back a tail that may be the start of a stop string, unless this is the end.
+            shown = full if last else full[: len(full) - _partial_stop(full, params.stop)]
+            delta, gen.text = shown[len(gen.text):], shown
+            yield token, delta, gen
+            if last:
+                break
+            rt.store.stats.new_step()
+            logits = rt.decoder.forward(torch.tensor([token], device=rt.device), kv)[-1]
+        gen.decode_seconds = time.perf_counter() - t1
+    gen.finish_reason = gen.finish_reason or "length"
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+def _stop_string(text: str, stops: list[str]) -> int | None:
+    found = [text.find(s) for s in stops if s and s in text]
+    return min(found) if found else None
+
+
+def generate(rt: Runtime, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    gen = Generation(len(prompt_ids))
+    for _, _, gen in stream(rt, prompt_ids, params):
+        pass
+    if gen.finish_reason is None:  # zero tokens asked for
+        gen.finish_reason = "length"
+    return gen

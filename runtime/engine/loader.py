@@ -1,0 +1,80 @@
+"""FTW + runtime options -> a ready runtime: dense weights, host pool, expert store, decoder."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.base import TORCH_DTYPES
+from ..experts.pool import HostPool
+from ..experts.store import ExpertStore
+from ..ftw.reader import FTWModel
+from ..models import FAMILIES
+from ..models.kv import KVCache
+from ..profile import load_profile
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class RuntimeOptions:
+    strategy: str = "auto"
+    cache_experts: int | None = None  # device cache size in expert slots
+    cache_bytes: int | None = None  # ... or in bytes
+    device: str = "cpu"
+    threads: int | None = None
+    profile: Path | None = None
+    bandwidth_ratio: float | None = None  # B_P / B_H without a profile file
+    dtype: str | None = None  # compute dtype; default: the dense weights' dtype
+    trace_stats: bool = False
+
+
+class Runtime:
+    def __init__(self, path: Path, opts: RuntimeOptions):
+        t0 = time.perf_counter()
+        self.path, self.opts = Path(path), opts
+        self.ftw = FTWModel(self.path)
+        self.spec = self.ftw.spec
+        self.family = FAMILIES[self.spec.family]
+        self.device = torch.device(opts.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda, but no CUDA device is available")
+        weights = self.ftw.dense_state()
+        self.dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else weights["embed.weight"].dtype
+        weights = {k: v.to(self.device, self.dtype) for k, v in weights.items()}
+        self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
+        ratio = opts.bandwidth_ratio
+        if opts.profile is not None:
+            ratio = load_profile(opts.profile).ratio
+        self.store = ExpertStore(
+            self.spec, self.pool, opts.strategy, self.cache_slots(), self.device, opts.threads, ratio, self.dtype
+        )
+        self.store.stats.trace = opts.trace_stats
+        self.decoder = self.family.decoder(self.spec, weights, self.store)
+        self.tokenizer = Tokenizer(self.path) if (self.path / "tokenizer.json").is_file() else None
+        self.load_seconds = time.perf_counter() - t0
+
+    def cache_slots(self) -> int | None:
+        o = self.opts
+        if o.cache_experts is not None and o.cache_bytes is not None:
+            raise ValueError("give --cache-experts or --cache-bytes, not both")
+        if o.cache_bytes is not None:
+            return o.cache_bytes // self.ftw.layout.slot_bytes
+        return o.cache_experts
+
+    def new_kv(self, max_tokens: int) -> KVCache:
+        return KVCache(self.spec, max_tokens, self.dtype, self.device)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set(self.spec.eos_token_ids)
+        if self.tokenizer:
+            tid = self.tokenizer.token_id(self.tokenizer.special_token("eos_token"))
+            if tid is not None:
+                ids.add(tid)
+        return ids
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,55 @@
+"""The device slot cache: one LRU over all MoE layers, keyed by `row = layer * E + expert`.
+
+The device tier is a parameter: on `cuda` slots live in VRAM and fills cross PCIe; on `cpu`
+(CI) they are a second host tensor and the same code runs, so LRU and split logic are tested
+without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class SlotCache:
+    def __init__(self, capacity: int, slot_bytes: int, num_rows: int, device: torch.device):
+        self.capacity = max(0, capacity)
+        self.device = device
+        self.slots = torch.empty((self.capacity, slot_bytes), dtype=torch.uint8, device=device)
+        # Residency table: row -> slot (-1 = not resident); kept as a tensor for device-side control.
+        self.table = torch.full((num_rows,), -1, dtype=torch.int32)
+        self.lru: OrderedDict[int, int] = OrderedDict()  # row -> slot, least recent first
+        self.free = list(range(self.capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def lookup(self, row: int) -> int | None:
+        slot = self.lru.get(row)
+        if slot is not None:
+            self.lru.move_to_end(row)
+        return slot
+
+    def claim(self, row: int, protected: set[int]) -> int | None:
+        """A slot for `row`: a free one, else the least recently used row not in `protected`."""
+        if self.free:
+            slot = self.free.pop()
+        else:
+            victim = next((r for r in self.lru if r not in protected), None)
+            if victim is None:
+                return None
+            slot = self.lru.pop(victim)
+            self.table[victim] = -1
+        self.lru[row] = slot
+        self.table[row] = slot
+        return slot
+
+    def fill(self, slot: int, src: torch.Tensor) -> None:
+        """Copy one expert's bytes in (asynchronously from pinned memory on CUDA)."""
+        self.slots[slot].copy_(src, non_blocking=True)
+
+    def clear(self) -> None:
+        self.lru.clear()
+        self.table.fill_(-1)
+        self.free = list(range(self.capacity - 1, -1, -1))

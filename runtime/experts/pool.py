@@ -1,0 +1,56 @@
+"""The host expert pool: every routed expert in host memory, read from FTW. The source of truth."""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint.base import Q8_0, dequantize_q8_0
+from ..ftw.manifest import SlotLayout
+from ..ftw.reader import FTWModel, HostBanks
+from ..spec import ModelSpec
+
+
+class HostPool:
+    def __init__(self, spec: ModelSpec, banks: HostBanks):
+        self.spec, self.banks, self.layout = spec, banks, banks.layout
+        self.rows_per_bank = banks.banks[0].rows if banks.banks else 1
+
+    @classmethod
+    def from_ftw(cls, model: FTWModel, pin: bool | None = None, threads: int = 8) -> HostPool:
+        return cls(model.spec, model.read_banks(threads=threads, pin=pin))
+
+    @property
+    def pinned(self) -> bool:
+        return self.banks.pinned
+
+    @property
+    def nbytes(self) -> int:
+        return self.banks.nbytes
+
+    def row(self, layer: int, expert: int) -> int:
+        """`row = moe_index * E + expert` for model layer `layer`."""
+        return self.spec.moe_index(layer) * self.spec.num_experts + expert
+
+    def slot(self, row: int) -> torch.Tensor:
+        """The uint8 bytes of one expert: what a fill copies."""
+        b = row // self.rows_per_bank
+        i = row - b * self.rows_per_bank
+        s = self.layout.slot_bytes
+        return self.banks.buffers[b][i * s : (i + 1) * s]
+
+
+def expert_weights(layout: SlotLayout, slot: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(gate, up, down) of one slot as `dtype` tensors; views when no conversion is needed."""
+    out = []
+    for p in layout.parts:
+        t = p.view(slot)
+        if p.dtype == Q8_0:
+            t = dequantize_q8_0(t).reshape(p.shape)
+        out.append(t if t.dtype == dtype else t.to(dtype))
+    return tuple(out)
+
+
+def expert_forward(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert: down(silu(x gate^T) * (x up^T)). One function for every tier, so a result
+    never depends on where the expert ran."""
+    return torch.nn.functional.linear(torch.nn.functional.silu(x @ gate.T) * (x @ up.T), down)
