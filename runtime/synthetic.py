@@ -10,7 +10,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 # Ids are positions in this list; the BPE trainer puts special tokens first, in order.
 SPECIAL_TOKENS: dict[str, int] = {
@@ -50,7 +59,9 @@ CHAT_TEMPLATE = """\
 {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
 {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' }}
+{{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}
+{{- '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
 {%- elif messages[0].role == 'system' %}
 {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
 {%- endif %}
@@ -60,13 +71,17 @@ CHAT_TEMPLATE = """\
 {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
 {%- elif message.role == 'assistant' %}
 {{- '<|im_start|>assistant\\n' }}
-{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}
+{%- if message.reasoning_content %}
+{{- '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}
+{%- endif %}
 {%- if message.content %}{{- message.content }}{%- endif %}
 {%- for tool_call in message.tool_calls or [] %}
 {%- set call = tool_call.function if tool_call.function is defined else tool_call %}
 {%- if not loop.first or message.content %}{{- '\\n' }}{%- endif %}
 {{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}
-{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}
+{%- if call.arguments is string %}{{- call.arguments }}
+{%- else %}{{- call.arguments | tojson }}
+{%- endif %}
 {{- '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
@@ -147,7 +162,8 @@ print(config["hidden_size"], config.get("num_experts", 0), os.cpu_count())
 {"role": "user", "content": "What is the weather like in Paris today?"}
 {"role": "assistant", "content": "It is sunny and 21 degrees in Paris."}
 {"type": "function", "function": {"name": "search", "description": "Search the web",
- "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+ "parameters": {"type": "object", "required": ["query"],
+  "properties": {"query": {"type": "string"}}}}}
 
 #include <stdio.h>
 int main(int argc, char **argv) {
@@ -164,6 +180,7 @@ $ pip install --upgrade numpy && python -m pytest -q tests/
 
 
 def _train(vocab_size: int) -> Tokenizer:
+    # No NFC normalizer (Qwen has one), so decode(encode(s)) == s holds for every string.
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -187,12 +204,14 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     """A byte-level BPE with exactly `vocab_size` ids; the same ids for the same size."""
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
-    tok = _train(vocab_size)
-    # The corpus runs out of merges before large sizes; reserved tokens fill the rest, like the
+    tok = _train(vocab_size)  # the trainer registers SPECIAL_TOKENS as added special tokens
+    # The corpus runs out of merges near 1200 ids; reserved tokens fill the rest, like the
     # unused ids at the top of real vocabularies.
     tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-        + [AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(vocab_size - tok.get_vocab_size())]
+        [
+            AddedToken(f"<|reserved_{i}|>", special=True, normalized=False)
+            for i in range(vocab_size - tok.get_vocab_size())
+        ]
     )
     assert tok.get_vocab_size() == vocab_size
     assert all(tok.token_to_id(t) == i for t, i in SPECIAL_TOKENS.items())
@@ -231,7 +250,9 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
         "split_special_tokens": False,
         "errors": "replace",
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+    )
     special_map = {
         "additional_special_tokens": config["additional_special_tokens"],
         "eos_token": EOS_TOKEN,

@@ -38,6 +38,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ELEMENTS = 1 << 60
 
 # ggml type ids (ggml.h; gguf-py/gguf/constants.py GGMLQuantizationType). Gaps are removed types.
+# fmt: off
 GGML_TYPE_NAMES: dict[int, str] = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
     10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
@@ -57,6 +58,7 @@ _SCALARS: dict[int, tuple[str, int]] = {
     0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
     6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8),
 }
+# fmt: on
 _MIN_VALUE_SIZE = {**{t: s for t, (_, s) in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
 
 
@@ -150,7 +152,9 @@ class GGUFSource:
 
     kind = "gguf"
 
-    def __init__(self, path: str | os.PathLike[str], allow_stub: bool = True, strict_types: bool = True):
+    def __init__(
+        self, path: str | os.PathLike[str], allow_stub: bool = True, strict_types: bool = True
+    ):
         self.path = Path(path)
         self.config: dict[str, Any] = {}
         self.metadata: dict[str, Any] = {}
@@ -184,7 +188,8 @@ class GGUFSource:
             raise r.fail(f"not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
         self.version = r.u32("version")
         if self.version not in SUPPORTED_VERSIONS:
-            hint = " (big-endian GGUF?)" if self.version.to_bytes(4, "big")[0] in SUPPORTED_VERSIONS else ""
+            swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
+            hint = " (big-endian GGUF?)" if swapped in SUPPORTED_VERSIONS else ""
             raise r.fail(f"unsupported GGUF version {self.version}{hint}")
         n_tensors = r.u64("tensor count")
         n_kv = r.u64("metadata count")
@@ -192,8 +197,8 @@ class GGUFSource:
         # length + n_dims + type + offset. A count the file cannot hold is corruption.
         if n_kv * 13 > r.remaining() or n_tensors * 24 > r.remaining():
             raise r.fail(
-                f"header claims {n_kv} metadata entries and {n_tensors} tensors, more than the "
-                f"{r.remaining()} bytes left in the file can hold"
+                f"truncated or corrupt header: {n_kv} metadata entries and {n_tensors} tensors "
+                f"cannot fit in the {r.remaining()} bytes left in the file"
             )
         for i in range(n_kv):
             key = r.string(f"metadata key #{i}", MAX_KEY_LEN)
@@ -210,7 +215,9 @@ class GGUFSource:
             infos.append((tname, ne, r.u32(f"type of {tname}"), r.u64(f"offset of {tname}")))
         return infos
 
-    def _index(self, infos: list[tuple[str, list[int], int, int]], file_size: int, strict_types: bool) -> None:
+    def _index(
+        self, infos: list[tuple[str, list[int], int, int]], file_size: int, strict_types: bool
+    ) -> None:
         name = self.path.name
         for tname, ne, type_id, rel in infos:
             if tname in self.tensors or tname in self.unsupported:
@@ -227,7 +234,9 @@ class GGUFSource:
             dtype = SUPPORTED_TYPES.get(type_id)
             if dtype is None:
                 if strict_types:
-                    raise CheckpointError(f"{name}: unsupported GGUF type {ggml_type_name(type_id)} for tensor {tname}")
+                    raise CheckpointError(
+                        f"{name}: unsupported GGUF type {ggml_type_name(type_id)} for tensor {tname}"
+                    )
                 self.unsupported[tname] = ggml_type_name(type_id)
                 continue
             if dtype == Q8_0 and (not ne or ne[0] % Q8_0_BLOCK):
@@ -236,7 +245,9 @@ class GGUFSource:
                     f"is not a multiple of {Q8_0_BLOCK}"
                 )
             shape = tuple(reversed(ne))
-            ref = TensorRef(tname, dtype, shape, self.path, self.data_offset + rel, stored_nbytes(dtype, shape))
+            ref = TensorRef(
+                tname, dtype, shape, self.path, self.data_offset + rel, stored_nbytes(dtype, shape)
+            )
             self.tensors[tname] = ref
         if self.header_only:
             return  # a stub has no data to check offsets against
@@ -251,11 +262,16 @@ class GGUFSource:
     def read(self, name: str) -> torch.Tensor:
         """Stored bytes of one tensor: its dtype and shape, or raw q8_0 rows (see `stored_shape`)."""
         ref = self.tensors.get(name)
+        if name in self.unsupported:
+            raise CheckpointError(
+                f"{self.path.name}: tensor {name} has unsupported type {self.unsupported[name]}"
+            )
         if ref is None:
-            why = f"has unsupported type {self.unsupported[name]}" if name in self.unsupported else "is not in the file"
-            raise CheckpointError(f"{self.path.name}: tensor {name} {why}")
+            raise CheckpointError(f"{self.path.name}: tensor {name} is not in the file")
         if self.header_only:
-            raise CheckpointError(f"{self.path.name}: header-only GGUF stub: no data for tensor {name}")
+            raise CheckpointError(
+                f"{self.path.name}: header-only GGUF stub: no data for tensor {name}"
+            )
         return read_ref(ref)
 
     def side_files(self) -> list[tuple[Path, str]]:

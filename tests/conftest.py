@@ -1,0 +1,44 @@
+"""Session-wide fixtures: each tiny checkpoint is built once and shared by every test file.
+
+Shared checkpoints must not be modified; the damage builders in `fixtures` work on copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures import make_hf_checkpoint
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`hf_checkpoint(name, sharded=False, stacked=False, dtype=torch.float32) -> Path`, cached."""
+    built: dict[tuple[str, bool, bool, torch.dtype], Path] = {}
+
+    def get(
+        name: str,
+        *,
+        sharded: bool = False,
+        stacked: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> Path:
+        key = (name, sharded, stacked, dtype)
+        if key not in built:
+            label = "-".join(
+                [
+                    name,
+                    *(["sharded"] if sharded else []),
+                    *(["stacked"] if stacked else []),
+                    str(dtype)[6:],
+                ]
+            )
+            built[key] = make_hf_checkpoint(
+                name, tmp_path_factory.mktemp(label), sharded=sharded, stacked=stacked, dtype=dtype
+            )
+        return built[key]
+
+    return get

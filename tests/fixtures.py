@@ -1,0 +1,364 @@
+"""Tiny random-weight Hugging Face MoE checkpoints, and damaged copies of them.
+
+Every checkpoint is generated: a tiny config, a model built by transformers, weights drawn
+with a visible scale, and the tokenizer from `ftkit.runtime.synthetic`. The reference model
+for any checkpoint is transformers itself (`load_reference`).
+
+Damage builders copy a good checkpoint dir `src` to `out` and break exactly one thing there;
+the damaged file is the first `*.safetensors` in sorted order unless a builder says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+
+from ftkit.runtime.synthetic import SPECIAL_TOKENS, write_tokenizer
+
+# Shared by every family; per-family entries override or extend it.
+_COMMON: dict[str, Any] = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": SPECIAL_TOKENS["<|endoftext|>"],
+    "eos_token_id": SPECIAL_TOKENS["<|im_end|>"],
+    "pad_token_id": SPECIAL_TOKENS["<|endoftext|>"],
+}
+
+# Checkpoint name -> kwargs for `AutoConfig.for_model`, with the HF `model_type` included.
+# Expert-count keys differ by family (transformers' own names); FFN widths: experts 32, dense 96.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        **_COMMON,
+        "model_type": "qwen3_moe",
+        "head_dim": 16,
+        "num_experts": 8,
+        "moe_intermediate_size": 32,
+        "intermediate_size": 96,
+        "norm_topk_prob": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+    "mixtral": {
+        **_COMMON,
+        "model_type": "mixtral",
+        "head_dim": 16,
+        "num_local_experts": 8,
+        "intermediate_size": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+    "olmoe": {
+        **_COMMON,
+        "model_type": "olmoe",
+        "num_experts": 8,
+        "intermediate_size": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+    "qwen2_moe": {
+        **_COMMON,
+        "model_type": "qwen2_moe",
+        "num_experts": 8,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "intermediate_size": 96,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+}
+# Layers 0 and 2 are dense by decoder_sparse_step, layer 3 by mlp_only_layers; only 1 is MoE.
+TINY_CONFIGS["qwen3_moe_sparse"] = {
+    **TINY_CONFIGS["qwen3_moe"],
+    "num_hidden_layers": 4,
+    "decoder_sparse_step": 2,
+    "mlp_only_layers": [3],
+}
+# YaRN as Qwen3 ships it for long context: 4x over an original window of 128 positions.
+TINY_CONFIGS["qwen3_moe_rope"] = {
+    **TINY_CONFIGS["qwen3_moe"],
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 1_000_000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
+}
+
+
+def tiny_config(name: str) -> PreTrainedConfig:
+    """The transformers config for TINY_CONFIGS[name]."""
+    kw = dict(TINY_CONFIGS[name])
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def _init_weights(model: PreTrainedModel, seed: int) -> None:
+    """Redraw every parameter with a scale that makes routing and logits non-degenerate.
+
+    transformers' init (std 0.02, routers near zero) gives near-uniform router scores and
+    near-flat logits, which would hide routing and numerics bugs in comparisons.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=gen)
+        if "norm" in name:
+            value = 1.0 + 0.1 * noise
+        elif name.endswith("mlp.gate.weight"):  # the router: spread scores, clear top-k
+            value = 0.5 * noise
+        elif "embed_tokens" in name:
+            value = noise
+        elif "lm_head" in name:  # logit margins that survive bf16 noise in greedy comparisons
+            value = 0.3 * noise
+        else:
+            value = 0.1 * noise
+        with torch.no_grad():
+            p.copy_(value.to(p.dtype))
+
+
+def _save_stacked(model: PreTrainedModel, out: Path, max_shard_size: int | None) -> None:
+    """Write the in-memory (stacked-expert) state dict under its own names, HF's file layout."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size or 2**40
+    )
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, out / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+
+
+def make_hf_checkpoint(
+    name: str,
+    out: Path,
+    *,
+    sharded: bool = False,
+    stacked: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Path:
+    """Build the tiny checkpoint `name` into `out` and return `out`.
+
+    Default files are what `save_pretrained` writes: experts one tensor per expert and
+    projection. `stacked` writes transformers' in-memory names instead (`mlp.experts.gate_up_proj`
+    [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]). `sharded` splits the
+    weights into at least 4 files plus `model.safetensors.index.json`.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(name), dtype=dtype, attn_implementation="eager"
+    )
+    _init_weights(model, seed)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A quarter of the total forces at least four shards, even with greedy packing.
+    max_shard_size = total // 4 if sharded else None
+    if stacked:
+        _save_stacked(model, out, max_shard_size)
+    elif sharded:
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(out)
+    write_tokenizer(out, model.config.vocab_size)
+    return out
+
+
+def load_reference(path: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The ground-truth model for a checkpoint dir: transformers' eager implementation.
+
+    Experts too run eagerly (a plain per-expert loop); transformers 5 would otherwise pick
+    `grouped_mm`, whose results depend on tensor layout at the ulp level.
+    """
+    return AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", experts_implementation="eager", dtype=dtype
+    ).eval()
+
+
+# --- safetensors byte-level helpers ---------------------------------------------------------
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """The declared header length and the parsed JSON header of a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return n, json.loads(f.read(n))
+
+
+def _write_with_header(path: Path, header: dict[str, Any], data: bytes) -> None:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads headers to 8-byte alignment with spaces
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _copy(src: Path, out: Path) -> Path:
+    shutil.copytree(src, out)
+    return out
+
+
+def first_shard(ckpt: Path) -> Path:
+    """The file a damage builder breaks unless it says otherwise."""
+    return sorted(ckpt.glob("*.safetensors"))[0]
+
+
+def _find_tensor(ckpt: Path, name_substring: str) -> tuple[Path, str]:
+    """The first tensor (sorted by file, then name) whose name contains `name_substring`."""
+    for path in sorted(ckpt.glob("*.safetensors")):
+        names = sorted(k for k in read_safetensors_header(path)[1] if k != "__metadata__")
+        match = next((k for k in names if name_substring in k), None)
+        if match:
+            return path, match
+    raise KeyError(f"no tensor name contains {name_substring!r} in {ckpt}")
+
+
+def _rewrite(path: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, path, metadata=metadata)
+
+
+# --- damage builders ------------------------------------------------------------------------
+
+
+def truncate_safetensors(src: Path, out: Path) -> Path:
+    """The first shard loses the second half of its data section."""
+    path = first_shard(_copy(src, out))
+    n, _ = read_safetensors_header(path)
+    data_len = path.stat().st_size - 8 - n
+    with open(path, "r+b") as f:
+        f.truncate(8 + n + data_len // 2)
+    return out
+
+
+def offsets_past_end(src: Path, out: Path) -> Path:
+    """The last tensor of the first shard is moved 64 bytes past the end of the file.
+
+    Its byte count still matches its shape, so only the bounds are wrong.
+    """
+    path = first_shard(_copy(src, out))
+    n, header = read_safetensors_header(path)
+    data = path.read_bytes()[8 + n :]
+    last = max(
+        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1]
+    )
+    begin, end = header[last]["data_offsets"]
+    header[last]["data_offsets"] = [begin + 64, end + 64]
+    _write_with_header(path, header, data)
+    return out
+
+
+def header_not_json(src: Path, out: Path) -> Path:
+    """The first shard's header bytes are replaced by text that is not JSON (same length)."""
+    path = first_shard(_copy(src, out))
+    n, _ = read_safetensors_header(path)
+    blob = path.read_bytes()
+    garbage = b"this is not json " * (n // 17 + 1)
+    path.write_bytes(blob[:8] + garbage[:n] + blob[8 + n :])
+    return out
+
+
+def bad_header_length(src: Path, out: Path) -> Path:
+    """The first shard's 8-byte header length claims more bytes than the whole file."""
+    path = first_shard(_copy(src, out))
+    blob = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", len(blob) + 1000) + blob[8:])
+    return out
+
+
+def missing_shard(src: Path, out: Path) -> Path:
+    """A sharded checkpoint loses the second shard named in its index."""
+    _copy(src, out)
+    index = out / "model.safetensors.index.json"
+    if not index.exists():
+        raise ValueError(f"{src} is not sharded")
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    (out / shards[1]).unlink()
+    return out
+
+
+def config_without_expert_count(src: Path, out: Path) -> Path:
+    """config.json loses its expert count and top-k, under whichever names it uses."""
+    _copy(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("num_experts", "num_local_experts", "num_experts_per_tok"):
+        cfg.pop(key, None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def unknown_architecture(src: Path, out: Path) -> Path:
+    _copy(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(architectures=["FooBarForCausalLM"], model_type="foobar")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def missing_tensor(src: Path, out: Path, name_substring: str) -> Path:
+    """The first tensor whose name contains `name_substring` is gone from its file and index."""
+    _copy(src, out)
+    path, name = _find_tensor(out, name_substring)
+    _rewrite(path, lambda tensors: tensors.pop(name))
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        del data["weight_map"][name]
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    return out
+
+
+def wrong_shape(src: Path, out: Path, name_substring: str) -> Path:
+    """The first tensor whose name contains `name_substring` loses its last column."""
+    _copy(src, out)
+    path, name = _find_tensor(out, name_substring)
+
+    def drop_last_column(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensors[name][..., :-1].contiguous()
+
+    _rewrite(path, drop_last_column)
+    return out
+
+
+# --- header-only stubs ----------------------------------------------------------------------
+
+
+def _safetensors_header_end(path: Path) -> int:
+    return 8 + read_safetensors_header(path)[0]
+
+
+# File suffix -> bytes to keep (the header). GGUF stubs come from tests/gguf_fixtures.py and
+# belong here as ".gguf" once that module offers a header-end function.
+_HEADER_END: dict[str, Callable[[Path], int]] = {".safetensors": _safetensors_header_end}
+
+
+def header_only_stub(src_dir: Path, out: Path) -> Path:
+    """Copy `src_dir` with every weight file cut right after its header; the rest as-is."""
+    out.mkdir(parents=True, exist_ok=True)
+    for path in sorted(Path(src_dir).rglob("*")):
+        dest = out / path.relative_to(src_dir)
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        header_end = _HEADER_END.get(path.suffix)
+        if header_end is None:
+            shutil.copy2(path, dest)
+        else:
+            with open(path, "rb") as f:
+                dest.write_bytes(f.read(header_end(path)))
+    return out
