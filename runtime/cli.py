@@ -217,3 +217,5 @@ def demo_cmd(
 
 def main() -> None:
     app()
+if __name__ == "__main__":
+    main()

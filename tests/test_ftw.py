@@ -1,0 +1,88 @@
+"""FTW reader: refuses what it cannot read exactly; O_DIRECT and mmap paths read the same bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import ftkit.runtime.ftw.reader as reader_mod
+from ftkit.runtime.ftw.manifest import VERSION, FTWError, fingerprint
+from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.ftw.reader import FTWModel
+
+
+@pytest.fixture(scope="module")
+def ftw(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ftw") / "m.ftw"
+    write_random_ftw(path, demo_spec(300), dtype="bfloat16", seed=1)
+    return path
+
+
+def edited(ftw, tmp_path, edit, refingerprint=False):
+    out = tmp_path / "edited.ftw"
+    shutil.copytree(ftw, out)
+    m = json.loads((out / "manifest.json").read_text())
+    edit(m)
+    if refingerprint:
+        ex = m["experts"]
+        m["fingerprint"] = fingerprint(m["spec"], ex["layout"], ex["banks"])
+    (out / "manifest.json").write_text(json.dumps(m))
+    return out
+
+
+def test_reads_every_slot_and_verifies(ftw):
+    model = FTWModel(ftw)
+    banks = model.read_banks(pin=False, threads=3)
+    assert banks.nbytes == model.spec.num_expert_rows * model.layout.slot_bytes
+    raw = (ftw / model.manifest.banks[0].file).read_bytes()
+    s = model.layout.slot_bytes
+    for row in (0, 17, model.spec.num_expert_rows - 1):
+        assert bytes(banks.slot(row).numpy()) == raw[row * s : (row + 1) * s]
+    assert model.verify() == []
+
+
+def test_odirect_and_mmap_agree(ftw, monkeypatch):
+    a = FTWModel(ftw).read_banks(pin=False)
+    monkeypatch.setattr(reader_mod, "probe_odirect", lambda path: False)
+    b = FTWModel(ftw).read_banks(pin=False)
+    assert b.method == "mmap"
+    assert all(torch.equal(x, y) for x, y in zip(a.buffers, b.buffers))
+
+
+@pytest.mark.parametrize(
+    "edit, refp, message",
+    [
+        (lambda m: m.update(version=VERSION + 1), False, "newer ftkit"),
+        (lambda m: m.update(version=0), False, "reconvert"),
+        (lambda m: m.update(format="other"), False, "not an FTW manifest"),
+        (lambda m: m["spec"].update(num_experts=8), False, "fingerprint"),
+        # A layout a different writer might have produced: refused even with a valid fingerprint.
+        (lambda m: m["experts"]["layout"]["parts"][1].update(offset=0), True, "slot layout"),
+        (lambda m: m["experts"]["banks"][0].update(rows=3), True, "banks hold"),
+        (lambda m: m.pop("spec"), False, "malformed"),
+    ],
+)
+def test_refuses_with_advice(ftw, tmp_path, edit, refp, message):
+    with pytest.raises(FTWError, match=message):
+        FTWModel(edited(ftw, tmp_path, edit, refp))
+
+
+def test_truncated_bank_and_corrupt_byte(ftw, tmp_path):
+    out = tmp_path / "t.ftw"
+    shutil.copytree(ftw, out)
+    bank = out / FTWModel(ftw).manifest.banks[0].file
+    data = bytearray(bank.read_bytes())
+    data[12345] ^= 0xFF
+    bank.write_bytes(bytes(data))
+    assert any("checksum" in p for p in FTWModel(out).verify())
+    bank.write_bytes(bytes(data[:-4096]))
+    with pytest.raises(FTWError, match="incomplete"):
+        FTWModel(out)
+
+
+def test_not_ftw(tmp_path):
+    with pytest.raises(FTWError, match="not an FTW directory"):
+        FTWModel(tmp_path)

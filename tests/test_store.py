@@ -1,0 +1,121 @@
+"""The invariant: the host pool is the source of truth. Any strategy, cache size or split gives
+logits bitwise identical to `fused` on CPU in float32; the stats add up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.experts.planner import Planner, hybrid_fill_count
+from ftkit.runtime.experts.cache import SlotCache
+from ftkit.runtime.profile import Bandwidths
+from ftkit.tools.convert.pipeline import convert, make_plan
+
+PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8]
+DECODE = [33, 120, 7, 7, 201, 15, 80, 2]
+
+
+@pytest.fixture(scope="module")
+def ftw_models(hf_checkpoint, tmp_path_factory):
+    out = {}
+    for family in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral"):
+        path = tmp_path_factory.mktemp(family) / "m.ftw"
+        convert(make_plan(hf_checkpoint(family)), path)
+        out[family] = path
+    return out
+
+
+def run_tokens(path, **opts):
+    """Logits for a prefill then single-token decode steps, plus per-step routing counts."""
+    rt = Runtime(path, RuntimeOptions(trace_stats=True, threads=2, **opts))
+    distinct: list[dict[int, int]] = []
+    real_run = rt.store.run
+
+    def spy(layer, hidden, ids, weights):
+        distinct[-1][layer] = int(torch.unique(ids).numel())
+        return real_run(layer, hidden, ids, weights)
+
+    rt.store.run = spy
+    kv = rt.new_kv(len(PROMPT) + len(DECODE))
+    logits = []
+    with torch.inference_mode():
+        for chunk in [PROMPT] + [[t] for t in DECODE]:
+            distinct.append({})
+            rt.store.stats.new_step()
+            logits.append(rt.decoder.forward(torch.tensor(chunk), kv))
+    rt.close()
+    return torch.cat(logits), rt.store.stats, distinct
+
+
+CONFIGS = [
+    dict(strategy="cpu"),
+    dict(strategy="offload", cache_experts=1),
+    dict(strategy="offload", cache_experts=3),
+    dict(strategy="offload", cache_experts=10),
+    dict(strategy="offload"),  # cache = whole pool
+    dict(strategy="hybrid", cache_experts=1, bandwidth_ratio=0.5),
+    dict(strategy="hybrid", cache_experts=5, bandwidth_ratio=0.1),
+    dict(strategy="hybrid", cache_experts=7, bandwidth_ratio=0.7),
+    dict(strategy="hybrid", bandwidth_ratio=0.35),
+    dict(strategy="auto", cache_experts=4, bandwidth_ratio=0.5),
+]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
+def test_every_strategy_matches_fused_bitwise(ftw_models, family):
+    ref, _, _ = run_tokens(ftw_models[family], strategy="fused")
+    for cfg in CONFIGS:
+        got, stats, distinct = run_tokens(ftw_models[family], **cfg)
+        assert torch.equal(got, ref), (family, cfg, (got - ref).abs().max())
+        # Stats add up per layer and step, against an independent count of the routing.
+        assert len(stats.steps) == len(distinct)
+        for step, seen in zip(stats.steps, distinct):
+            assert step.keys() == seen.keys()
+            for layer, c in step.items():
+                assert c.hits + c.fills + c.cpu == c.active == seen[layer], (cfg, layer)
+                if cfg["strategy"] == "cpu":
+                    assert c.hits == c.fills == 0
+                if cfg["strategy"] == "hybrid" and c.misses and cfg.get("cache_experts", 99) > 1:
+                    assert c.fills >= 1
+
+
+def test_fused_has_no_misses_and_cpu_no_cache(ftw_models):
+    _, stats, _ = run_tokens(ftw_models["olmoe"], strategy="fused")
+    assert stats.totals().misses == 0 and stats.totals().active > 0
+    _, stats, _ = run_tokens(ftw_models["olmoe"], strategy="cpu")
+    t = stats.totals()
+    assert t.cpu == t.active and t.hits == 0
+
+
+def test_a_warm_cache_hits(ftw_models):
+    """With the whole pool cacheable, offload misses only on first touch."""
+    _, stats, _ = run_tokens(ftw_models["qwen3_moe"], strategy="offload")
+    t = stats.totals()
+    spec_rows = 2 * 8  # every expert of every layer at most once
+    assert t.fills <= spec_rows and t.hits == t.active - t.fills
+
+
+def test_hybrid_fill_count():
+    assert hybrid_fill_count(0, 0.3) == 0
+    assert hybrid_fill_count(1, 0.01) == 1  # always fill at least one
+    assert hybrid_fill_count(8, 0.68) == 5
+    assert hybrid_fill_count(8, 0.25) == 2
+    assert hybrid_fill_count(3, 2.0) == 3  # never more than the misses
+
+
+def test_planner_protects_this_steps_experts():
+    cache = SlotCache(2, 4096, 100, torch.device("cpu"))
+    p = Planner("offload")
+    first = p.plan(cache, [10, 11])
+    assert [r for r, _ in first.fills] == [10, 11] and not first.cpu
+    # 10 hits and must not be evicted for 12; 11 is the only victim, so 13 overflows to CPU.
+    second = p.plan(cache, [10, 12, 13])
+    assert [r for r, _ in second.hits] == [10]
+    assert [r for r, _ in second.fills] == [12] and second.cpu == [13]
+    assert cache.table[11] == -1 and cache.table[12] >= 0
+
+
+def test_profile_ratio():
+    assert Bandwidths(52.7, 77.3, overlapped=False).ratio == pytest.approx(0.68, abs=0.01)
+    assert Bandwidths(40.0, 40.0, overlapped=True).ratio == pytest.approx(0.5)
