@@ -50,6 +50,7 @@ class ModelSpec:
     shared_expert_gate: bool = False  # sigmoid(x @ w) scales the shared expert (Qwen2-MoE)
     qk_norm: str = QK_NORM_NONE
     attention_bias: bool = False  # bias on q, k, v projections
+    attention_out_bias: bool = False  # bias on the output projection
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None

@@ -44,7 +44,12 @@ def write_gguf_from_hf(hf_dir: Path, out: Path, dtype: str) -> None:
     hf_dir = Path(hf_dir)
     ftype, qtype = OUTTYPES[dtype]
     hparams = AutoConfig.from_pretrained(hf_dir).to_dict()  # the converter's load_hparams
-    arch = ARCHS[hparams["architectures"][0]]
+    hf_arch = (hparams.get("architectures") or [None])[0]
+    if hf_arch not in ARCHS:
+        raise ValueError(
+            f"{hf_dir}: config.json architectures {hf_arch!r} is not one of {list(ARCHS)}"
+        )
+    arch = ARCHS[hf_arch]
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
 
     for name, data, bid in _converted_tensors(hf_dir, hparams, arch):
@@ -212,9 +217,7 @@ def _map(tmap: gguf.TensorNameMap, hf_name: str) -> str:
 
 def _output_type(name: str, n_dims: int, arch: gguf.MODEL_ARCH, bid: int | None, qtype: QT) -> QT:
     """ModelBase.prepare_tensors' choice of stored type for one tensor."""
-    if n_dims <= 1 or name.endswith("_norm.weight"):
-        return QT.F32
-    if not name.endswith(".weight"):
+    if n_dims <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return QT.F32
     for key in ALWAYS_F32:
         if (

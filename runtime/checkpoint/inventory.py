@@ -61,7 +61,10 @@ def _same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
 def take_inventory(source: Source) -> Inventory:
     family, spec = resolve(source)
     inv = Inventory(source, family, spec)
-    inv.unsupported = [f"GGUF type {t} for tensor {n}" for n, t in getattr(source, "unsupported", {}).items()]
+    unsupported = getattr(source, "unsupported", {})  # GGUF tensors of types we cannot read
+    inv.unsupported = [f"GGUF type {t} for tensor {n}" for n, t in unsupported.items()]
+    # What those tensors would have been: reported as unsupported, so not again as missing.
+    unreadable = [m for m in (family.map_name(n, inv.gguf) for n in unsupported) if m is not None]
     want_dense = family.dense_shapes(spec)
     for name, ref in source.tensors.items():
         mapped = family.map_name(name, inv.gguf)
@@ -78,9 +81,10 @@ def take_inventory(source: Source) -> Inventory:
             inv.unexpected.append(name)
         else:
             _add_expert(inv, name, mapped, ref.shape, ref.dtype)
-    inv.missing += [c for c in want_dense if c not in inv.dense]
+    unreadable_dense = {m.canonical for m in unreadable}
+    inv.missing += [c for c in want_dense if c not in inv.dense and c not in unreadable_dense]
     for layer in spec.moe_layers:
-        _check_layer(inv, layer)
+        _check_layer(inv, layer, {m.part for m in unreadable if m.canonical is None and m.layer == layer})
     return inv
 
 
@@ -105,10 +109,11 @@ def _add_expert(inv: Inventory, name: str, m: Mapped, shape: tuple[int, ...], dt
         inv.mismatched.append(f"{name} is {list(shape)}, expected {list(want)}")
 
 
-def _check_layer(inv: Inventory, layer: int) -> None:
+def _check_layer(inv: Inventory, layer: int, unreadable: set[str]) -> None:
     le = inv.experts.get(layer, LayerExperts())
+    have = set(le.stacked) | unreadable
     for part in ("gate", "up", "down"):
-        if part in le.stacked or (part != "down" and "gate_up" in le.stacked):
+        if part in have or (part != "down" and "gate_up" in have):
             continue
         missing = [e for e in range(inv.spec.num_experts) if (e, part) not in le.per]
         if len(missing) == inv.spec.num_experts:

@@ -22,6 +22,7 @@ import torch
 
 from ..checkpoint.base import CheckpointError
 from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, ModelSpec
+from .decoder import ExpertRunner, MoEDecoder
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ GGUF_RULES = rules(
     (r"blk\.(\d+)\.attn_norm\.weight", "layers.{1}.attn_norm.weight"),
     (r"blk\.(\d+)\.ffn_norm\.weight", "layers.{1}.mlp_norm.weight"),
     (r"blk\.(\d+)\.attn_([qkv])\.(weight|bias)", "layers.{1}.attn.{2}.{3}"),
-    (r"blk\.(\d+)\.attn_output\.weight", "layers.{1}.attn.o.weight"),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", "layers.{1}.attn.o.{2}"),
     (r"blk\.(\d+)\.attn_([qk])_norm\.weight", "layers.{1}.attn.{2}_norm.weight"),
     (r"blk\.(\d+)\.ffn_gate_inp\.weight", "layers.{1}.router.weight"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight", "layers.{1}.shared.{2}.weight"),
@@ -103,6 +104,7 @@ class Family:
     gguf_archs: tuple[str, ...] = ()
     hf_rules: list[Rule] = HF_RULES
     gguf_rules: list[Rule] = GGUF_RULES
+    decoder_class: type[MoEDecoder] = MoEDecoder  # a subclass where the forward pass has a quirk
 
     # ---- config -> ModelSpec ---------------------------------------------------------------
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
@@ -123,6 +125,11 @@ class Family:
         """Every dense tensor the forward pass needs, with its shape."""
         return llama_dense_shapes(spec)
 
+    # ---- forward ---------------------------------------------------------------------------
+    def decoder(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner) -> MoEDecoder:
+        """The forward pass over canonical dense weights; routed experts run in `experts`."""
+        return self.decoder_class(spec, weights, experts)
+
 
 # ---- shared helpers ------------------------------------------------------------------------
 def llama_dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -139,6 +146,8 @@ def llama_dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         out.update({p + "attn.v.weight": (kv_out, h), p + "attn.o.weight": (h, q_out)})
         if spec.attention_bias:
             out.update({p + "attn.q.bias": (q_out,), p + "attn.k.bias": (kv_out,), p + "attn.v.bias": (kv_out,)})
+        if spec.attention_out_bias:
+            out[p + "attn.o.bias"] = (h,)
         if spec.qk_norm == QK_NORM_HEAD:
             out.update({p + "attn.q_norm.weight": (spec.head_dim,), p + "attn.k_norm.weight": (spec.head_dim,)})
         elif spec.qk_norm == QK_NORM_FULL:

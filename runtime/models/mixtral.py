@@ -1,4 +1,5 @@
-"""Mixtral: `block_sparse_moe` naming (w1 gate, w3 up, w2 down), renormalised top-k.
+"""Mixtral: `block_sparse_moe` naming (w1 gate, w3 up, w2 down), renormalised top-k kept in
+float32 (transformers' Mixtral router does not cast the weights back to the hidden dtype).
 
 llama.cpp writes Mixtral as arch `llama` with an expert count, and permutes the Q/K rows for its
 interleaved RoPE; `sanitize` undoes that permutation so the weights match HF's layout.
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..spec import ModelSpec
+from ..spec import SLIDING_ATTENTION, ModelSpec
 from .base import (
     HF_RULES,
     Family,
@@ -22,6 +23,7 @@ from .base import (
     rules,
     text_config,
 )
+from .decoder import MoEDecoder
 
 MIXTRAL_RULES = rules(
     (r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", "layers.{1}.router.weight"),
@@ -38,15 +40,22 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+class MixtralDecoder(MoEDecoder):
+    cast_router_weights = False
+
+
 class Mixtral(Family):
     name = "mixtral"
     architectures = ("MixtralForCausalLM",)
     gguf_archs = ("llama",)
     hf_rules = MIXTRAL_RULES
+    decoder_class = MixtralDecoder
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
         cfg = text_config(cfg)
         f = base_spec_fields(cfg, self.name)
+        if cfg.get("sliding_window"):  # transformers applies Mixtral's window to every layer
+            f["layer_kinds"] = (SLIDING_ATTENTION,) * f["num_layers"]
         experts = int(need(cfg, "num_local_experts", "num_experts", what="expert count"))
         return check_moe(ModelSpec(
             **f,

@@ -27,6 +27,7 @@ class Olmoe(Family):
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             qk_norm=QK_NORM_FULL,
             attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_out_bias=bool(cfg.get("attention_bias", False)),
             extra={"clip_qkv": cfg["clip_qkv"]} if cfg.get("clip_qkv") else {},
         ))
 

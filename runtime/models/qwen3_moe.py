@@ -27,6 +27,7 @@ class Qwen3Moe(Family):
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             qk_norm=QK_NORM_HEAD,
             attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_out_bias=bool(cfg.get("attention_bias", False)),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
         ))
 

@@ -1,0 +1,105 @@
+"""The Llama-style MoE decoder every supported family shares, driven by ModelSpec flags.
+
+Dense weights come as a dict of canonical names (see base.py). Routed experts are not computed
+here: each MoE layer hands its tokens, top-k ids and top-k weights to `experts.run`, which owns
+the expert weights wherever they live (device cache, host pool).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, SLIDING_ATTENTION, ModelSpec
+from .kv import KVCache
+from .layers import Rope, apply_rope, attention, rms_norm, swiglu
+
+
+class ExpertRunner(Protocol):
+    def run(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) -> [T, H]; `layer` is
+        the model layer index."""
+        ...
+
+
+class MoEDecoder:
+    # transformers' Qwen/OLMoE routers cast the top-k weights to the hidden dtype; Mixtral's
+    # keeps them float32 (its experts then scale in float32 and cast the product).
+    cast_router_weights = True
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner):
+        kinds = set(spec.layer_kinds) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if kinds:
+            raise ValueError(f"{spec.architecture}: layer kind(s) {', '.join(sorted(kinds))} not supported")
+        self.spec, self.w, self.experts = spec, weights, experts
+        self.rope = Rope(spec, weights["embed.weight"].device)
+        self.lm_head = weights["embed.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
+        # model layer -> (topk_ids, topk_weights) of the last forward, for routing statistics
+        self.last_routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [T, V] for input_ids [T] at positions cache.length.. ; appends to the cache."""
+        s, w = self.spec, self.w
+        x = F.embedding(input_ids, w["embed.weight"])
+        cos, sin = self.rope(cache.length, x.shape[0], x.dtype)
+        for i in range(s.num_layers):
+            p = f"layers.{i}."
+            x = x + self.attention(i, rms_norm(x, w[p + "attn_norm.weight"], s.rms_norm_eps), cos, sin, cache)
+            h = rms_norm(x, w[p + "mlp_norm.weight"], s.rms_norm_eps)
+            x = x + (self.moe(i, h) if s.is_moe(i) else self.mlp(p + "mlp", h))
+        cache.advance(x.shape[0])
+        return F.linear(rms_norm(x, w["final_norm.weight"], s.rms_norm_eps), self.lm_head)
+
+    def mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, *(self.w[f"{prefix}.{n}.weight"] for n in ("gate", "up", "down")))
+
+    def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        s, p, t = self.spec, f"layers.{i}.attn.", x.shape[0]
+        q, k, v = (self.linear(p + n, x) for n in "qkv")
+        if s.qk_norm == QK_NORM_FULL:  # OLMoE: over the whole projection, before the head split
+            q = rms_norm(q, self.w[p + "q_norm.weight"], s.rms_norm_eps)
+            k = rms_norm(k, self.w[p + "k_norm.weight"], s.rms_norm_eps)
+        clip = s.extra.get("clip_qkv")
+        if clip:  # OLMoE
+            q, k, v = (a.clamp(-clip, clip) for a in (q, k, v))
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
+        if s.qk_norm == QK_NORM_HEAD:  # Qwen3: per head, over head_dim
+            q = rms_norm(q, self.w[p + "q_norm.weight"], s.rms_norm_eps)
+            k = rms_norm(k, self.w[p + "k_norm.weight"], s.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        offset = cache.length
+        k, v = cache.append(i, k, v)
+        window = s.sliding_window if s.layer_kinds[i] == SLIDING_ATTENTION else None
+        return self.linear(p + "o", attention(q, k, v, offset, window).reshape(t, -1))
+
+    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids [T, k], topk_weights [T, k]): softmax over all experts in float32, top-k
+        (sorted, as torch.topk), optionally renormalised."""
+        logits = F.linear(x, self.w[f"layers.{i}.router.weight"])
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(logits.dtype) if self.cast_router_weights else weights
+
+    def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        s, p = self.spec, f"layers.{i}."
+        ids, weights = self.route(i, x)
+        self.last_routing[i] = (ids, weights)
+        out = self.experts.run(i, x, ids, weights)
+        if s.shared_expert_intermediate_size:
+            shared = self.mlp(p + "shared", x)
+            if s.shared_expert_gate:  # Qwen2-MoE
+                shared = torch.sigmoid(F.linear(x, self.w[p + "shared_gate.weight"])) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,151 @@
+"""Functional pieces of a Llama-style decoder, numerically mirroring transformers.
+
+Activations are [T, ...] (one sequence, no batch dimension). Where transformers computes in
+float32 and casts back (RMSNorm, RoPE tables, the attention softmax), so do we, so that float32
+runs agree to rounding and bf16 runs to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32; the weight multiplies the cast-back value."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x); gate/up [I, H], down [H, I]."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+# ---- rotary embeddings ---------------------------------------------------------------------
+def rotary_dim(spec: ModelSpec) -> int:
+    return int(spec.head_dim * spec.partial_rotary_factor)
+
+
+def rope_frequencies(spec: ModelSpec, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim/2] float32, attention_factor): transformers' ROPE_INIT_FUNCTIONS
+    maths for the default, linear, dynamic, yarn and llama3 rope types. `seq_len` matters only
+    for dynamic NTK scaling (the length the sequence will have after this step)."""
+    s = spec.rope_scaling or {}
+    kind = s.get("rope_type", "default")
+    dim, base, factor = rotary_dim(spec), spec.rope_theta, s.get("factor")
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    if kind == "default":
+        return 1.0 / (base**exponents), 1.0
+    if kind == "linear":
+        return 1.0 / (base**exponents) / factor, 1.0
+    if kind == "dynamic":
+        max_pos = spec.max_position_embeddings
+        seq = max(seq_len or 0, max_pos)
+        base = base * ((factor * seq / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base**exponents), 1.0
+    if kind == "llama3":
+        return _llama3(1.0 / (base**exponents), s, factor), 1.0
+    if kind == "yarn":
+        return _yarn(spec, s, dim, base, exponents)
+    raise ValueError(f"rope type {kind!r} is not supported (default, linear, dynamic, yarn, llama3)")
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict, factor: float) -> torch.Tensor:
+    old_len = s["original_max_position_embeddings"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(spec: ModelSpec, s: dict, dim: int, base: float, exponents: torch.Tensor) -> tuple[torch.Tensor, float]:
+    orig = s.get("original_max_position_embeddings") or spec.max_position_embeddings
+    factor = s.get("factor") or spec.max_position_embeddings / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoids a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base**exponents
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv_freq, attention_factor
+
+
+class Rope:
+    """cos/sin tables for a run of positions (float32 maths, cast to the activations' dtype)."""
+
+    def __init__(self, spec: ModelSpec, device: str | torch.device = "cpu"):
+        self.spec, self.device = spec, device
+        self.dynamic = (spec.rope_scaling or {}).get("rope_type") == "dynamic"
+        inv_freq, self.attention_factor = rope_frequencies(spec)
+        self.inv_freq = inv_freq.to(device)
+
+    def __call__(self, start: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables [length, rotary_dim] for positions start..start+length."""
+        inv_freq = self.inv_freq
+        if self.dynamic and start + length > self.spec.max_position_embeddings:
+            # Dynamic NTK stretches the base with the sequence length. transformers keeps the
+            # largest length seen so far; we use this call's, which is the same while a
+            # sequence only grows.
+            inv_freq = rope_frequencies(self.spec, start + length)[0].to(self.device)
+        positions = torch.arange(start, start + length, device=self.device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of x [T, heads, D] (rotate-half layout)."""
+    d = cos.shape[-1]
+    rot = x[..., :d]
+    cos, sin = cos[:, None], sin[:, None]
+    half = torch.cat((-rot[..., d // 2 :], rot[..., : d // 2]), dim=-1)
+    out = rot * cos + half * sin
+    return out if d == x.shape[-1] else torch.cat((out, x[..., d:]), dim=-1)
+
+
+# ---- attention -----------------------------------------------------------------------------
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int | None = None
+) -> torch.Tensor:
+    """Causal GQA attention. q [T, H, D] holds positions offset..offset+T; k, v [S, KvH, D]
+    hold positions 0..S with S = offset + T. Returns [T, H, D]."""
+    t, s = q.shape[0], k.shape[0]
+    mask, causal = None, False
+    if window is None and offset == 0:
+        causal = True  # plain prefill: let SDPA pick its fused causal kernel
+    elif window is not None or t > 1:
+        q_pos = torch.arange(offset, offset + t, device=q.device)[:, None]
+        k_pos = torch.arange(s, device=q.device)[None]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window  # transformers' sliding-window overlay
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=causal, scale=q.shape[-1] ** -0.5, enable_gqa=True,
+    )
+    return out.transpose(0, 1)
