@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.experts.planner import Planner, hybrid_fill_count
 from ftkit.runtime.experts.cache import SlotCache
+from ftkit.runtime.experts.planner import Planner, hybrid_fill_count
 from ftkit.runtime.profile import Bandwidths
 from ftkit.tools.convert.pipeline import convert, make_plan
 
@@ -70,7 +70,7 @@ def test_every_strategy_matches_fused_bitwise(ftw_models, family):
         assert torch.equal(got, ref), (family, cfg, (got - ref).abs().max())
         # Stats add up per layer and step, against an independent count of the routing.
         assert len(stats.steps) == len(distinct)
-        for step, seen in zip(stats.steps, distinct):
+        for step, seen in zip(stats.steps, distinct, strict=False):
             assert step.keys() == seen.keys()
             for layer, c in step.items():
                 assert c.hits + c.fills + c.cpu == c.active == seen[layer], (cfg, layer)

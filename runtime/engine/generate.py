@@ -91,9 +91,7 @@ def _stop_string(text: str, stops: list[str]) -> int | None:
 
 
 def generate(rt: Runtime, prompt_ids: list[int], params: SamplingParams) -> Generation:
-    gen = Generation(len(prompt_ids))
-    for _, _, gen in stream(rt, prompt_ids, params):
-        pass
-    if gen.finish_reason is None:  # zero tokens asked for
-        gen.finish_reason = "length"
+    gen = Generation(len(prompt_ids), finish_reason="length")  # what zero tokens asked for returns
+    for _token, _delta, latest in stream(rt, prompt_ids, params):
+        gen = latest
     return gen

@@ -11,6 +11,7 @@ import torch
 from ..checkpoint.base import TORCH_DTYPES
 from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
+from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
 from ..models import FAMILIES
 from ..models.kv import KVCache
@@ -29,6 +30,7 @@ class RuntimeOptions:
     bandwidth_ratio: float | None = None  # B_P / B_H without a profile file
     dtype: str | None = None  # compute dtype; default: the dense weights' dtype
     trace_stats: bool = False
+    verify: bool = False  # check every FTW checksum before loading (reads every byte twice)
 
 
 class Runtime:
@@ -36,6 +38,8 @@ class Runtime:
         t0 = time.perf_counter()
         self.path, self.opts = Path(path), opts
         self.ftw = FTWModel(self.path)
+        if opts.verify and (problems := self.ftw.verify()):
+            raise FTWError(f"{self.path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
         self.spec = self.ftw.spec
         self.family = FAMILIES[self.spec.family]
         self.device = torch.device(opts.device)

@@ -8,8 +8,8 @@ the matrix products, so the threads really run in parallel.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 
 class CPUExecutor:

@@ -64,7 +64,7 @@ class HostBanks:
 
     def slot(self, row: int) -> torch.Tensor:
         """The uint8 bytes of expert row `row`."""
-        for bank, buf in zip(self.banks, self.buffers):
+        for bank, buf in zip(self.banks, self.buffers, strict=False):
             if bank.first_row <= row < bank.first_row + bank.rows:
                 i = row - bank.first_row
                 s = self.layout.slot_bytes

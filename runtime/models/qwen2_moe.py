@@ -7,7 +7,16 @@ from typing import Any
 import torch
 
 from ..spec import ModelSpec
-from .base import Family, Mapped, base_spec_fields, check_moe, gguf_common, moe_layers_from, need, text_config
+from .base import (
+    Family,
+    Mapped,
+    base_spec_fields,
+    check_moe,
+    gguf_common,
+    moe_layers_from,
+    need,
+    text_config,
+)
 
 
 class Qwen2Moe(Family):

@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import QK_NORM_HEAD, ModelSpec
-from .base import Family, base_spec_fields, check_moe, gguf_common, moe_layers_from, need, text_config
+from .base import (
+    Family,
+    base_spec_fields,
+    check_moe,
+    gguf_common,
+    moe_layers_from,
+    need,
+    text_config,
+)
 
 
 class Qwen3Moe(Family):

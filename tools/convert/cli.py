@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from ftkit.runtime.console import guarded, human_bytes, parse_bytes
@@ -41,7 +46,7 @@ def plan_table(plan: Plan, out: Path) -> Table:
 def main(
     src: Path = typer.Argument(..., help="HF model directory (safetensors, single or sharded) or a GGUF file"),
     out: Path = typer.Option(..., "-o", "--out", help="FTW directory to write"),
-    dtype: Optional[str] = typer.Option(None, help=f"cast weights to one of {', '.join(CAST_DTYPES)}"),
+    dtype: str | None = typer.Option(None, help=f"cast weights to one of {', '.join(CAST_DTYPES)}"),
     force: bool = typer.Option(False, help="replace OUT if it exists"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, write nothing"),
     bank_size: str = typer.Option("4G", help="largest expert bank file (whole layers per file)"),

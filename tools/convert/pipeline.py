@@ -13,7 +13,14 @@ from ftkit import __version__
 from ftkit.runtime.checkpoint import CheckpointError, open_source
 from ftkit.runtime.checkpoint.base import Q8_0, TORCH_DTYPES, dequantize_q8_0, stored_nbytes
 from ftkit.runtime.checkpoint.inventory import Inventory, take_inventory
-from ftkit.runtime.ftw.manifest import DENSE_FILE, MANIFEST, Manifest, SlotLayout, slot_layout, write_json_atomic
+from ftkit.runtime.ftw.manifest import (
+    DENSE_FILE,
+    MANIFEST,
+    Manifest,
+    SlotLayout,
+    slot_layout,
+    write_json_atomic,
+)
 from ftkit.runtime.ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
 
 DEFAULT_BANK_BYTES = 4 << 30
