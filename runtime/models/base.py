@@ -111,6 +111,14 @@ class Family:
         raise NotImplementedError
 
     def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
+        """llama.cpp metadata -> the HF config keys this family reads -> spec_from_config."""
+        g = gguf_common(meta, tensor_shapes)
+        g.update(architectures=list(self.architectures), num_experts=g["experts"],
+                 num_experts_per_tok=g["experts_used"], **self.gguf_config(g, tensor_shapes))
+        return self.spec_from_config(g)
+
+    def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        """Family-specific HF config keys from `gguf_common`'s raw fields."""
         raise NotImplementedError
 
     # ---- names -----------------------------------------------------------------------------
@@ -236,6 +244,22 @@ def base_spec_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
         eos_token_ids=eos_ids(cfg.get("eos_token_id")),
         layer_kinds=tuple(cfg.get("layer_types") or [FULL_ATTENTION] * num_layers),
     )
+
+
+def moe_spec(family: str, cfg: dict[str, Any], expert_ffn: str, dense_ffn: bool, **fields: Any) -> ModelSpec:
+    """A MoE ModelSpec from a Llama-style config; `fields` override or add family specifics."""
+    cfg = text_config(cfg)
+    f = base_spec_fields(cfg, family)
+    experts = int(need(cfg, "num_experts", "num_local_experts", what="expert count"))
+    f.update(
+        intermediate_size=int(cfg.get("intermediate_size") or 0) if dense_ffn else 0,
+        moe_intermediate_size=int(need(cfg, expert_ffn, what="expert FFN width")),
+        num_experts=experts,
+        top_k=int(need(cfg, "num_experts_per_tok", what="experts per token")),
+        moe_layers=moe_layers_from(cfg, f["num_layers"], experts),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
+    return check_moe(ModelSpec(**{**f, **fields}))
 
 
 def check_moe(spec: ModelSpec) -> ModelSpec:

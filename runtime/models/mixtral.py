@@ -16,12 +16,8 @@ from .base import (
     HF_RULES,
     Family,
     Mapped,
-    base_spec_fields,
-    check_moe,
-    gguf_common,
-    need,
+    moe_spec,
     rules,
-    text_config,
 )
 from .decoder import MoEDecoder
 
@@ -52,31 +48,13 @@ class Mixtral(Family):
     decoder_class = MixtralDecoder
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
-        cfg = text_config(cfg)
-        f = base_spec_fields(cfg, self.name)
+        fields: dict[str, Any] = {"norm_topk_prob": True, "sliding_window": cfg.get("sliding_window")}
         if cfg.get("sliding_window"):  # transformers applies Mixtral's window to every layer
-            f["layer_kinds"] = (SLIDING_ATTENTION,) * f["num_layers"]
-        experts = int(need(cfg, "num_local_experts", "num_experts", what="expert count"))
-        return check_moe(ModelSpec(
-            **f,
-            intermediate_size=0,
-            moe_intermediate_size=int(need(cfg, "intermediate_size", what="expert FFN width")),
-            num_experts=experts,
-            top_k=int(need(cfg, "num_experts_per_tok", what="experts per token")),
-            moe_layers=tuple(range(f["num_layers"])) if experts > 0 else (),
-            norm_topk_prob=True,
-            sliding_window=cfg.get("sliding_window"),
-        ))
+            fields["layer_kinds"] = (SLIDING_ATTENTION,) * int(cfg.get("num_hidden_layers") or 0)
+        return moe_spec(self.name, cfg, "intermediate_size", dense_ffn=False, **fields)
 
-    def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
-        g = gguf_common(meta, tensor_shapes)
-        g.update(
-            architectures=list(self.architectures),
-            intermediate_size=g["expert_ffn"] or g["ffn"],
-            num_local_experts=g["experts"],
-            num_experts_per_tok=g["experts_used"],
-        )
-        return self.spec_from_config(g)
+    def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        return dict(intermediate_size=g["expert_ffn"] or g["ffn"])
 
     def sanitize(self, mapped: Mapped, tensor: torch.Tensor, spec: ModelSpec, gguf: bool) -> torch.Tensor:
         name = mapped.canonical or ""

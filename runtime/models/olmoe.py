@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import QK_NORM_FULL, ModelSpec
-from .base import Family, base_spec_fields, check_moe, gguf_common, need, text_config
+from .base import Family, moe_spec
 
 
 class Olmoe(Family):
@@ -14,33 +14,16 @@ class Olmoe(Family):
     gguf_archs = ("olmoe",)
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
-        cfg = text_config(cfg)
-        f = base_spec_fields(cfg, self.name)
-        experts = int(need(cfg, "num_experts", "num_local_experts", what="expert count"))
-        return check_moe(ModelSpec(
-            **f,
-            intermediate_size=0,
-            moe_intermediate_size=int(need(cfg, "intermediate_size", what="expert FFN width")),
-            num_experts=experts,
-            top_k=int(need(cfg, "num_experts_per_tok", what="experts per token")),
-            moe_layers=tuple(range(f["num_layers"])) if experts > 0 else (),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        return moe_spec(
+            self.name, cfg, "intermediate_size", dense_ffn=False,
             qk_norm=QK_NORM_FULL,
             attention_bias=bool(cfg.get("attention_bias", False)),
             attention_out_bias=bool(cfg.get("attention_bias", False)),
             extra={"clip_qkv": cfg["clip_qkv"]} if cfg.get("clip_qkv") else {},
-        ))
-
-    def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
-        g = gguf_common(meta, tensor_shapes)
-        g.update(
-            architectures=list(self.architectures),
-            intermediate_size=g["expert_ffn"] or g["ffn"],
-            num_experts=g["experts"],
-            num_experts_per_tok=g["experts_used"],
-            norm_topk_prob=False,
         )
-        return self.spec_from_config(g)
+
+    def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        return dict(intermediate_size=g["expert_ffn"] or g["ffn"], norm_topk_prob=False)
 
 
 FAMILY = Olmoe()

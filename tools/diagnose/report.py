@@ -1,0 +1,235 @@
+"""ft-diagnose's verdict: will a checkpoint load? Decided from headers and meta tensors alone.
+
+Every source is opened from its headers (safetensors JSON headers, GGUF through the tensor-info
+section, an FTW manifest plus its dense file's header), so a header-only stub gets the same
+verdict as the full checkpoint. The expected dense tensors are built on the meta device from
+the config: shapes and byte counts without a byte of storage, whatever the model's size.
+The schema of `diagnose`'s result is documented in docs/diagnose.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from ftkit.runtime.checkpoint import CheckpointError, open_source
+from ftkit.runtime.checkpoint.base import Q8_0
+from ftkit.runtime.checkpoint.inventory import Inventory, take_inventory
+from ftkit.runtime.checkpoint.safetensors import find_config, parse_file
+from ftkit.runtime.ftw.manifest import EXPERT_DTYPES, MANIFEST, FTWError, slot_layout
+from ftkit.runtime.ftw.reader import FTWModel
+from ftkit.runtime.models import FAMILIES, Family, family_for_config
+from ftkit.runtime.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+
+PLAN_DTYPE = torch.bfloat16  # the memory plan's compute dtype: dense weights and KV cache
+KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
+DENSE_DTYPES = ("float32", "float16", "bfloat16")  # dense dtypes the runtime casts from
+FTW_LAYOUT = "ftw slots"
+
+T = TypeVar("T")
+
+
+@dataclass
+class Diagnosis:
+    """What the checks found; `to_dict` is the JSON report."""
+
+    path: Path
+    kind: str | None = None  # safetensors | gguf | ftw
+    header_only: bool = False
+    config: str | None = None  # where the model's config was found
+    files: int = 0  # weight files whose headers were read
+    tensors: int = 0  # tensors those headers describe
+    family: Family | None = None
+    spec: ModelSpec | None = None
+    expert_layout: str | None = None
+    expert_dtype: str | None = None
+    problems: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)  # tensors the family does not use (not a failure)
+    memory: dict[str, Any] | None = None
+
+    def attempt(self, step: Callable[[], T]) -> T | None:
+        """Run one check step; a failure becomes a listed problem (once), never a traceback."""
+        try:
+            return step()
+        except (CheckpointError, FTWError) as e:
+            problem = str(e).splitlines()[0] if str(e) else type(e).__name__
+        except Exception as e:  # corrupt input can break a parser in ways no message anticipates
+            problem = f"unreadable input ({type(e).__name__}: {e})"
+        if problem not in self.problems:
+            self.problems.append(problem)
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            "verdict": "FAIL" if self.problems else "PASS",
+            "path": str(self.path),
+            "kind": self.kind,
+            "header_only": self.header_only,
+            "config": self.config,
+            "files": self.files,
+            "tensors": self.tensors,
+            "family": self.family.name if self.family else None,
+            "architecture": spec.architecture if spec else None,
+            "layers": spec.num_layers if spec else None,
+            "moe_layers": spec.num_moe_layers if spec else None,
+            "experts": spec.num_experts if spec else None,
+            "top_k": spec.top_k if spec else None,
+            "expert_layout": self.expert_layout,
+            "expert_dtype": self.expert_dtype,
+            "problems": self.problems,
+            "unexpected": self.unexpected,
+            "memory": self.memory,
+        }
+
+
+def diagnose(path: Path) -> dict[str, Any]:
+    """The loadability report of an HF directory, a GGUF file, an FTW directory or their stubs."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    d = Diagnosis(path)
+    if path.is_dir() and (path / MANIFEST).is_file():
+        _check_ftw(d)
+    else:
+        _check_checkpoint(d)
+    if d.family and d.spec:
+        d.memory = d.attempt(lambda: memory_plan(d.family, d.spec, d.expert_dtype))
+    return d.to_dict()
+
+
+# ---- expected tensors and the memory plan ----------------------------------------------------
+def expected_dense(family: Family, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Every dense tensor the forward pass needs, as meta tensors in the plan's dtype."""
+    return {name: torch.empty(shape, dtype=PLAN_DTYPE, device="meta")
+            for name, shape in family.dense_shapes(spec).items()}
+
+
+def kv_bytes(spec: ModelSpec, tokens: int) -> int:
+    """K and V of `tokens` positions in every softmax-attention layer, as the runtime's KVCache
+    allocates them (sliding-window layers too: the cache is not windowed)."""
+    per_layer = torch.empty((tokens, spec.num_kv_heads, spec.head_dim), dtype=PLAN_DTYPE, device="meta").nbytes
+    layers = sum(kind in (FULL_ATTENTION, SLIDING_ATTENTION) for kind in spec.layer_kinds)
+    return 2 * layers * per_layer
+
+
+def memory_plan(family: Family, spec: ModelSpec, expert_dtype: str | None) -> dict[str, Any]:
+    """Host and GPU bytes to serve the model. `min_gpu_bytes` is the smallest budget that runs
+    every layer on the GPU: all dense weights, the KV cache of a KV_TOKENS-token context, and
+    top_k expert slots (one token's experts for the layer being computed). CUDA context,
+    activations and allocator slack come on top; more slots mean fewer expert fetches."""
+    dtype = expert_dtype if expert_dtype in EXPERT_DTYPES else "bfloat16"  # what --dtype would make
+    slot = slot_layout(spec, dtype).slot_bytes
+    dense = sum(t.nbytes for t in expected_dense(family, spec).values())
+    kv = kv_bytes(spec, KV_TOKENS)
+    return {
+        "dtype": str(PLAN_DTYPE).removeprefix("torch."),
+        "expert_dtype": dtype,
+        "expert_slot_bytes": slot,
+        "host_expert_pool_bytes": spec.num_expert_rows * slot,
+        "dense_bytes": dense,
+        "kv_bytes_per_1k_tokens": kv,
+        "min_gpu_bytes": dense + kv + spec.top_k * slot,
+        "min_gpu_context_tokens": KV_TOKENS,
+        "min_gpu_expert_slots": spec.top_k,
+    }
+
+
+# ---- HF directories and GGUF files -----------------------------------------------------------
+def _check_checkpoint(d: Diagnosis) -> None:
+    source = d.attempt(lambda: open_source(d.path, allow_stub=True, strict_types=False))
+    if source is None:
+        if d.path.is_dir() or d.path.suffix == ".safetensors":
+            d.kind = "safetensors"
+            # A missing shard or a corrupt header should not hide what the model is.
+            _read_config(d, d.path if d.path.is_dir() else d.path.parent)
+        return
+    d.kind, d.header_only, d.tensors = source.kind, source.header_only, len(source.tensors)
+    if source.kind == "gguf":
+        d.config, d.files = "GGUF metadata", 1
+    else:
+        d.config, d.files = str(source.config_path.relative_to(source.path)), len(source.files)
+    unsupported = getattr(source, "unsupported", {})
+    inv = d.attempt(lambda: take_inventory(source))
+    if inv is None:
+        # The inventory lists unsupported types itself; without one, list them here.
+        d.problems[:0] = [f"unsupported: GGUF type {t} for tensor {n}" for n, t in unsupported.items()]
+        if source.kind == "safetensors":
+            _resolve(d, source.config)  # name the family even when its config is incomplete
+        return
+    d.family, d.spec = inv.family, inv.spec
+    d.problems += inv.problems + _dtype_problems(inv)
+    d.unexpected = inv.unexpected
+    d.expert_layout = inv.expert_layout
+    d.expert_dtype = "/".join(sorted(inv.expert_dtypes)) or None
+
+
+def _read_config(d: Diagnosis, root: Path) -> None:
+    try:
+        cfg_path = find_config(root)
+        cfg = json.loads(cfg_path.read_text())
+    except (CheckpointError, OSError, ValueError):
+        return  # the source already reported the config problem
+    d.config = str(cfg_path.relative_to(root))
+    _resolve(d, cfg)
+
+
+def _resolve(d: Diagnosis, cfg: dict[str, Any]) -> None:
+    """Family and spec from an HF config, as far as they go."""
+    d.family = d.attempt(lambda: family_for_config(cfg))
+    if d.family:
+        d.spec = d.attempt(lambda: d.family.spec_from_config(cfg))
+
+
+def _dtype_problems(inv: Inventory) -> list[str]:
+    """Stored dtypes the runtime cannot take: dense ones it cannot cast from, expert ones it
+    cannot put in a slot."""
+    tensors = inv.source.tensors
+    dense_ok = (*DENSE_DTYPES, Q8_0) if inv.gguf else DENSE_DTYPES  # GGUF q8_0 dense is dequantized exactly
+    out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {', '.join(dense_ok)}"
+           for name, _ in inv.dense.values() if tensors[name].dtype not in dense_ok]
+    bad = inv.expert_dtypes - set(EXPERT_DTYPES)
+    for le in inv.experts.values():
+        for name in (*le.stacked.values(), *le.per.values()):
+            if tensors[name].dtype in bad:
+                bad.discard(tensors[name].dtype)
+                out.append(f"wrong dtype: experts stored as {tensors[name].dtype} (e.g. {name}), "
+                           f"expected one of {', '.join(EXPERT_DTYPES)}")
+    return out
+
+
+# ---- FTW directories -------------------------------------------------------------------------
+def _check_ftw(d: Diagnosis) -> None:
+    d.kind, d.config, d.expert_layout = "ftw", MANIFEST, FTW_LAYOUT
+    model = d.attempt(lambda: FTWModel(d.path, allow_stub=True))
+    if model is None:
+        return
+    d.spec, d.header_only, d.expert_dtype = model.spec, model.header_only, model.layout.dtype
+    d.files = len(model.manifest.banks) + 1
+    d.family = FAMILIES.get(model.spec.family)
+    if d.family is None:
+        d.problems.append(f"unknown family {model.spec.family!r} in {MANIFEST}; supported: {', '.join(FAMILIES)}")
+        return
+    d.attempt(lambda: _check_ftw_dense(d, d.path / model.manifest.dense["file"]))
+
+
+def _check_ftw_dense(d: Diagnosis, dense_file: Path) -> None:
+    """The dense file's header against the expected dense tensors (FTW stores canonical names)."""
+    refs, stub = parse_file(dense_file, allow_stub=True)
+    d.header_only = d.header_only or stub
+    d.tensors = len(refs)
+    want = expected_dense(d.family, d.spec)
+    d.unexpected = [n for n in refs if n not in want]
+    for name, meta in want.items():
+        ref = refs.get(name)
+        if ref is None:
+            d.problems.append(f"missing tensor: {name}")
+        elif ref.shape != tuple(meta.shape):
+            d.problems.append(f"wrong shape: {name} is {list(ref.shape)}, expected {list(meta.shape)}")
+        elif ref.dtype not in DENSE_DTYPES:
+            d.problems.append(f"wrong dtype: {name} is {ref.dtype}, expected one of {', '.join(DENSE_DTYPES)}")
