@@ -1,0 +1,80 @@
+"""Generation: greedy, seeded sampling, top-k/top-p limits, stop tokens, stop strings, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftkit.runtime.engine.generate import generate, stream
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.sampling import Sampler, SamplingParams
+from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.synthetic import write_tokenizer
+
+PROMPT = [10, 20, 30, 40, 50, 60]
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gen") / "m.ftw"
+    write_random_ftw(path, demo_spec(400), seed=5, side_files=lambda d: write_tokenizer(d, 400))
+    runtime = Runtime(path, RuntimeOptions(strategy="cpu", threads=2))
+    yield runtime
+    runtime.close()
+
+
+def test_greedy_equals_top_k_1_and_tiny_top_p(rt):
+    greedy = generate(rt, PROMPT, SamplingParams(max_tokens=10, ignore_eos=True)).token_ids
+    k1 = generate(rt, PROMPT, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=1, ignore_eos=True))
+    p0 = generate(rt, PROMPT, SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=2, ignore_eos=True))
+    assert greedy == k1.token_ids == p0.token_ids
+    assert len(greedy) == 10
+
+
+def test_sampling_is_seeded_and_varies(rt):
+    p = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
+    a = generate(rt, PROMPT, SamplingParams(seed=7, **p)).token_ids
+    b = generate(rt, PROMPT, SamplingParams(seed=7, **p)).token_ids
+    c = generate(rt, PROMPT, SamplingParams(seed=8, **p)).token_ids
+    assert a == b and a != c
+
+
+def test_top_k_and_top_p_keep_only_the_allowed_tokens():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    seen = {Sampler(SamplingParams(temperature=1.0, top_k=2, seed=s))(logits) for s in range(200)}
+    assert seen == {0, 1}
+    probs = torch.softmax(logits, 0)  # top-p 0.8 keeps the smallest prefix reaching 0.8: {0, 1}
+    assert probs[0] < 0.8 < probs[0] + probs[1]
+    seen = {Sampler(SamplingParams(temperature=1.0, top_p=0.8, seed=s))(logits) for s in range(200)}
+    assert seen == {0, 1}
+
+
+def test_stop_token(rt):
+    greedy = generate(rt, PROMPT, SamplingParams(max_tokens=10, ignore_eos=True)).token_ids
+    gen = generate(rt, PROMPT, SamplingParams(max_tokens=10, stop_token_ids=[greedy[4]], ignore_eos=True))
+    assert gen.finish_reason == "stop" and gen.token_ids == greedy[: greedy.index(greedy[4]) + 1]
+
+
+def test_stop_string_cuts_text_and_never_streams_it(rt):
+    full = generate(rt, PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
+    text = full.text
+    stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if text[i : i + 3].strip() and "\ufffd" not in text[i : i + 3])
+    cut = text.index(stop)
+    streamed = ""
+    gen = None
+    for _, delta, gen in stream(rt, PROMPT, SamplingParams(max_tokens=24, stop=[stop], ignore_eos=True)):
+        streamed += delta
+    assert gen.finish_reason == "stop"
+    assert gen.text == streamed == text[:cut]
+
+
+def test_limits(rt):
+    assert generate(rt, PROMPT, SamplingParams(max_tokens=0)).token_ids == []
+    gen = generate(rt, PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert gen.finish_reason == "length" and len(gen.token_ids) == 5
+    with pytest.raises(ValueError, match="context"):
+        generate(rt, list(range(1, 10)) * 300, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate(rt, [1, 99999], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
