@@ -44,8 +44,15 @@ def write_random_ftw(
     seed: int = 0,
     side_files: Callable[[Path], None] | None = None,
     force: bool = False,
+    distinct_experts: int | None = None,
+    on_bytes: Callable[[int], None] = lambda n: None,
 ) -> Manifest:
-    """Write a random-weight FTW for `spec`; `side_files(dir)` may add a tokenizer and such."""
+    """Write a random-weight FTW for `spec`; `side_files(dir)` may add a tokenizer and such.
+
+    `distinct_experts=N` draws only N random experts and cycles them over the rows: speed does
+    not depend on expert values (routing depends on the router alone), and drawing tens of GB
+    of random numbers would dominate writing a benchmark model.
+    """
     gen = torch.Generator().manual_seed(seed)
     tdt = TORCH_DTYPES[dtype]
     shapes = FAMILIES[spec.family].dense_shapes(spec)
@@ -57,8 +64,16 @@ def write_random_ftw(
             dense.write(name, _random(name, shape, gen).to(tdt))
         dense_sha = dense.close()
         banks = BankWriter(tmp, layout, spec.num_expert_rows, rows_per_bank(layout.slot_bytes, spec.num_experts, 4 << 30))
+        cycle: list[dict[str, torch.Tensor]] = []
         for row in range(spec.num_expert_rows):
-            banks.write_slot(row, {p.name: _random(p.name, p.shape, gen).to(tdt) for p in layout.parts})
+            if distinct_experts is None or len(cycle) < distinct_experts:
+                parts = {p.name: _random(p.name, p.shape, gen).to(tdt) for p in layout.parts}
+                if distinct_experts is not None:
+                    cycle.append(parts)
+            else:
+                parts = cycle[row % distinct_experts]
+            banks.write_slot(row, parts)
+            on_bytes(layout.slot_bytes)
         files = {}
         if side_files:
             side_files(tmp)

@@ -1,5 +1,179 @@
-"""ft-bench (lands with its issue)."""
+"""ft-bench: write a synthetic model at realistic shapes, measure decode and prefill beside bounds."""
 
-from ftkit.runtime.console import not_implemented
+from __future__ import annotations
 
-main = not_implemented("ft-bench")
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.table import Table
+
+from ftkit import __version__
+from ftkit.runtime.console import guarded, human_bytes, parse_bytes
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.ftw.random_model import write_random_ftw
+from ftkit.runtime.profile import load_profile
+
+from . import run
+from .presets import PRESETS, preset_spec
+from .routing import Recorder, Replayer, RoutingOverride, Synthetic
+
+console = Console()
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+                  help="Reproducible benchmarks of ftkit's runtime.")
+
+
+@app.command()
+def write(
+    out: Annotated[Path, typer.Option("--out", "-o", help="FTW directory to write")],
+    preset: Annotated[str, typer.Option(help=f"one of {', '.join(PRESETS)}")] = "qwen3-30b-a3b",
+    layers: Annotated[int | None, typer.Option(help="keep the first N layers (fit the disk)")] = None,
+    dtype: str = "bfloat16",
+    distinct_experts: Annotated[int, typer.Option(help="random experts drawn, then cycled")] = 64,
+    force: bool = False,
+) -> None:
+    """Write a random-weight FTW at a preset's shapes."""
+
+    def body() -> None:
+        spec = preset_spec(preset, layers)
+        with Progress("writing", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console) as bar:
+            from ftkit.runtime.ftw.manifest import slot_layout
+
+            task = bar.add_task("", total=spec.num_expert_rows * slot_layout(spec, dtype).slot_bytes)
+            write_random_ftw(out, spec, dtype, force=force, distinct_experts=distinct_experts,
+                             on_bytes=lambda n: bar.advance(task, n))
+        console.print(f"wrote {out}: {spec.num_layers} layers x {spec.num_experts} experts ({preset})")
+
+    guarded(body)
+
+
+def _figures(rt: Runtime, profile: Path | None, pcie: float | None, cpu: float | None) -> run.Figures:
+    if profile is not None:
+        bw = load_profile(profile)
+        pcie, cpu = pcie or bw.pcie_gbps, cpu or bw.cpu_gbps
+    return run.Figures(pcie, cpu, run.hbm_gbps(rt.device))
+
+
+def _routing(rt: Runtime, routing: str) -> RoutingOverride | None:
+    kind, _, arg = routing.partition(":")
+    if kind == "real":
+        return None
+    if kind == "trace":
+        return Replayer(rt.decoder, Path(arg))
+    if kind == "reuse":
+        return Synthetic(rt.decoder, float(arg))
+    raise ValueError(f"--routing must be real, trace:FILE or reuse:P, got {routing!r}")
+
+
+def _machine() -> dict:
+    import torch
+
+    out = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+           "torch": torch.__version__, "ftkit": __version__}
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+@app.command()
+def decode(
+    model: Annotated[Path, typer.Option("--model", "-m")],
+    strategies: Annotated[str, typer.Option(help="comma-separated strategies")] = "offload,cpu,hybrid",
+    gpu_budget: Annotated[str | None, typer.Option(help="device bytes for experts + dense + KV, e.g. 8G")] = None,
+    cache_fraction: Annotated[float | None, typer.Option(help="cacheable share of the expert pool")] = None,
+    device: str = "cuda",
+    threads: int | None = None,
+    tokens: int = 64,
+    prompt: int = 16,
+    chunks: Annotated[str, typer.Option(help="prefill chunk sizes to measure, e.g. 4096,8192 ('' = none)")] = "",
+    routing: Annotated[str, typer.Option(help="real | reuse:P | trace:FILE")] = "real",
+    record: Annotated[Path | None, typer.Option(help="save the real routing of the run")] = None,
+    profile: Path | None = None,
+    pcie_gbps: float | None = None,
+    cpu_gbps: float | None = None,
+    as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+) -> None:
+    """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
+
+    def body() -> None:
+        results = {"machine": _machine(), "model": str(model), "runs": []}
+        table = Table(title=f"ft-bench decode: {model}")
+        for col in ("strategy", "cache slots", "tok/s", "bound tok/s", "of bound", "miss rate", "prefill"):
+            table.add_column(col, justify="right")
+        for strategy in strategies.split(","):
+            opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile,
+                                  bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy))
+            rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, prompt + tokens))
+            try:
+                figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
+                override = Recorder(rt.decoder) if record else _routing(rt, routing)
+                r = run.decode(rt, tokens, prompt, override, figs)
+                if record:
+                    override.save(record)
+                pre = [run.prefill(rt, int(c), figs) for c in chunks.split(",") if c]
+                results["runs"].append({"strategy": rt.store.strategy, "cache_slots": rt.store.cache.capacity,
+                                        "threads": rt.store.cpu.threads, "routing": routing,
+                                        "figures": vars(figs), "decode": r, "prefill": pre})
+                table.add_row(rt.store.strategy, str(rt.store.cache.capacity), f"{r['tok_s']:.1f}",
+                              _fmt(r["bound_tok_s"]), _pct(r["of_bound"]), f"{r['miss_rate']:.1%}",
+                              " ".join(f"{p['chunk']}:{p['tok_s']:.0f}tok/s({_pct(p['of_bound'])})" for p in pre))
+            finally:
+                rt.close()
+        console.print(table)
+        if as_json:
+            as_json.write_text(json.dumps(results, indent=1))
+
+    guarded(body)
+
+
+def _ratio(pcie, cpu, profile, strategy) -> float | None:
+    if strategy not in ("hybrid", "auto") or profile is not None:
+        return None
+    return pcie / cpu if pcie and cpu else None
+
+
+def _sized(opts: RuntimeOptions, model: Path, gpu_budget: str | None, fraction: float | None,
+           kv_tokens: int) -> RuntimeOptions:
+    """Expert cache slots from a device budget (after dense weights and KV) or a pool fraction."""
+    from ftkit.runtime.ftw.reader import FTWModel
+
+    ftw = FTWModel(model)
+    rows, slot = ftw.spec.num_expert_rows, ftw.layout.slot_bytes
+    if fraction is not None:
+        opts.cache_experts = max(1, int(rows * fraction))
+    elif gpu_budget is not None:
+        spec = ftw.spec
+        dense = (ftw.path / ftw.manifest.dense["file"]).stat().st_size
+        kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * kv_tokens
+        left = parse_bytes(gpu_budget) - dense - kv
+        if left < slot * spec.top_k:
+            raise ValueError(f"--gpu-budget {gpu_budget} leaves {human_bytes(max(left, 0))} for experts "
+                             f"after dense weights and KV; need at least {human_bytes(slot * spec.top_k)}")
+        opts.cache_experts = min(rows, left // slot)
+    return opts
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

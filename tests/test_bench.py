@@ -1,0 +1,64 @@
+"""ft-bench on the tiny preset (CPU): results carry bounds; routing record/replay and reuse."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.ftw.random_model import write_random_ftw
+from ftkit.tools.bench import run
+from ftkit.tools.bench.presets import preset_spec
+from ftkit.tools.bench.routing import Recorder, Replayer, Synthetic
+
+BENCH = [sys.executable, "-m", "ftkit.tools.bench.cli"]
+FIGS = run.Figures(pcie_gbps=50.0, cpu_gbps=80.0, hbm_gbps=None)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.ftw"
+    write_random_ftw(path, preset_spec("tiny"), distinct_experts=8)
+    return path
+
+
+def runtime(path, **kw) -> Runtime:
+    return Runtime(path, RuntimeOptions(device="cpu", threads=2, **kw))
+
+
+def test_cli_writes_results_with_bounds(tiny, tmp_path):
+    out = tmp_path / "r.json"
+    r = subprocess.run([*BENCH, "decode", "-m", str(tiny), "--device", "cpu", "--cache-fraction", "0.35",
+                        "--pcie-gbps", "50", "--cpu-gbps", "80", "--tokens", "8", "--chunks", "64",
+                        "--strategies", "offload,hybrid", "--json", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert [x["strategy"] for x in res["runs"]] == ["offload", "hybrid"]
+    for x in res["runs"]:
+        d = x["decode"]
+        assert d["tok_s"] > 0 and d["bound_tok_s"] > d["tok_s"] and 0 < d["of_bound"] < 1
+        assert d["hits"] + d["fills"] + d["cpu"] > 0 and x["prefill"][0]["chunk"] == 64
+
+
+def test_record_then_replay_reproduces_routing(tiny, tmp_path):
+    rt = runtime(tiny, strategy="offload", cache_experts=20)
+    rec = Recorder(rt.decoder)
+    first = run.decode(rt, 6, 4, rec, FIGS)
+    rec.save(tmp_path / "trace.json")
+    rt.close()
+    rt = runtime(tiny, strategy="offload", cache_experts=20)
+    again = run.decode(rt, 6, 4, Replayer(rt.decoder, tmp_path / "trace.json"), FIGS)
+    rt.close()
+    assert (first["hits"], first["fills"], first["cpu"]) == (again["hits"], again["fills"], again["cpu"])
+
+
+def test_reuse_knob_moves_the_hit_rate(tiny):
+    rates = []
+    for reuse in (0.0, 0.9):
+        rt = runtime(tiny, strategy="offload", cache_experts=20)
+        rates.append(run.decode(rt, 24, 4, Synthetic(rt.decoder, reuse, seed=1), FIGS)["miss_rate"])
+        rt.close()
+    assert rates[1] < rates[0] / 2

@@ -1,0 +1,49 @@
+"""Realistic model shapes for benchmarks, written as random-weight FTW (no download)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ftkit.runtime.spec import FULL_ATTENTION, QK_NORM_HEAD, ModelSpec
+
+PRESETS: dict[str, ModelSpec] = {
+    # 48 layers, 128 experts of 9.44 MB (bf16), top-8
+    "qwen3-30b-a3b": ModelSpec(
+        family="qwen3_moe", architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, top_k=8, moe_layers=tuple(range(48)),
+        layer_kinds=(FULL_ATTENTION,) * 48, norm_topk_prob=True, qk_norm=QK_NORM_HEAD,
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+    ),
+    # 32 layers, 8 experts of 352 MB (bf16), top-2
+    "mixtral-8x7b": ModelSpec(
+        family="mixtral", architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=0,
+        moe_intermediate_size=14336, num_experts=8, top_k=2, moe_layers=tuple(range(32)),
+        layer_kinds=(FULL_ATTENTION,) * 32, norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=1e6,
+        max_position_embeddings=32768,
+    ),
+    # small enough for CI: the qwen3 layout at toy sizes
+    "tiny": ModelSpec(
+        family="qwen3_moe", architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=128,
+        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
+        moe_intermediate_size=64, num_experts=16, top_k=4, moe_layers=(0, 1, 2, 3),
+        layer_kinds=(FULL_ATTENTION,) * 4, norm_topk_prob=True, qk_norm=QK_NORM_HEAD,
+        max_position_embeddings=20000,
+    ),
+}
+
+
+def preset_spec(name: str, layers: int | None = None) -> ModelSpec:
+    """A preset, optionally cut to its first `layers` layers to fit the disk at hand."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    spec = PRESETS[name]
+    if layers is None or layers == spec.num_layers:
+        return spec
+    if not 0 < layers <= spec.num_layers:
+        raise ValueError(f"--layers must be in 1..{spec.num_layers}")
+    return dataclasses.replace(
+        spec, num_layers=layers, layer_kinds=spec.layer_kinds[:layers],
+        moe_layers=tuple(i for i in spec.moe_layers if i < layers),
+    )

@@ -1,0 +1,94 @@
+"""Routing overrides for benchmarks: record a run's routing, replay it, or synthesise it.
+
+Random weights route almost uniformly, so the cache hit rate sits near the cached fraction;
+real models reuse experts from token to token. A trace recorded from a real run, or the
+synthetic generator's `reuse` knob (the chance that each of a token's k experts repeats one of
+the previous token's in that layer), measures cache policy on realistic reuse.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ftkit.runtime.models.decoder import MoEDecoder
+
+
+class RoutingOverride:
+    """Replaces `decoder.route` for the duration of a benchmark."""
+
+    def __init__(self, decoder: MoEDecoder):
+        self.decoder = decoder
+        self.real_route = decoder.route
+        self.trace: list[dict[int, list[list[int]]]] = []  # per forward: layer -> ids per token
+        self.step = -1
+        decoder.route = self._route  # type: ignore[method-assign]
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    def _route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.real_route(i, x)
+
+    def close(self) -> None:
+        self.decoder.route = self.real_route  # type: ignore[method-assign]
+
+
+class Recorder(RoutingOverride):
+    def _route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, w = self.real_route(i, x)
+        while len(self.trace) <= self.step:
+            self.trace.append({})
+        self.trace[self.step][i] = ids.tolist()
+        return ids, w
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps({"steps": [{str(k): v for k, v in s.items()} for s in self.trace]}))
+
+
+def _uniform(ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return ids, torch.full(ids.shape, 1.0 / ids.shape[-1], dtype=dtype, device=ids.device)
+
+
+class Replayer(RoutingOverride):
+    """Replays a recorded trace (cycling when the run is longer than the trace)."""
+
+    def __init__(self, decoder: MoEDecoder, path: Path):
+        super().__init__(decoder)
+        steps = json.loads(Path(path).read_text())["steps"]
+        self.trace = [{int(k): v for k, v in s.items()} for s in steps]
+        if not self.trace:
+            raise ValueError(f"{path}: empty routing trace")
+
+    def _route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.trace[self.step % len(self.trace)].get(i)
+        if rows is None or len(rows) != x.shape[0]:  # shape differs from the recording: route for real
+            return self.real_route(i, x)
+        return _uniform(torch.tensor(rows, device=x.device), x.dtype)
+
+
+class Synthetic(RoutingOverride):
+    """Each token keeps each of the previous token's experts with probability `reuse`, and
+    draws the rest uniformly from the others."""
+
+    def __init__(self, decoder: MoEDecoder, reuse: float, seed: int = 0):
+        super().__init__(decoder)
+        if not 0 <= reuse <= 1:
+            raise ValueError("reuse must be within 0..1")
+        self.reuse = reuse
+        self.gen = torch.Generator().manual_seed(seed)
+        self.prev: dict[int, list[int]] = {}
+
+    def _route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self.decoder.spec
+        rows = []
+        for _ in range(x.shape[0]):
+            prev = self.prev.get(i, [])
+            keep = [e for e in prev if torch.rand((), generator=self.gen) < self.reuse]
+            rest = [e for e in torch.randperm(spec.num_experts, generator=self.gen).tolist() if e not in keep]
+            row = keep + rest[: spec.top_k - len(keep)]
+            self.prev[i] = row
+            rows.append(row)
+        return _uniform(torch.tensor(rows, device=x.device), x.dtype)

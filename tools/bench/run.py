@@ -1,0 +1,130 @@
+"""Decode and prefill measurements, each beside the bound computed from measured bandwidths.
+
+Bound per decode token: for each MoE layer, the fills cross PCIe (S / B_P each) while the CPU
+set streams from DRAM (S / B_H each) and the two overlap, so the layer needs at least
+max(fills * S / B_P, cpu * S / B_H); the GPU itself must read the dense weights and the hit
+experts from HBM once. Prefill of a chunk that touches every expert needs at least the uncached
+pool bytes over B_P.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ftkit.runtime.engine.loader import Runtime
+
+from .routing import RoutingOverride
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Bandwidths in GB/s the bound uses (from a profile or given)."""
+
+    pcie_gbps: float | None
+    cpu_gbps: float | None
+    hbm_gbps: float | None
+
+
+def sync(rt: Runtime) -> None:
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+
+
+def dense_bytes(rt: Runtime) -> int:
+    return sum(t.numel() * t.element_size() for t in rt.decoder.w.values())
+
+
+def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | None, figures: Figures) -> dict:
+    """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, rt.spec.vocab_size, (prompt,), generator=gen).to(rt.device)
+    kv = rt.new_kv(prompt + tokens + 2)
+    with torch.inference_mode():
+        if routing:
+            routing.next_step()
+        logits = rt.decoder.forward(ids, kv)
+        token = logits[-1].argmax().view(1)
+        rt.store.stats.reset()
+        sync(rt)
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            if routing:
+                routing.next_step()
+            token = rt.decoder.forward(token, kv)[-1].argmax().view(1)
+        sync(rt)
+        seconds = time.perf_counter() - t0
+    stats = rt.store.stats
+    t = stats.totals()
+    s = rt.ftw.layout.slot_bytes
+    bound = _decode_bound(rt, stats, tokens, figures)
+    return {
+        "tokens": tokens,
+        "tok_s": tokens / seconds,
+        "ms_per_token": 1000 * seconds / tokens,
+        "miss_rate": stats.miss_rate,
+        "hits": t.hits, "fills": t.fills, "cpu": t.cpu,
+        "fill_gb_per_token": t.fills * s / tokens / 1e9,
+        "cpu_gb_per_token": t.cpu * s / tokens / 1e9,
+        "bound_tok_s": 1 / bound if bound else None,
+        "of_bound": tokens / seconds * bound if bound else None,  # measured tok/s over bound tok/s
+    }
+
+
+def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
+    s = rt.ftw.layout.slot_bytes
+    per_layer = 0.0
+    for c in stats.layers.values():
+        fill = c.fills * s / (f.pcie_gbps * 1e9) if c.fills and f.pcie_gbps else 0.0
+        cpu = c.cpu * s / (f.cpu_gbps * 1e9) if c.cpu and f.cpu_gbps else 0.0
+        if (c.fills and not f.pcie_gbps) or (c.cpu and not f.cpu_gbps):
+            return None
+        per_layer += max(fill, cpu)
+    gpu = 0.0
+    if f.hbm_gbps:
+        gpu = (dense_bytes(rt) + stats.totals().hits * s / tokens) / (f.hbm_gbps * 1e9)
+    total = per_layer / tokens + gpu
+    return total or None
+
+
+def prefill(rt: Runtime, chunk: int, figures: Figures) -> dict:
+    """Seconds to prefill one `chunk`-token prompt from the current cache state (TTFT)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, rt.spec.vocab_size, (chunk,), generator=gen).to(rt.device)
+    kv = rt.new_kv(chunk + 1)
+    rt.store.stats.reset()
+    with torch.inference_mode():
+        sync(rt)
+        t0 = time.perf_counter()
+        rt.decoder.forward(ids, kv)
+        sync(rt)
+        seconds = time.perf_counter() - t0
+    t = rt.store.stats.totals()
+    moved = t.misses * rt.ftw.layout.slot_bytes
+    bound = moved / (figures.pcie_gbps * 1e9) if figures.pcie_gbps and moved else None
+    return {
+        "chunk": chunk,
+        "seconds": seconds,
+        "tok_s": chunk / seconds,
+        "miss_rate": rt.store.stats.miss_rate,
+        "missed_gb": moved / 1e9,
+        "pcie_bound_s": bound,
+        "of_bound": bound / seconds if bound else None,
+    }
+
+
+def hbm_gbps(device: torch.device) -> float | None:
+    """A large device-to-device copy, counting bytes read plus written."""
+    if device.type != "cuda":
+        return None
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize(device)
+    return 2 * 10 * a.numel() / (time.perf_counter() - t0) / 1e9
