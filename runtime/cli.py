@@ -215,6 +215,65 @@ def demo_cmd(
     guarded(run)
 
 
+@app.command("serve")
+def serve_cmd(
+    model: Model,
+    host: Annotated[str, typer.Option(help="bind address (non-loopback without --api-key warns)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8741,
+    api_key: Annotated[Optional[str], typer.Option(envvar="FTKIT_API_KEY", help="required key (Bearer or x-api-key)")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="model id clients send (default: the directory name)")] = None,
+    max_running: Annotated[int, typer.Option(help="requests decoded concurrently; more wait in a queue")] = 4,
+    kv_tokens: Annotated[Optional[int], typer.Option(help="KV budget in tokens over all running requests (default: max-running x context)")] = None,
+    device_memory: Annotated[Optional[str], typer.Option(help="device memory budget, e.g. 20G (default: free VRAM, or available RAM on cpu)")] = None,
+    strategy: Strategy = "auto",
+    cache_experts: CacheExperts = None,
+    cache_bytes: CacheBytes = None,
+    device: Device = "cpu",
+    threads: Threads = None,
+    profile: Profile = None,
+    bandwidth_ratio: Ratio = None,
+    dtype: Dtype = None,
+) -> None:
+    """Serve the model over OpenAI- and Anthropic-compatible HTTP APIs (default 127.0.0.1:8741)."""
+    from .server.launch import serve
+
+    def run() -> None:
+        opts = _options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio, dtype)
+        serve(model, opts, host=host, port=port, api_key=api_key, max_running=max_running, kv_tokens=kv_tokens,
+              device_memory=parse_bytes(device_memory) if device_memory else None, served_name=served_model_name,
+              say=lambda line: console.print(line, markup=False, highlight=False))
+
+    guarded(run)
+
+
+ctl = typer.Typer(no_args_is_help=True, help="Talk to a running `ft-run serve`.")
+app.add_typer(ctl, name="ctl")
+Url = Annotated[str, typer.Option(help="server address")]
+Key = Annotated[Optional[str], typer.Option(envvar="FTKIT_API_KEY", help="the server's --api-key")]
+
+
+@ctl.command("stats")
+def ctl_stats(url: Url = "http://127.0.0.1:8741", api_key: Key = None) -> None:
+    """Print the server's /v1/stats as JSON."""
+    from .server.client import call
+
+    guarded(lambda: print(json.dumps(call(url, "GET", "/v1/stats", api_key), indent=2)))
+
+
+@ctl.command("cache")
+def ctl_cache(
+    experts: Annotated[Optional[int], typer.Option(help="new expert cache size in slots")] = None,
+    kv: Annotated[Optional[int], typer.Option(help="new KV budget in tokens")] = None,
+    url: Url = "http://127.0.0.1:8741",
+    api_key: Key = None,
+) -> None:
+    """Rebuild the expert cache / KV budget of a running server (no restart, no request lost)."""
+    from .server.client import call
+
+    body = {k: v for k, v in (("experts", experts), ("kv_tokens", kv)) if v is not None}
+    guarded(lambda: print(json.dumps(call(url, "POST", "/v1/cache/rebuild", api_key, body), indent=2)))
+
+
 def main() -> None:
     app()
 if __name__ == "__main__":

@@ -79,6 +79,26 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
     },
 }
+# Qwen3-Next: three gated-DeltaNet layers then one gated full-attention layer (the config's
+# default pattern, full_attention_interval 4); two key heads serve four value heads.
+TINY_CONFIGS["qwen3_next"] = {
+    **_COMMON,
+    "model_type": "qwen3_next",
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "num_experts": 8,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "intermediate_size": 96,
+    "norm_topk_prob": True,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
+}
 # Layers 0 and 2 are dense by decoder_sparse_step, layer 3 by mlp_only_layers; only 1 is MoE.
 TINY_CONFIGS["qwen3_moe_sparse"] = {
     **TINY_CONFIGS["qwen3_moe"],

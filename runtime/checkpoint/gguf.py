@@ -15,7 +15,10 @@ torch shape is the reverse.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
+import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -275,4 +278,13 @@ class GGUFSource:
         return read_ref(ref)
 
     def side_files(self) -> list[tuple[Path, str]]:
-        return []  # GGUF carries its tokenizer and chat template in the metadata
+        """tokenizer.json + tokenizer_config.json rebuilt from the metadata, in a temporary
+        directory that lives as long as this source (or [] with a warning; see gguf_tokenizer)."""
+        if getattr(self, "_side_files", None) is None:
+            from .gguf_tokenizer import write_tokenizer_from_gguf
+
+            out = Path(tempfile.mkdtemp(prefix="ftkit-gguf-tokenizer-"))
+            weakref.finalize(self, shutil.rmtree, out, ignore_errors=True)
+            names = write_tokenizer_from_gguf(self.metadata, out)
+            self._side_files = [(out / name, name) for name in names]
+        return list(self._side_files)

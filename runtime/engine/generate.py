@@ -19,6 +19,7 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length"
+    stop_string: str | None = None  # the stop string that ended it, if one did
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -35,8 +36,10 @@ class Generation:
 
 
 def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
-           should_stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str, Generation]]:
-    """Yield (token, text delta, generation so far) per generated token."""
+           should_stop: Callable[[], bool] = lambda: False,
+           keep_special: frozenset[int] = frozenset()) -> Iterator[tuple[int, str, Generation]]:
+    """Yield (token, text delta, generation so far) per generated token. `keep_special`: special
+    token ids whose text stays in the output (see StreamDecoder)."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     limit = rt.spec.max_position_embeddings
@@ -48,7 +51,7 @@ def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
     gen = Generation(len(prompt_ids))
     sampler = Sampler(params)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.eos_ids)
-    detok = StreamDecoder(rt.tokenizer) if rt.tokenizer else None
+    detok = StreamDecoder(rt.tokenizer, keep=keep_special) if rt.tokenizer else None
     kv = rt.new_kv(len(prompt_ids) + max_new)
     rt.store.stats.new_step()
     t0 = time.perf_counter()
@@ -67,6 +70,7 @@ def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
             full = detok.text if detok else ""
             hit = _stop_string(full, params.stop)
             if hit is not None:
+                gen.stop_string = next(s for s in params.stop if s and full.startswith(s, hit))
                 full, last, gen.finish_reason = full[:hit], True, "stop"
             # Hold back a tail that may be the start of a stop string, unless this is the end.
             shown = full if last else full[: len(full) - _partial_stop(full, params.stop)]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.base import TORCH_DTYPES
+from ..experts.cpu import CPUExecutor
 from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
@@ -51,7 +52,7 @@ class Runtime:
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
         ratio = opts.bandwidth_ratio
         if opts.profile is not None:
-            ratio = load_profile(opts.profile).ratio
+            ratio = load_profile(opts.profile, opts.threads or CPUExecutor.default_threads()).ratio
         self.store = ExpertStore(
             self.spec, self.pool, opts.strategy, self.cache_slots(), self.device, opts.threads, ratio, self.dtype
         )

@@ -24,6 +24,7 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir}: no tokenizer.json (use --prompt-ids)")
         self.tok = HFTokenizer.from_file(str(path))
+        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
         cfg_path = Path(model_dir) / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = self.config.get("chat_template")
@@ -65,14 +66,19 @@ class Tokenizer:
 class StreamDecoder:
     """Turns a growing token list into text deltas without splitting UTF-8 characters."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
-        self.tok, self.skip = tokenizer, skip_special
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, keep: frozenset[int] = frozenset()):
+        """`keep`: special token ids shown even when skipping specials (tool-call and think
+        tags, which some tokenizers mark special but whose text a parser needs)."""
+        self.tok, self.skip, self.keep = tokenizer, skip_special, keep
         self.ids: list[int] = []
         self.text = ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tok.decode(self.ids, self.skip)
+        if self.keep and self.skip:
+            text = self.tok.decode([t for t in self.ids if t in self.keep or t not in self.tok.special_ids], False)
+        else:
+            text = self.tok.decode(self.ids, self.skip)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
             return ""
         delta, self.text = text[len(self.text):], text

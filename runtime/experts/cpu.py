@@ -14,8 +14,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 class CPUExecutor:
     def __init__(self, threads: int | None = None):
-        self.threads = threads or max(1, (os.cpu_count() or 2) - 1)  # leave a core for the GPU driver
+        self.threads = threads or self.default_threads()
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="ftkit-cpu")
+
+    @staticmethod
+    def default_threads() -> int:
+        return max(1, (os.cpu_count() or 2) - 1)  # leave a core for the GPU driver
 
     def start(self, jobs: list[Callable[[], None]]) -> list[Future]:
         """Start the jobs now; the caller goes on with the device branch and waits later."""

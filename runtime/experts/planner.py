@@ -3,6 +3,11 @@
 The split follows q* = m * B_P / B_H: filling and CPU work then finish together when DMA and
 CPU reads share host memory bandwidth. At least one miss is filled whenever there is one, so the
 cache keeps warming even when the CPU takes most misses.
+
+The ratio starts from the profile and is then corrected from the runtime's own clock: a smoothed
+(EWMA) per-byte time of fills and of CPU experts, each measured while the other branch runs.
+Fills and CPU work balance when q * t_fill = (m - q) * t_cpu, so q / m = t_cpu / (t_fill + t_cpu).
+A profile that is wrong for this machine or workload therefore costs a few layers, not the run.
 """
 
 from __future__ import annotations
@@ -32,12 +37,41 @@ def hybrid_fill_count(m: int, ratio: float) -> int:
 
 
 class Planner:
-    def __init__(self, strategy: str, ratio: float | None = None):
+    def __init__(self, strategy: str, ratio: float | None = None, adapt: bool = True, smoothing: float = 0.2):
+        """`ratio`: the profile's fill fraction; `adapt`: correct it from measured branch times;
+        `smoothing`: the EWMA weight of each new measurement."""
         if strategy not in (FUSED, OFFLOAD, CPU, HYBRID):
             raise ValueError(f"strategy must be resolved before planning, got {strategy}")
         if strategy == HYBRID and not ratio:
-            raise ValueError("hybrid needs a bandwidth ratio B_P / B_H (a profile or --bandwidth-ratio)")
-        self.strategy, self.ratio = strategy, ratio
+            raise ValueError("hybrid needs a bandwidth ratio B_P / B_H (a profile with PCIe figures, "
+                             "or --bandwidth-ratio)")
+        self.strategy, self.prior, self.adapt, self.smoothing = strategy, ratio, adapt, smoothing
+        self.fill_s_per_byte: float | None = None  # EWMA of measured fill time per byte
+        self.cpu_s_per_byte: float | None = None  # EWMA of measured CPU-expert time per byte
+
+    @property
+    def ratio(self) -> float | None:
+        """The fill fraction in use: measured once both branches have been timed, else the prior."""
+        if self.adapt and self.fill_s_per_byte and self.cpu_s_per_byte:
+            return self.cpu_s_per_byte / (self.fill_s_per_byte + self.cpu_s_per_byte)
+        return self.prior
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def observe_fill(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.fill_s_per_byte = self._ewma(self.fill_s_per_byte, seconds / nbytes)
+
+    def observe_cpu(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.cpu_s_per_byte = self._ewma(self.cpu_s_per_byte, seconds / nbytes)
+
+    def fill_count(self, misses: int) -> int:
+        """How many of `misses` to fill; the rest run on the CPU."""
+        if self.strategy in (OFFLOAD, FUSED):
+            return misses
+        return 0 if self.strategy == CPU else hybrid_fill_count(misses, self.ratio)
 
     def plan(self, cache: SlotCache, rows: list[int]) -> LayerPlan:
         """`rows`: the layer's distinct active experts, most-used first (they are filled first)."""
@@ -52,7 +86,7 @@ class Planner:
                 misses.append(row)
             else:
                 plan.hits.append((row, slot))
-        q = len(misses) if self.strategy in (OFFLOAD, FUSED) else hybrid_fill_count(len(misses), self.ratio)
+        q = self.fill_count(len(misses))
         protected = {r for r, _ in plan.hits}
         for i, row in enumerate(misses):
             slot = cache.claim(row, protected) if i < q else None

@@ -5,11 +5,22 @@ branch first, fill and evaluate hits + fills on the device, then merge. The merg
 each (token, k) assignment's weighted output lands in its own row of a buffer, whichever tier
 computed it, and the rows are summed over k in a fixed order, so results never depend on cache
 size or split (bitwise on CPU in float32).
+
+Experts whose weights sit in host memory run through the CPU kernel (`ftkit.kernels.cpu`), one
+call per layer. When the device tier is the CPU too, its hits and fills go through the same kernel:
+the kernel's result for an assignment does not depend on what shares the call, so every strategy
+stays bitwise equal to `fused`. On CUDA the device tier uses torch, and the two tiers agree to
+float32 rounding, not bitwise. Without a compiler every tier uses the torch path.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 import torch
+
+from ftkit.kernels.cpu import load as load_cpu_kernel
 
 from ..spec import ModelSpec
 from .cache import SlotCache
@@ -18,19 +29,32 @@ from .planner import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES, LayerPlan, P
 from .pool import HostPool, expert_forward, expert_weights
 from .stats import ExpertStats
 
-__all__ = ["STRATEGIES", "ExpertStore", "resolve_strategy"]
+__all__ = ["STRATEGIES", "ExpertStore", "cache_capacity", "resolve_strategy"]
 
 
 def resolve_strategy(strategy: str, ratio: float | None, device: torch.device) -> str:
-    """`auto`: hybrid when a bandwidth ratio is known; otherwise `cpu` when the device tier is
-    host memory (copying slots within RAM buys nothing) and `offload` on a GPU."""
+    """`auto`: hybrid when a bandwidth ratio is known (`cpu` when it is 0: a profile measured
+    without a GPU); otherwise `cpu` when the device tier is host memory (copying slots within RAM
+    buys nothing) and `offload` on a GPU."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
     if strategy != AUTO:
         return strategy
-    if ratio:
-        return HYBRID
+    if ratio is not None:  # from a profile or the command line; 0: no PCIe figures (a CPU-only profile)
+        return HYBRID if ratio > 0 else CPU
     return CPU if device.type == "cpu" else OFFLOAD
+
+
+def cache_capacity(strategy: str, cache_slots: int | None, rows: int) -> int:
+    """Device cache slots a resolved strategy uses for a requested size (None: all rows)."""
+    if strategy == FUSED:
+        return rows
+    if strategy == CPU:
+        return 0
+    capacity = rows if cache_slots is None else min(cache_slots, rows)
+    if capacity < 1:
+        raise ValueError(f"strategy {strategy} needs a cache of at least one expert slot")
+    return capacity
 
 
 class ExpertStore:
@@ -49,18 +73,13 @@ class ExpertStore:
         self.device = torch.device(device)
         self.strategy = resolve_strategy(strategy, ratio, self.device)
         rows = spec.num_expert_rows
-        if self.strategy == FUSED:
-            capacity = rows
-        elif self.strategy == CPU:
-            capacity = 0
-        else:
-            capacity = rows if cache_slots is None else min(cache_slots, rows)
-            if capacity < 1:
-                raise ValueError(f"strategy {self.strategy} needs a cache of at least one expert slot")
+        capacity = cache_capacity(self.strategy, cache_slots, rows)
         self.cache = SlotCache(capacity, pool.layout.slot_bytes, rows, self.device)
         self.planner = Planner(self.strategy, ratio)
         self.cpu = CPUExecutor(threads)
+        self.kernel = load_cpu_kernel()
         self.stats = ExpertStats()
+        self._fill_events: deque = deque()  # (bytes, start, end) CUDA events of fills not yet timed
         if self.strategy == FUSED:
             for row in range(rows):
                 self.cache.fill(self.cache.claim(row, set()), pool.slot(row))
@@ -89,15 +108,63 @@ class ExpertStore:
 
         weights = topk_weights.reshape(-1, 1)
         y = torch.zeros((t * k, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
-        futures, host_y = self._start_cpu(plan, groups, hidden, weights, y, k)
-        for row, slot in plan.fills:
-            self.cache.fill(slot, self.pool.slot(row))
-        for row, slot in plan.hits + plan.fills:
-            self._eval(self.cache.slots[slot], groups[row].to(hidden.device), hidden, weights, y, k)
+        self._time_cuda_fills()
+        cpu_t0, cpu_ends = time.perf_counter(), []
+        futures, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, cpu_ends)
+        self._fill(plan.fills)
+        resident = plan.hits + plan.fills
+        if self.device.type == "cpu":
+            self._host_experts([self.cache.slots[s] for _, s in resident], [groups[r] for r, _ in resident],
+                               hidden, weights, y, k)
+        else:
+            for row, slot in resident:
+                self._eval(self.cache.slots[slot], groups[row].to(hidden.device), hidden, weights, y, k)
         CPUExecutor.wait(futures)
+        if cpu_ends:
+            self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, max(cpu_ends) - cpu_t0)
         if host_y is not y:  # rows are disjoint and zero elsewhere, so adding is exact
             y = y + host_y.to(y.device)
         return y.view(t, k, -1).sum(dim=1)
+
+    def _fill(self, fills: list[tuple[int, int]]) -> None:
+        """Copy the fills in and time them for the planner (CUDA: with events, read when done)."""
+        if not fills:
+            return
+        nbytes = len(fills) * self.pool.layout.slot_bytes
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for row, slot in fills:
+            self.cache.fill(slot, self.pool.slot(row))
+        if self.device.type == "cuda":
+            end.record()
+            self._fill_events.append((nbytes, start, end))
+        else:
+            self.planner.observe_fill(nbytes, time.perf_counter() - t0)
+
+    def _time_cuda_fills(self) -> None:
+        """Feed the planner the fills that have completed since the last layer (never waits)."""
+        while self._fill_events and self._fill_events[0][2].query():
+            nbytes, start, end = self._fill_events.popleft()
+            self.planner.observe_fill(nbytes, start.elapsed_time(end) / 1e3)
+
+    def _host_experts(self, slots: list[torch.Tensor], idxs: list[torch.Tensor], x: torch.Tensor,
+                      w: torch.Tensor, y: torch.Tensor, k: int) -> None:
+        """Experts whose slots are in host memory, in one kernel call (float32 in and out)."""
+        if not slots:
+            return
+        if self.kernel is None:
+            for slot, idx in zip(slots, idxs, strict=True):
+                self._eval(slot, idx, x, w, y, k)
+            return
+        if x.dtype == torch.float32:
+            self.kernel.experts(self.pool.layout, slots, idxs, x.contiguous(), w, y, k, self.cpu.threads)
+            return
+        out = torch.zeros(y.shape, dtype=torch.float32)
+        self.kernel.experts(self.pool.layout, slots, idxs, x.float(), w, out, k, self.cpu.threads)
+        idx = torch.cat(idxs)
+        y[idx] = out[idx].to(y.dtype)
 
     def _eval(self, slot: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
               y: torch.Tensor, k: int) -> None:
@@ -106,8 +173,10 @@ class ExpertStore:
         y[idx] = expert_forward(x[idx // k], gate, up, down) * w[idx]
 
     def _start_cpu(self, plan: LayerPlan, groups: dict[int, torch.Tensor], hidden: torch.Tensor,
-                   weights: torch.Tensor, y: torch.Tensor, k: int):
-        """Start the CPU set from the host pool; returns its futures and the buffer it writes."""
+                   weights: torch.Tensor, y: torch.Tensor, k: int, ends: list[float]):
+        """Start the CPU set from the host pool: one kernel call for the whole set, or one torch
+        job per expert without the kernel. Returns the futures and the buffer they write; each job
+        appends its finishing time to `ends`."""
         if not plan.cpu:
             return [], y
         if hidden.device.type == "cpu":
@@ -116,20 +185,37 @@ class ExpertStore:
             x, w = hidden.to("cpu"), weights.to("cpu")
             out = torch.zeros(y.shape, dtype=y.dtype)
 
-        def job(row: int):
+        def job(rows: list[int]):
             def run() -> None:
                 with torch.inference_mode():  # thread-local: the caller's mode does not carry over
-                    self._eval(self.pool.slot(row), groups[row], x, w, out, k)
+                    self._host_experts([self.pool.slot(r) for r in rows], [groups[r] for r in rows], x, w, out, k)
+                ends.append(time.perf_counter())
             return run
 
-        return self.cpu.start([job(r) for r in plan.cpu]), out
+        batches = [plan.cpu] if self.kernel else [[r] for r in plan.cpu]
+        return self.cpu.start([job(b) for b in batches]), out
 
     def rebuild(self, cache_slots: int) -> None:
-        """Resize the device cache (at a safe point); the host pool is untouched."""
+        """Resize the device cache (call at a safe point: no `run` in flight); the host pool is
+        untouched, so refills come from it. A transaction: if the new cache cannot be allocated
+        the old one stays (or, when both did not fit together, an empty one of the old size) and
+        the error is raised."""
         if self.strategy in (FUSED, CPU):
             raise ValueError(f"strategy {self.strategy} has no resizable cache")
-        self.cache = SlotCache(min(cache_slots, self.spec.num_expert_rows), self.pool.layout.slot_bytes,
-                               self.spec.num_expert_rows, self.device)
+        rows = self.spec.num_expert_rows
+        capacity = cache_capacity(self.strategy, cache_slots, rows)
+        old = self.cache.capacity
+        try:
+            self.cache = SlotCache(capacity, self.pool.layout.slot_bytes, rows, self.device)
+            return
+        except (RuntimeError, MemoryError):  # not both at once: free the old one and retry
+            pass
+        self.cache = SlotCache(0, self.pool.layout.slot_bytes, rows, self.device)
+        try:
+            self.cache = SlotCache(capacity, self.pool.layout.slot_bytes, rows, self.device)
+        except (RuntimeError, MemoryError) as e:
+            self.cache = SlotCache(old, self.pool.layout.slot_bytes, rows, self.device)
+            raise MemoryError(f"cannot allocate {capacity} expert slots; kept {old}") from e
 
     def close(self) -> None:
         self.cpu.close()

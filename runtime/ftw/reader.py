@@ -13,6 +13,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -132,13 +133,18 @@ class FTWModel:
                         for off in range(0, size, CHUNK)]
                 out.buffers.append(buf)
                 if pinner:
-                    pinner.after(jobs, buf)
+                    pinner.after(jobs, out, len(out.buffers) - 1)
                 else:
                     for j in jobs:
                         j.result()
         if pinner:
             pinner.join()
             out.pinned = True
+            if pinner.copied:
+                out.method += f" (copied to pinned memory: cudaHostRegister returned {pinner.copied})"
+            # Unregister before the mappings go away, or a later mapping at the same address
+            # cannot be registered.
+            weakref.finalize(out, _unregister, pinner.registered, list(out._keep))
         out.seconds = time.perf_counter() - t0
         return out
 
@@ -189,19 +195,22 @@ def _read_range(path: Path, dst: mmap.mmap, off: int, n: int, direct: bool,
 
 class _Pinner:
     """Page-locks each bank on one background thread as soon as its reads are done, so
-    registration (driver-serialised) overlaps the remaining reads."""
+    registration (driver-serialised) overlaps the remaining reads. Where registering is refused
+    (some sandboxes), the bank is copied into freshly allocated pinned memory instead."""
 
     def __init__(self):
-        self.items: list[tuple[list, torch.Tensor]] = []
+        self.items: list[tuple[list, HostBanks, int]] = []
+        self.registered: list[int] = []  # data pointers to unregister on release
+        self.copied: str = ""  # the error that forced copying, if any
         self.cond = threading.Condition()
         self.closed = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def after(self, jobs: list, buf: torch.Tensor) -> None:
+    def after(self, jobs: list, banks: HostBanks, index: int) -> None:
         with self.cond:
-            self.items.append((jobs, buf))
+            self.items.append((jobs, banks, index))
             self.cond.notify()
 
     def _run(self) -> None:
@@ -211,16 +220,29 @@ class _Pinner:
                     self.cond.wait()
                 if not self.items:
                     return
-                jobs, buf = self.items.pop(0)
+                jobs, banks, index = self.items.pop(0)
             try:
                 for j in jobs:
                     j.result()
-                if buf.numel():
-                    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-                    if int(err) != 0:
-                        raise FTWError(f"cudaHostRegister failed ({err}); run with pinning off")
+                self._pin(banks, index)
             except BaseException as e:  # surfaced by join()
                 self.error = self.error or e
+
+    def _pin(self, banks: HostBanks, index: int) -> None:
+        buf = banks.buffers[index]
+        if not buf.numel():
+            return
+        if not self.copied:
+            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            code = int(getattr(err, "value", err))
+            if code == 0:
+                self.registered.append(buf.data_ptr())
+                return
+            self.copied = f"error {code}"
+        pinned = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(buf)
+        banks.buffers[index] = pinned
+        banks._keep[index] = None  # the read buffer is no longer needed
 
     def join(self) -> None:
         with self.cond:
@@ -229,3 +251,8 @@ class _Pinner:
         self.thread.join()
         if self.error:
             raise self.error
+
+
+def _unregister(pointers: list[int], keep_alive: list[object]) -> None:
+    for ptr in pointers:
+        torch.cuda.cudart().cudaHostUnregister(ptr)

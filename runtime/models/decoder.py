@@ -30,9 +30,11 @@ class MoEDecoder:
     # transformers' Qwen/OLMoE routers cast the top-k weights to the hidden dtype; Mixtral's
     # keeps them float32 (its experts then scale in float32 and cast the product).
     cast_router_weights = True
+    # layer kinds this decoder's forward pass implements; a subclass adds what it handles
+    supported_kinds: frozenset[str] = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner):
-        kinds = set(spec.layer_kinds) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        kinds = set(spec.layer_kinds) - self.supported_kinds
         if kinds:
             raise ValueError(f"{spec.architecture}: layer kind(s) {', '.join(sorted(kinds))} not supported")
         self.spec, self.w, self.experts = spec, weights, experts

@@ -20,6 +20,7 @@ def main() -> None:
     ap.add_argument("dir", type=Path)
     ap.add_argument("--gib", type=float, default=3.0)
     ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--pin", action="store_true", help="page-lock each bank after reading (needs CUDA)")
     args = ap.parse_args()
     path = args.dir / "read-bench.ftw"
     if not (path / "manifest.json").is_file():
@@ -35,10 +36,10 @@ def main() -> None:
             print("O_DIRECT: refused by this filesystem")
             continue
         reader.probe_odirect = (lambda p: True) if use_direct else (lambda p: False)
-        banks = model.read_banks(threads=args.threads, pin=False)
+        banks = model.read_banks(threads=args.threads, pin=args.pin)
         gb = banks.nbytes / 1e9
         print(f"{label}: {gb:.2f} GB in {banks.seconds:.2f} s = {gb / banks.seconds:.2f} GB/s "
-              f"({args.threads} threads)")
+              f"({args.threads} threads{', pinned' if banks.pinned else ''})")
         del banks
 
 

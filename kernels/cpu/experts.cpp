@@ -1,0 +1,282 @@
+// CPU expert kernels: gate-weighted SwiGLU experts read straight from host-pool slots.
+//
+// Built by ftkit.kernels.cpu with -O3 -march=native -fopenmp -ffp-contract=off and called through
+// ctypes (plain C ABI, raw pointers, GIL released). Decode is memory-bound: each weight byte is
+// read once per call, converted to float32 in registers, and used for every token of its expert.
+//
+// Determinism: every (row, token) dot product is accumulated by one thread in one fixed order,
+// whatever the thread count, the other tokens or the other experts of the call, so an assignment's
+// result is bitwise reproducible however the runtime batches or splits a layer.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Dtype { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3 };
+
+float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 31) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {  // zero or subnormal: man * 2^-24 is exact in float32
+    float f = std::ldexp(float(man), -24);
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// One SIMD vector of W floats; the widest ISA the compiler was told about.
+#if defined(__AVX512F__)
+constexpr int W = 16, TBMAX = 8;  // 2 rows x 8 tokens = 16 accumulators of 32 registers
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float s) { return _mm512_set1_ps(s); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+inline V load_bf16(const uint8_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline V load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline V load_i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+const char* const ISA = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int W = 8, TBMAX = 4;  // 2 rows x 4 tokens = 8 accumulators of 16 registers
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset(float s) { return _mm256_set1_ps(s); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline float vsum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline V load_bf16(const uint8_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline V load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline V load_i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+const char* const ISA = "avx2";
+#else
+constexpr int W = 1, TBMAX = 4;  // portable scalar code (still correct, far from DRAM speed)
+using V = float;
+inline V vzero() { return 0.0f; }
+inline V vset(float s) { return s; }
+inline V vload(const float* p) { return *p; }
+inline V vfma(V a, V b, V c) { return a * b + c; }
+inline V vmul(V a, V b) { return a * b; }
+inline V vadd(V a, V b) { return a + b; }
+inline float vsum(V a) { return a; }
+inline V load_bf16(const uint8_t* p) { uint16_t b; std::memcpy(&b, p, 2); return bf16_to_float(b); }
+inline V load_f16(const uint8_t* p) { uint16_t b; std::memcpy(&b, p, 2); return half_to_float(b); }
+inline V load_i8(const uint8_t* p) { return float(int8_t(*p)); }
+const char* const ISA = "scalar";
+#endif
+
+// Weight rows by stored dtype: `vec` loads W weights at element i as floats, `one` a single one.
+struct LoadF32 {
+  static size_t row_bytes(int n) { return size_t(n) * 4; }
+  static V vec(const uint8_t* r, int i) { return vload((const float*)r + i); }
+  static float one(const uint8_t* r, int i) { float f; std::memcpy(&f, r + 4 * size_t(i), 4); return f; }
+};
+struct LoadBF16 {
+  static size_t row_bytes(int n) { return size_t(n) * 2; }
+  static V vec(const uint8_t* r, int i) { return load_bf16(r + 2 * size_t(i)); }
+  static float one(const uint8_t* r, int i) { uint16_t b; std::memcpy(&b, r + 2 * size_t(i), 2); return bf16_to_float(b); }
+};
+struct LoadF16 {
+  static size_t row_bytes(int n) { return size_t(n) * 2; }
+  static V vec(const uint8_t* r, int i) { return load_f16(r + 2 * size_t(i)); }
+  static float one(const uint8_t* r, int i) { uint16_t b; std::memcpy(&b, r + 2 * size_t(i), 2); return half_to_float(b); }
+};
+// q8_0: blocks of 34 bytes, an fp16 scale then 32 int8. W divides 32, so a vector never crosses a
+// block; q * scale is exact in float32 (8 + 11 significant bits), as in dequantize_q8_0.
+struct LoadQ8 {
+  static size_t row_bytes(int n) { return size_t(n / 32) * 34; }
+  static float scale(const uint8_t* b) { uint16_t h; std::memcpy(&h, b, 2); return half_to_float(h); }
+  static V vec(const uint8_t* r, int i) {
+    const uint8_t* b = r + size_t(i / 32) * 34;
+    return vmul(load_i8(b + 2 + i % 32), vset(scale(b)));
+  }
+  static float one(const uint8_t* r, int i) {
+    const uint8_t* b = r + size_t(i / 32) * 34;
+    return float(int8_t(b[2 + i % 32])) * scale(b);
+  }
+};
+
+// s[r][t] = dot(rows[r][0:n], xs[t][0:n]) for R weight rows and TB tokens: each weight vector is
+// loaded once and used TB times; R independent rows keep the FMA units busy at TB = 1.
+template <class L, int R, int TB>
+void dot(const uint8_t* const* rows, int n, const float* const* xs, float (*s)[TBMAX]) {
+  V acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = vzero();
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    V x[TB];
+    for (int t = 0; t < TB; ++t) x[t] = vload(xs[t] + i);
+    for (int r = 0; r < R; ++r) {
+      const V w = L::vec(rows[r], i);
+      for (int t = 0; t < TB; ++t) acc[r][t] = vfma(w, x[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) s[r][t] = vsum(acc[r][t]);
+  for (; i < n; ++i)  // the tail when n is not a multiple of W
+    for (int r = 0; r < R; ++r) {
+      const float w = L::one(rows[r], i);
+      for (int t = 0; t < TB; ++t) s[r][t] += w * xs[t][i];
+    }
+}
+
+// dot<L, R, tb> for a runtime tb in 1..TB.
+template <class L, int R, int TB = TBMAX>
+void dot_n(int tb, const uint8_t* const* rows, int n, const float* const* xs, float (*s)[TBMAX]) {
+  if constexpr (TB > 1) {
+    if (tb < TB) return dot_n<L, R, TB - 1>(tb, rows, n, xs, s);
+  }
+  dot<L, R, TB>(rows, n, xs, s);
+}
+
+struct Call {
+  int H, I;
+  const int64_t* part_off;  // byte offsets of gate [I,H], up [I,H], down [H,I] within a slot
+  int n;                    // experts in this call
+  const uint8_t* const* slots;
+  const int64_t* start;    // [n + 1]: expert e owns assignments start[e] .. start[e+1]
+  const int64_t* tok;      // per assignment: its row of x
+  const float* weight;     // per assignment: its router weight
+  const int64_t* out_row;  // per assignment: its row of out
+  const float* x;          // [tokens, H] float32
+  float* out;              // [rows, H] float32
+  int threads;
+};
+
+// Rows per work item: big enough to stream (gate+up: 2 x 16 rows x H; down: 64 rows x I), small
+// enough that the dynamic schedule balances a few experts over many threads.
+constexpr int CHUNK_GU = 16, CHUNK_D = 64;
+
+template <class L>
+void run(const Call& c) {
+  const int H = c.H, I = c.I;
+  const size_t rb_gu = L::row_bytes(H), rb_d = L::row_bytes(I);
+  std::vector<float> h(size_t(c.start[c.n]) * I);  // silu(gate x) * (up x), one row per assignment
+  const long chunks_gu = (I + CHUNK_GU - 1) / CHUNK_GU, chunks_d = (H + CHUNK_D - 1) / CHUNK_D;
+#pragma omp parallel num_threads(c.threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (long k = 0; k < c.n * chunks_gu; ++k) {
+      const long e = k / chunks_gu;
+      const int i0 = int(k % chunks_gu) * CHUNK_GU, i1 = std::min(I, i0 + CHUNK_GU);
+      const uint8_t* gate = c.slots[e] + c.part_off[0];
+      const uint8_t* up = c.slots[e] + c.part_off[1];
+      for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
+        const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
+        const float* xs[TBMAX];
+        for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
+        for (int i = i0; i < i1; ++i) {
+          const uint8_t* rows[2] = {gate + i * rb_gu, up + i * rb_gu};
+          float s[2][TBMAX];
+          dot_n<L, 2>(tb, rows, H, xs, s);
+          for (int t = 0; t < tb; ++t)
+            h[size_t(a0 + t) * I + i] = s[0][t] / (1.0f + std::exp(-s[0][t])) * s[1][t];
+        }
+      }
+    }  // implicit barrier: every h row is complete before any down row reads it
+#pragma omp for schedule(dynamic, 1)
+    for (long k = 0; k < c.n * chunks_d; ++k) {
+      const long e = k / chunks_d;
+      const int j0 = int(k % chunks_d) * CHUNK_D, j1 = std::min(H, j0 + CHUNK_D);
+      const uint8_t* down = c.slots[e] + c.part_off[2];
+      for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
+        const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
+        const float* hs[TBMAX];
+        for (int t = 0; t < tb; ++t) hs[t] = h.data() + size_t(a0 + t) * I;
+        for (int j = j0; j < j1; j += 2) {
+          const uint8_t* rows[2] = {down + j * rb_d, down + (j + 1) * rb_d};
+          float s[2][TBMAX];
+          const int r = j + 1 < j1 ? 2 : 1;
+          if (r == 2) dot_n<L, 2>(tb, rows, I, hs, s);
+          else dot_n<L, 1>(tb, rows, I, hs, s);
+          for (int t = 0; t < tb; ++t) {
+            float* o = c.out + size_t(c.out_row[a0 + t]) * H;
+            for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * s[q][t];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* ftk_isa() { return ISA; }
+
+// out[out_row[a]] = weight[a] * down(silu(gate x[tok[a]]) * up x[tok[a]]) for every assignment a
+// of every expert; rows of out that no assignment names are left untouched. Returns 0, or -1 for
+// an unknown dtype.
+int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const uint8_t* const* slots,
+                const int64_t* start, const int64_t* tok, const float* weight, const int64_t* out_row,
+                const float* x, float* out, int threads) {
+  const Call c{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads)};
+  if (n <= 0) return 0;
+  switch (dtype) {
+    case F32: run<LoadF32>(c); return 0;
+    case F16: run<LoadF16>(c); return 0;
+    case BF16: run<LoadBF16>(c); return 0;
+    case Q8_0: run<LoadQ8>(c); return 0;
+  }
+  return -1;
+}
+
+// A plain parallel read of `nbytes` (a multiple of 64) as floats: the DRAM bandwidth reference
+// the expert kernel is measured against. Returns the sum so the reads cannot be optimised away.
+double ftk_read(const uint8_t* p, int64_t nbytes, int threads) {
+  const int64_t block = 1 << 16, blocks = (nbytes + block - 1) / block;
+  double total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(std::max(1, threads))
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* f = (const float*)(p + b * block);
+    const int64_t n = std::min(block, nbytes - b * block) / 4;
+    V acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    int64_t i = 0;
+    for (; i + 4 * W <= n; i += 4 * W)
+      for (int u = 0; u < 4; ++u) acc[u] = vadd(acc[u], vload(f + i + u * W));
+    for (; i + W <= n; i += W) acc[0] = vadd(acc[0], vload(f + i));
+    total += vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
+  }
+  return total;
+}
+
+}  // extern "C"

@@ -1,0 +1,193 @@
+"""The request scheduler: one thread steps a bounded set of running generations in turn.
+
+The decoder runs one sequence per forward, so concurrency is interleaving: every pass of the
+loop advances each running request by one token (its first step is its prefill). Between passes
+no forward is in flight: that is the safe point where waiting requests are admitted, cancelled
+ones dropped and cache rebuilds applied, so a rebuild never loses or disturbs a request.
+
+Admission is bounded twice: at most `max_running` requests, and their KV reservations
+(prompt + the tokens they may still generate) within the KV budget in tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from .generate import Generation, stream
+from .loader import Runtime
+from .memory import MemoryPlan
+from .sampling import SamplingParams
+
+
+@dataclass
+class Event:
+    """One generated token (`token`, `delta`), or the end: `done` with `gen` final or `error`."""
+
+    gen: Generation | None
+    token: int | None = None
+    delta: str = ""
+    done: bool = False
+    error: str | None = None
+
+
+class Request:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Event], None],
+                 keep_special: frozenset[int] = frozenset(), context: int | None = None):
+        self.prompt_ids, self.params, self.sink, self.keep_special = prompt_ids, params, sink, keep_special
+        new = params.max_tokens if context is None else min(params.max_tokens, context - len(prompt_ids))
+        self.kv_tokens = len(prompt_ids) + max(0, new)
+        self.cancelled = threading.Event()
+        self.steps: Iterator[tuple[int, str, Generation]] | None = None
+        self.gen: Generation | None = None
+
+    def cancel(self) -> None:
+        """Safe from any thread; the scheduler drops the request at its next safe point."""
+        self.cancelled.set()
+
+
+class RebuildError(Exception):
+    """A rebuild that was refused or rolled back; the old split is in force."""
+
+
+class Scheduler:
+    def __init__(self, rt: Runtime, plan: MemoryPlan, max_running: int = 4,
+                 stream_fn: Callable[..., Iterator[tuple[int, str, Generation]]] = stream):
+        if max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        self.rt, self.plan, self.max_running, self.stream_fn = rt, plan, max_running, stream_fn
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.rebuilds: deque[tuple[int | None, int | None, Future]] = deque()
+        self.cond = threading.Condition()
+        self.closed = False
+        self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0,
+                       "prompt_tokens": 0, "generated_tokens": 0}
+        self.busy_seconds = 0.0
+        self.started = time.time()
+        self.thread = threading.Thread(target=self._loop, name="ftkit-scheduler", daemon=True)
+        self.thread.start()
+
+    @property
+    def context(self) -> int:
+        return self.rt.spec.max_position_embeddings
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; raises ValueError when it could never be admitted."""
+        if req.kv_tokens > self.plan.kv_tokens:
+            raise ValueError(f"the request needs {req.kv_tokens} KV tokens (prompt + max_tokens), more "
+                             f"than the server's KV budget of {self.plan.kv_tokens}; lower max_tokens")
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("the scheduler is closed")
+            self.waiting.append(req)
+            self.counts["submitted"] += 1
+            self.cond.notify()
+
+    def rebuild(self, expert_slots: int | None, kv_tokens: int | None) -> Future:
+        """Ask for a new expert cache / KV budget at the next safe point; the future gives the
+        new plan or raises RebuildError (the old split stays)."""
+        fut: Future = Future()
+        with self.cond:
+            self.rebuilds.append((expert_slots, kv_tokens, fut))
+            self.cond.notify()
+        return fut
+
+    def stats(self) -> dict:
+        with self.cond:
+            c = dict(self.counts)
+            kv_used = sum(r.kv_tokens for r in self.running)
+            c.update(running=len(self.running), waiting=len(self.waiting), max_running=self.max_running,
+                     kv_tokens_reserved=kv_used, uptime_seconds=round(time.time() - self.started, 1),
+                     decode_tok_s=round(c["generated_tokens"] / self.busy_seconds, 2) if self.busy_seconds else None)
+        return c
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout=10)
+
+    # ---- the loop (scheduler thread only) ---------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.waiting or self.running or self.rebuilds or self.closed):
+                    self.cond.wait()
+                if self.closed:
+                    break
+                while self.rebuilds:
+                    self._apply_rebuild(*self.rebuilds.popleft())
+                self._admit()
+                batch = list(self.running)
+            t0 = time.perf_counter()
+            for req in batch:
+                self._step(req)
+            self.busy_seconds += time.perf_counter() - t0
+        for req in [*self.running, *self.waiting]:
+            self._finish(req, "cancelled", error="the server is shutting down")
+
+    def _admit(self) -> None:
+        used = sum(r.kv_tokens for r in self.running)
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if req.cancelled.is_set():
+                self.waiting.popleft()
+                self._finish(req, "cancelled")
+                continue
+            if used + req.kv_tokens > self.plan.kv_tokens:
+                break  # first come, first served: wait for KV to free up
+            self.waiting.popleft()
+            req.steps = self.stream_fn(self.rt, req.prompt_ids, req.params, keep_special=req.keep_special)
+            self.running.append(req)
+            self.counts["prompt_tokens"] += len(req.prompt_ids)
+            used += req.kv_tokens
+
+    def _step(self, req: Request) -> None:
+        if req.cancelled.is_set():
+            req.steps.close()  # frees its KV cache
+            self._finish(req, "cancelled")
+            return
+        try:
+            token, delta, req.gen = next(req.steps)
+        except StopIteration:
+            self._finish(req, "completed")
+        except Exception as e:  # a failed request must not take the others down
+            self._finish(req, "failed", error=f"{type(e).__name__}: {e}")
+        else:
+            self.counts["generated_tokens"] += 1
+            req.sink(Event(req.gen, token, delta))
+
+    def _finish(self, req: Request, outcome: str, error: str | None = None) -> None:
+        with self.cond:
+            if req in self.running:
+                self.running.remove(req)
+            self.counts[outcome] += 1
+        if req.gen is None:
+            req.gen = Generation(len(req.prompt_ids), finish_reason="length")
+        req.gen.finish_reason = req.gen.finish_reason or "length"
+        req.sink(Event(req.gen, done=True, error=error))
+
+    def _apply_rebuild(self, expert_slots: int | None, kv_tokens: int | None, fut: Future) -> None:
+        if expert_slots is not None:
+            expert_slots = min(expert_slots, self.rt.spec.num_expert_rows)
+        new = self.plan.with_sizes(expert_slots, kv_tokens)
+        try:
+            if new.kv_tokens < 1 or (expert_slots is not None and expert_slots < 1):
+                raise RebuildError("expert slots and KV tokens must be >= 1")
+            if not new.fits:
+                raise RebuildError(new.advice())
+            if expert_slots is not None and expert_slots != self.rt.store.cache.capacity:
+                try:
+                    self.rt.store.rebuild(expert_slots)
+                except (ValueError, MemoryError) as e:
+                    raise RebuildError(str(e)) from e
+            self.plan = new.with_sizes(expert_slots=self.rt.store.cache.capacity)
+        except RebuildError as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(self.plan)

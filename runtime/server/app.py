@@ -1,0 +1,56 @@
+"""The FastAPI app: routers, API-key check, and errors in the shape of the API that was called."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from . import anthropic, control, openai, responses
+from .core import ServerState
+from .errors import ApiError, body_for
+
+OPEN_PATHS = {"/health"}  # answered without a key, for load balancers and `ft-run ctl`
+
+
+def _key_of(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="ftkit", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    def error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(body_for(request.url.path, e), status_code=e.status)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if state.api_key and request.url.path not in OPEN_PATHS:
+            key = _key_of(request)
+            if key is None or not secrets.compare_digest(key.encode(), state.api_key.encode()):
+                what = "missing" if key is None else "invalid"
+                return error(request, ApiError(401, f"{what} API key (send 'Authorization: Bearer KEY' or "
+                                                    f"'x-api-key: KEY')", code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error(request, e)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return error(request, ApiError(400, str(e)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return error(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    for module in (openai, responses, anthropic, control):
+        app.include_router(module.router(state))
+    return app

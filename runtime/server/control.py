@@ -1,0 +1,56 @@
+"""Control API: `GET /health`, `GET /v1/stats`, `POST /v1/cache/rebuild` (elastic memory)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ..engine.scheduler import RebuildError
+from . import fields
+from .core import ServerState, read_json
+from .errors import ApiError
+
+
+def memory(state: ServerState) -> dict[str, Any]:
+    p = state.scheduler.plan
+    return {"dense_bytes": p.dense_bytes, "kv_tokens": p.kv_tokens, "kv_bytes": p.kv_bytes,
+            "expert_slots": p.expert_slots, "expert_bytes": p.expert_bytes, "device_total_bytes": p.total_bytes,
+            "budget_bytes": p.budget_bytes, "host_pool_bytes": state.rt.pool.nbytes}
+
+
+def router(state: ServerState) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": state.model_name}
+
+    @r.get("/v1/stats")
+    async def stats() -> dict:
+        store = state.rt.store
+        e = store.stats.totals()
+        return {"model": state.model_name, "requests": state.scheduler.stats(),
+                "experts": {"strategy": store.strategy, "cache_slots": store.cache.capacity,
+                            "resident": len(store.cache), "active": e.active, "hits": e.hits,
+                            "misses": e.misses, "fills": e.fills, "cpu": e.cpu,
+                            "miss_rate": round(store.stats.miss_rate, 4)},
+                "memory": memory(state)}
+
+    @r.post("/v1/cache/rebuild")
+    async def rebuild(request: Request) -> dict:
+        """New expert-cache and/or KV budgets, applied between scheduler steps; refused or rolled
+        back (409, the old split in force) when they cannot be allocated."""
+        body = await read_json(request)
+        experts = fields.get(body, "experts", int, None)
+        kv = fields.get(body, "kv_tokens", int, None)
+        if experts is None and kv is None:
+            raise ApiError(400, "give 'experts' and/or 'kv_tokens'")
+        try:
+            await asyncio.wrap_future(state.scheduler.rebuild(experts, kv))
+        except RebuildError as e:
+            raise ApiError(409, f"rebuild refused, the old split stays: {e}", code="rebuild_failed") from None
+        return {"applied": True, "memory": memory(state)}
+
+    return r

@@ -1,0 +1,211 @@
+"""What both APIs share: the served model, prompt encoding and limits, sampling fields, and a
+generation job that bridges the scheduler thread to asyncio and cancels on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.loader import Runtime
+from ..engine.sampling import SamplingParams
+from ..engine.scheduler import Event, Request, Scheduler
+from . import fields
+from .errors import ApiError
+from .toolcalls import Item, parser_for, tag_tokens
+
+# How often a non-streaming request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerState:
+    rt: Runtime
+    scheduler: Scheduler
+    model_name: str
+    api_key: str | None = None
+
+    @property
+    def context(self) -> int:
+        return self.rt.spec.max_position_embeddings
+
+    @property
+    def keep_special(self) -> frozenset[int]:
+        """Token ids of the tool-call tags, kept in the text so the parser can see them."""
+        tok = self.rt.tokenizer
+        ids = (tok.token_id(t) for t in tag_tokens(self.rt.spec.family)) if tok else ()
+        return frozenset(i for i in ids if i is not None)
+
+    def tool_parser(self):
+        cls = parser_for(self.rt.spec.family)
+        return cls() if cls else None
+
+    def check_model(self, body: dict[str, Any]) -> str:
+        model = fields.get(body, "model", str)
+        if model != self.model_name:
+            raise ApiError(404, f"model '{model}' not found; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return model
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, check: bool = True) -> list[int]:
+        tok = self.rt.tokenizer
+        if tok is None or tok.template is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        try:
+            text = tok.chat(messages, tools=tools or None)
+        except Exception as e:  # a template's raise_exception() or a message it cannot render
+            raise ApiError(400, f"the chat template rejected the messages: {e}") from None
+        ids = tok.encode(text)
+        return self.check_prompt(ids) if check else ids
+
+    def encode_text(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(t, int) and 0 <= t < self.rt.spec.vocab_size for t in prompt):
+                raise ApiError(400, "'prompt' token ids must be a non-empty array of ids in the vocabulary",
+                               param="prompt")
+            return self.check_prompt(prompt)
+        if self.rt.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer; send 'prompt' as token ids", param="prompt")
+        return self.check_prompt(self.rt.tokenizer.encode(prompt))
+
+    def check_prompt(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ApiError(400, "the prompt is empty")
+        if len(ids) >= self.context:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {self.context} "
+                                f"tokens, and at least one must be left to generate", code="context_length_exceeded")
+        return ids
+
+    def max_tokens(self, body: dict[str, Any], name: str, default: int | None) -> int:
+        """A `max_tokens` field: 1..context (the reply is also cut where the context ends)."""
+        value = fields.get(body, name, int, fields.REQUIRED if default is None else default)
+        if not 1 <= value <= self.context:
+            raise ApiError(400, f"'{name}' must be between 1 and the context length {self.context}, got {value}",
+                           param=name)
+        return value
+
+
+def sampling(body: dict[str, Any], max_tokens: int, stop: list[str], top_k: bool = False) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=fields.get_range(body, "temperature", float, 0.0, 2.0, 1.0),
+            top_p=fields.get_range(body, "top_p", float, 0.0, 1.0, 1.0),
+            top_k=fields.get(body, "top_k", int, 0) if top_k else 0,
+            seed=fields.get(body, "seed", int, None),
+            stop=stop,
+            ignore_eos=fields.get(body, "ignore_eos", bool, False),  # a vLLM extension; benchmarks use it
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+class Job:
+    """One request in the scheduler, its events as an async stream."""
+
+    def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
+        self.req = Request(prompt_ids, params, sink, state.keep_special, state.context)
+        self.prompt_tokens = len(prompt_ids)
+        try:
+            state.scheduler.submit(self.req)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def events(self, http_request: Any = None) -> AsyncIterator[Event]:
+        """Token events then the final one; the request is cancelled if the consumer stops
+        early (a streaming client went away) or `http_request` reports a disconnect."""
+        try:
+            while True:
+                if http_request is None:
+                    ev = await self.queue.get()
+                else:
+                    try:
+                        ev = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        if await http_request.is_disconnected():
+                            return
+                        continue
+                if ev.done and ev.error:
+                    raise ApiError(500, f"generation failed: {ev.error}")
+                yield ev
+                if ev.done:
+                    return
+        finally:
+            self.req.cancel()
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"{head}data: {payload}\n\n"
+
+
+class Reply:
+    """Generated text -> items (text pieces and tool calls); parsed only when tools are on."""
+
+    def __init__(self, state: ServerState, tools_on: bool):
+        self.parser = state.tool_parser() if tools_on else None
+        self.calls = 0
+
+    def feed(self, delta: str) -> list[Item]:
+        if self.parser:
+            return self._layout(self.parser.feed(delta))
+        return [delta] if delta else []
+
+    def finish(self) -> list[Item]:
+        return self._layout(self.parser.finish()) if self.parser else []
+
+    def _layout(self, items: list[Item]) -> list[Item]:
+        """Drop whitespace-only text once calls have started: it is the newlines between them."""
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                if self.calls and not item.strip():
+                    continue
+            else:
+                self.calls += 1
+            out.append(item)
+        return out
+
+
+async def read_json(request: Any) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def text_of(content: Any, where: str) -> str:
+    """Message content as text: a string, or an array of text parts (other kinds are refused)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise ApiError(400, f"{where}: content parts must be objects")
+            if part.get("type") in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                raise ApiError(400, f"{where}: content part type {part.get('type')!r} is not supported "
+                                    f"(text only)")
+        return "".join(out)
+    raise ApiError(400, f"{where}: content must be a string or an array of parts")

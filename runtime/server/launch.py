@@ -1,0 +1,63 @@
+"""`ft-run serve`: size the memory plan, refuse with advice if it cannot fit, load, run uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from pathlib import Path
+
+from ..engine.loader import Runtime, RuntimeOptions
+from ..engine.memory import MemoryPlan, device_budget, plan_memory
+from ..ftw.reader import FTWModel
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8741
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def make_plan(model: Path, opts: RuntimeOptions, max_running: int, kv_tokens: int | None,
+              device_memory: int | None) -> MemoryPlan:
+    """The start-up plan; default KV budget: a full context for each running request."""
+    if kv_tokens is None:
+        kv_tokens = max_running * FTWModel(model).spec.max_position_embeddings
+    if kv_tokens < 1:
+        raise ValueError("--kv-tokens must be >= 1")
+    budget = device_memory if device_memory is not None else device_budget(opts.device)
+    return plan_memory(model, opts, kv_tokens, budget)
+
+
+def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+          api_key: str | None = None, max_running: int = 4, kv_tokens: int | None = None,
+          device_memory: int | None = None, served_name: str | None = None,
+          say: Callable[[str], None] = print) -> None:
+    import uvicorn  # only here: the runtime works without the serve extra
+
+    from ..engine.scheduler import Scheduler
+    from .app import create_app
+    from .core import ServerState
+
+    plan = make_plan(model, opts, max_running, kv_tokens, device_memory)
+    say(plan.describe())
+    if not plan.fits:
+        raise ValueError(plan.advice())
+    if not is_loopback(host) and not api_key:
+        say(f"WARNING: serving on {host}, reachable from other machines, with no --api-key: anyone who can "
+            f"reach it can use it")
+    rt = Runtime(model, opts)
+    scheduler = Scheduler(rt, plan, max_running)
+    try:
+        state = ServerState(rt, scheduler, served_name or Path(model).name, api_key)
+        say(f"serving {state.model_name} on http://{host}:{port} (OpenAI /v1/chat/completions, Anthropic "
+            f"/v1/messages, control /v1/stats)")
+        uvicorn.run(create_app(state), host=host, port=port, log_level="warning")
+    finally:
+        scheduler.close()
+        rt.close()

@@ -1,0 +1,190 @@
+"""OpenAI Responses API (`POST /v1/responses`), as Codex uses it: string or item input, function
+tools (other tool kinds are ignored, not refused), streaming events. Responses are not stored,
+so `previous_response_id` is refused with a clear error; an empty input is answered at once."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from . import fields
+from .core import Job, Reply, ServerState, read_json, sampling, sse, text_of
+from .errors import ApiError
+from .toolcalls import Item, ToolCall
+
+
+def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`instructions` + `input` -> the chat template's messages."""
+    out: list[dict[str, Any]] = []
+    if instructions := fields.get(body, "instructions", str, ""):
+        out.append({"role": "system", "content": instructions})
+    raw = fields.get(body, "input", (str, list))
+    if isinstance(raw, str):
+        return out + ([{"role": "user", "content": raw}] if raw else [])
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"{where} must be an object", param="input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("system", "user", "assistant"):
+                raise ApiError(400, f"{where}.role must be user, assistant, system or developer", param="input")
+            out.append({"role": role, "content": text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if out and out[-1]["role"] == "assistant":  # calls after the text belong to the same turn
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "content": output if isinstance(output, str) else text_of(output, where)})
+        # reasoning items and outputs of tool kinds we do not run carry nothing the template renders
+    return out
+
+
+def function_tools(body: dict[str, Any]) -> list[dict] | None:
+    """Function tools in the chat template's shape; other kinds (web_search, custom...) ignored."""
+    tools = fields.get(body, "tools", list, [])
+    if fields.get(body, "tool_choice", (str, dict), "auto") == "none":
+        return None
+    out = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                             "parameters": t.get("parameters") or {}}}
+           for t in tools if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)]
+    return out or None
+
+
+class Builder:
+    """Reply items -> output items and the stream events that build them."""
+
+    def __init__(self, head: dict[str, Any]):
+        self.head, self.output, self.seq = head, [], 0
+        self.message: dict[str, Any] | None = None  # the open message item, if any
+
+    def event(self, kind: str, **data: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **data}
+
+    def response(self, status: str, usage: dict | None = None, incomplete: str | None = None) -> dict:
+        return {**self.head, "status": status, "output": self.output, "usage": usage,
+                "incomplete_details": {"reason": incomplete} if incomplete else None}
+
+    def add(self, item: Item) -> Iterator[dict]:
+        if isinstance(item, ToolCall):
+            yield from self.close_message()
+            fc = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": item.id,
+                  "name": item.name, "arguments": "", "status": "in_progress"}
+            idx = len(self.output)
+            self.output.append(fc)
+            yield self.event("response.output_item.added", output_index=idx, item=dict(fc))
+            yield self.event("response.function_call_arguments.delta", item_id=fc["id"], output_index=idx,
+                             delta=item.arguments)
+            fc.update(arguments=item.arguments, status="completed")
+            yield self.event("response.function_call_arguments.done", item_id=fc["id"], output_index=idx,
+                             arguments=item.arguments)
+            yield self.event("response.output_item.done", output_index=idx, item=fc)
+            return
+        if self.message is None:
+            self.message = {"type": "message", "id": "msg_" + secrets.token_hex(12), "status": "in_progress",
+                            "role": "assistant", "content": []}
+            self.output.append(self.message)
+            yield self.event("response.output_item.added", output_index=len(self.output) - 1,
+                             item={**self.message, "content": []})
+            part = {"type": "output_text", "text": "", "annotations": []}
+            self.message["content"].append(part)
+            yield self.event("response.content_part.added", item_id=self.message["id"],
+                             output_index=len(self.output) - 1, content_index=0, part=dict(part))
+        self.message["content"][0]["text"] += item
+        yield self.event("response.output_text.delta", item_id=self.message["id"],
+                         output_index=self.output.index(self.message), content_index=0, delta=item)
+
+    def close_message(self) -> Iterator[dict]:
+        if self.message is None:
+            return
+        m, self.message = self.message, None
+        idx, part = self.output.index(m), m["content"][0]
+        m["status"] = "completed"
+        yield self.event("response.output_text.done", item_id=m["id"], output_index=idx, content_index=0,
+                         text=part["text"])
+        yield self.event("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0,
+                         part=part)
+        yield self.event("response.output_item.done", output_index=idx, item=m)
+
+
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def router(state: ServerState) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/responses")
+    async def responses(request: Request) -> Any:
+        body = await read_json(request)
+        state.check_model(body)
+        if body.get("previous_response_id"):
+            raise ApiError(400, "previous_response_id is not supported: this server does not store responses; "
+                                "send the whole conversation in 'input'", param="previous_response_id")
+        stream = fields.get(body, "stream", bool, False)
+        messages, tools = input_messages(body), function_tools(body)
+        head = {"id": "resp_" + secrets.token_hex(12), "object": "response", "created_at": int(time.time()),
+                "model": state.model_name, "error": None, "instructions": body.get("instructions"),
+                "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
+                "parallel_tool_calls": True, "store": False, "metadata": body.get("metadata") or {},
+                "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                "text": {"format": {"type": "text"}}, "truncation": "disabled"}
+        b = Builder(head)
+        if not any(m["role"] != "system" for m in messages):  # a probe: nothing to answer
+            done = b.response("completed", _usage(0, 0))
+            if stream:
+                events = [b.event("response.created", response=b.response("in_progress")),
+                          b.event("response.completed", response=done)]
+                return StreamingResponse(iter(sse(e, e["type"]) for e in events), media_type="text/event-stream")
+            return done
+        ids = state.encode_chat(messages, tools)
+        limit = state.max_tokens(body, "max_output_tokens", state.context)
+        job = Job(state, ids, sampling(body, limit, []))
+        reply = Reply(state, tools is not None)
+        if stream:
+            return StreamingResponse(_stream(job, reply, b), media_type="text/event-stream")
+        final = None
+        async for e in _events(job, reply, b, request):
+            final = e
+        if final is None or final["type"] not in ("response.completed", "response.incomplete"):
+            raise ApiError(499, "the client went away")
+        return final["response"]
+
+    return r
+
+
+async def _events(job: Job, reply: Reply, b: Builder, http_request: Any = None) -> AsyncIterator[dict]:
+    yield b.event("response.created", response=b.response("in_progress"))
+    yield b.event("response.in_progress", response=b.response("in_progress"))
+    async for ev in job.events(http_request):
+        for item in reply.finish() if ev.done else reply.feed(ev.delta):
+            for e in b.add(item):
+                yield e
+        if ev.done:
+            for e in b.close_message():
+                yield e
+            length = ev.gen.finish_reason == "length"
+            kind = "response.incomplete" if length else "response.completed"
+            yield b.event(kind, response=b.response(
+                "incomplete" if length else "completed", _usage(job.prompt_tokens, len(ev.gen.token_ids)),
+                "max_output_tokens" if length else None))
+
+
+async def _stream(job: Job, reply: Reply, b: Builder) -> AsyncIterator[str]:
+    try:
+        async for e in _events(job, reply, b):
+            yield sse(e, e["type"])
+    except ApiError as e:
+        yield sse(b.event("error", message=e.message, code="server_error"), "error")

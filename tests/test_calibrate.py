@@ -1,0 +1,94 @@
+"""ft-calibrate's CPU-only profile, the profile reader, and the planner's online correction."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ftkit.runtime.experts.planner import Planner
+from ftkit.runtime.experts.store import resolve_strategy
+from ftkit.runtime.profile import Bandwidths, load_profile
+from ftkit.tools.calibrate.cli import app
+
+
+def test_cpu_only_calibrate_writes_a_profile_that_makes_auto_pick_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    res = CliRunner().invoke(app, ["--shape", "256,96", "--threads", "1,2", "--working-set", "8M",
+                                   "--seconds", "0.05", "--json"])
+    assert res.exit_code == 0, res.output
+    printed = json.loads(res.stdout[res.stdout.index("{"):])
+    written = list((tmp_path / "cache" / "ftkit" / "profiles").glob("cpu-*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text()) == printed
+    assert printed["gpu"] is None and printed["pcie_gbps"] is None
+    assert printed["expert"] == {"dtype": "bfloat16", "shape": [256, 96], "slot_bytes": 4096 * 36}
+    assert [r["threads"] for r in printed["rows"]] == [1, 2]
+    assert all(r["cpu_gbps"] > 0 and r["pcie_overlapped_gbps"] is None for r in printed["rows"])
+    bw = load_profile(written[0], 2)
+    assert bw.pcie_gbps is None and bw.ratio == 0.0 and bw.threads == 2
+    assert resolve_strategy("auto", bw.ratio, torch.device("cpu")) == "cpu"
+
+
+def test_calibrate_rejects_bad_options(tmp_path):
+    for args in (["--shape", "2048"], ["--dtype", "int4"], ["--threads", "0"], ["--shape", "64,64", "--slot-bytes", "9M"]):
+        res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "p.json")])
+        assert res.exit_code == 1 and "error" in res.output, (args, res.output)
+
+
+def full_profile(tmp_path, pcie=50.0):
+    rows = [{"threads": t, "cpu_gbps": 10.0 * t, "pcie_overlapped_gbps": None if pcie is None else 40.0,
+             "cpu_overlapped_gbps": None if pcie is None else 8.0 * t, "dram_read_gbps": 12.0 * t} for t in (4, 8)]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"schema": 1, "pcie_gbps": pcie, "rows": rows}))
+    return path
+
+
+def test_profile_rows_prefer_overlapped_figures_and_the_nearest_thread_count(tmp_path):
+    path = full_profile(tmp_path)
+    assert load_profile(path, 8) == Bandwidths(40.0, 64.0, True, 8)
+    with pytest.warns(UserWarning, match="measured at 4 CPU thread"):
+        assert load_profile(path, 5).threads == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_profile(path).threads == 8  # no thread count asked: the largest row, no warning
+    path.write_text(json.dumps({"pcie_gbps": 30.0, "cpu_gbps": 60.0}))  # the minimal form
+    assert load_profile(path) == Bandwidths(30.0, 60.0, False)
+    assert load_profile(full_profile(tmp_path, pcie=None), 8) == Bandwidths(None, 80.0, False, 8)
+
+
+def simulate(planner: Planner, fill_gbps: float, cpu_gbps: float, steps: int, m: int = 8,
+             slot: int = 9 << 20) -> list[float]:
+    """Layer times on a fake clock: fills and CPU experts run at once, the layer takes the longer."""
+    times = []
+    for _ in range(steps):
+        q = planner.fill_count(m)
+        fill_s, cpu_s = q * slot / (fill_gbps * 1e9), (m - q) * slot / (cpu_gbps * 1e9)
+        planner.observe_fill(q * slot, fill_s)
+        planner.observe_cpu((m - q) * slot, cpu_s)
+        times.append(max(fill_s, cpu_s))
+    return times
+
+
+def best_time(fill_gbps: float, cpu_gbps: float, m: int = 8, slot: int = 9 << 20) -> float:
+    return min(max(q * slot / fill_gbps, (m - q) * slot / cpu_gbps) for q in range(m + 1)) / 1e9
+
+
+@pytest.mark.parametrize("true_fill,true_cpu", [(25.0, 40.0), (50.0, 20.0), (60.0, 30.0)])
+def test_a_wrong_profile_converges_to_the_best_split(true_fill, true_cpu):
+    """B_H ten times too high: hybrid starts by sending nearly everything to the CPU, then its own
+    clock moves the split; within a few dozen layers it is within 10% of the best split, and never
+    slower than the better of offload (q = m) and cpu (q = 0) for long."""
+    wrong = Bandwidths(true_fill, true_cpu * 10, overlapped=True).ratio
+    times = simulate(Planner("hybrid", wrong), true_fill, true_cpu, steps=36)
+    best = best_time(true_fill, true_cpu)
+    assert times[0] > 1.1 * best  # the profile really was wrong
+    assert all(t <= 1.1 * best for t in times[12:]), [round(t / best, 2) for t in times]
+
+
+def test_without_adapting_the_prior_is_kept():
+    p = Planner("hybrid", 0.1, adapt=False)
+    simulate(p, 25.0, 40.0, steps=10)
+    assert p.ratio == 0.1 and p.fill_count(8) == 1

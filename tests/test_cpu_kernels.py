@@ -1,0 +1,143 @@
+"""The CPU expert kernel against a float64 torch reference, for every slot dtype and odd shapes.
+
+No pytest fixtures: `python tests/test_cpu_kernels.py` runs the same checks where pytest is absent
+(the GPU machine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+
+import torch
+
+from ftkit.kernels.cpu import load
+from ftkit.runtime.experts.pool import expert_forward, expert_weights
+from ftkit.runtime.ftw.manifest import EXPERT_DTYPES, SlotLayout, slot_layout
+from ftkit.runtime.ftw.random_model import demo_spec
+
+# (H, I): odd sizes leave tails after every vector width; q8_0 needs multiples of 32.
+SHAPES = {"float32": [(37, 23), (128, 64), (200, 77)], "float16": [(37, 23), (160, 61)],
+          "bfloat16": [(37, 23), (2048, 96), (131, 200)], "q8_0": [(96, 160), (64, 32)]}
+
+
+def _kernel():
+    kernel = load()
+    if kernel is None:
+        import pytest
+
+        pytest.skip("the CPU kernel cannot be built here (no C++ compiler)")
+    return kernel
+
+
+def make_slots(dtype: str, h: int, i: int, n: int, seed: int) -> tuple[SlotLayout, list[torch.Tensor]]:
+    """`n` random expert slots of the FTW layout for (H, I) in `dtype`."""
+    layout = slot_layout(dataclasses.replace(demo_spec(64), hidden_size=h, moe_intermediate_size=i), dtype)
+    gen = torch.Generator().manual_seed(seed)
+    slots = []
+    for _ in range(n):
+        slot = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
+        for p in layout.parts:
+            if dtype == "q8_0":  # per 32-block: an fp16 scale, then 32 int8
+                rows, blocks = p.shape[0], p.shape[1] // 32
+                scale = (torch.rand(rows, blocks, 1, generator=gen) * 0.02 + 0.001).half().view(torch.uint8)
+                q = torch.randint(-128, 128, (rows, blocks, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
+                raw = torch.cat([scale, q], dim=-1).reshape(-1)
+            else:
+                w = torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5
+                raw = w.to(getattr(torch, dtype)).reshape(-1).view(torch.uint8)
+            slot[p.offset : p.offset + p.nbytes] = raw
+        slots.append(slot)
+    return layout, slots
+
+
+def reference(layout, slot, x, w, idx, k):
+    g, u, d = expert_weights(layout, slot, torch.float64)
+    return expert_forward(x.double()[idx // k], g, u, d) * w.double()[idx, None]
+
+
+def test_matches_float64_reference_and_writes_every_element():
+    kernel = _kernel()
+    for dtype in EXPERT_DTYPES:
+        for h, i in SHAPES[dtype]:
+            for n_tok, n_exp, threads in ((1, 3, 1), (5, 2, 2), (19, 4, 2)):  # 19 tokens: several blocks
+                k = 2
+                layout, slots = make_slots(dtype, h, i, n_exp, seed=h * i + n_tok)
+                x = torch.randn(n_tok, h)
+                w = torch.rand(n_tok * k)
+                # Expert e takes assignments e, e + n_exp, ...: every row of out belongs to one expert.
+                groups = [torch.arange(e, n_tok * k, n_exp) for e in range(n_exp)]
+                out = torch.full((n_tok * k, h), float("nan"))
+                kernel.experts(layout, slots, groups, x, w, out, k, threads)
+                assert not out.isnan().any(), (dtype, h, i, "unwritten output")
+                for slot, idx in zip(slots, groups, strict=True):
+                    if len(idx):
+                        ref = reference(layout, slot, x, w, idx, k)
+                        torch.testing.assert_close(out[idx].double(), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item(),
+                                                   msg=lambda m, at=f"{dtype} H={h} I={i} T={n_tok}": f"{at}: {m}")
+
+
+def test_untouched_rows_and_empty_experts():
+    kernel = _kernel()
+    layout, slots = make_slots("bfloat16", 48, 40, 2, seed=1)
+    x, w = torch.randn(3, 48), torch.rand(3)
+    out = torch.full((3, 48), float("nan"))
+    kernel.experts(layout, slots, [torch.tensor([2]), torch.tensor([], dtype=torch.int64)], x, w, out, 1, 2)
+    assert out[:2].isnan().all() and not out[2].isnan().any()
+    kernel.experts(layout, [], [], x, w, out, 1, 2)  # nothing to do is not an error
+
+
+def test_result_does_not_depend_on_batching_or_threads():
+    """The store relies on it: an assignment's bits must not depend on what shares the call."""
+    kernel = _kernel()
+    layout, slots = make_slots("bfloat16", 131, 200, 3, seed=7)
+    x, w, k = torch.randn(11, 131), torch.rand(22), 2
+    groups = [torch.arange(0, 22, 2), torch.tensor([1, 5, 9]), torch.tensor([3])]
+    together = torch.zeros(22, 131)
+    kernel.experts(layout, slots, groups, x, w, together, k, 2)
+    for slot, idx in zip(slots, groups, strict=True):
+        for sub in (idx, idx[:1], idx[-3:]):
+            alone = torch.zeros(22, 131)
+            kernel.experts(layout, [slot], [sub], x, w, alone, k, 1)
+            assert torch.equal(alone[sub], together[sub])
+
+
+def test_rejects_bad_input():
+    kernel = _kernel()
+    layout, slots = make_slots("float32", 32, 32, 1, seed=0)
+    for x, out, idx in ((torch.randn(2, 32).half(), torch.zeros(2, 32), [torch.tensor([0])]),
+                        (torch.randn(2, 31), torch.zeros(2, 32), [torch.tensor([0])]),
+                        (torch.randn(2, 32), torch.zeros(2, 32), [torch.tensor([2])])):
+        try:
+            kernel.experts(layout, slots, idx, x, torch.ones(2), out, 1, 1)
+        except ValueError:
+            continue
+        raise AssertionError("bad input accepted")
+
+
+def test_read_sums_the_buffer():
+    kernel = _kernel()
+    buf = torch.ones(1 << 20)
+    assert kernel.read(buf.view(torch.uint8), 2) == buf.numel()
+    assert math.isclose(kernel.read(torch.arange(48.0).view(torch.uint8), 1), sum(range(48)))
+
+
+def test_torch_fallback_is_chosen_when_asked():
+    load.cache_clear()
+    os.environ["FTKIT_CPU_KERNEL"] = "torch"
+    try:
+        assert load() is None
+    finally:
+        del os.environ["FTKIT_CPU_KERNEL"]
+        load.cache_clear()
+
+
+if __name__ == "__main__":
+    tests = [f for name, f in sorted(globals().items()) if name.startswith("test_")]
+    print(f"CPU kernel: {load().isa if load() else 'unavailable'}")
+    for f in tests:
+        f()
+        print(f"ok {f.__name__}")
+    print(f"{len(tests)} passed")
+    sys.exit(0)

@@ -1,0 +1,80 @@
+"""CPU expert throughput: `python -m ftkit.tools.bench.cpu_experts --threads 1,2,4,8,16 --json OUT`.
+
+GB/s (expert bytes read / time) of the ftkit CPU kernel, of the same SwiGLU through torch matmuls,
+and of a plain parallel read of the same buffer (the DRAM ceiling), per thread count, on a working
+set of bf16 qwen3-30b-a3b experts much larger than the caches, cycled so no expert is reused warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ftkit.kernels.cpu import load
+from ftkit.tools.calibrate.measure import (
+    QWEN3_30B_A3B,
+    ExpertCycle,
+    cpu_experts_gbps,
+    dram_read_gbps,
+    expert_bytes,
+    layout_for,
+    torch_experts_gbps,
+    working_set,
+)
+from ftkit.tools.calibrate.sysinfo import cpu_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    ap.add_argument("--gib", type=float, default=2.0, help="working set in GiB (>> L3)")
+    ap.add_argument("--shape", default=",".join(map(str, QWEN3_30B_A3B)), help="H,I of one expert")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "q8_0"))
+    ap.add_argument("--tokens", type=int, default=1, help="tokens per expert (decode: 1)")
+    ap.add_argument("--experts-per-call", type=int, default=8, help="experts per kernel call (a layer's CPU set)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    ap.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    console = Console()
+    kernel = load()
+    if kernel is None:
+        raise SystemExit("the CPU kernel cannot be built here (see the warning above)")
+    hidden, inter = (int(v) for v in args.shape.split(","))
+    layout = layout_for(hidden, inter, args.dtype)
+    slots = working_set(layout, int(args.gib * 2**30))
+    cycle = ExpertCycle(layout, slots, args.tokens, args.experts_per_call)
+    rows = []
+    with console.status("measuring") as status:
+        for t in (int(v) for v in args.threads.split(",")):
+            status.update(f"{t} thread(s)")
+            row = {"threads": t,
+                   "dram_read_gbps": dram_read_gbps(kernel, slots, t, args.seconds),
+                   "ftkit_gbps": cpu_experts_gbps(kernel, cycle, t, args.seconds),
+                   "torch_gbps": None if args.no_torch else torch_experts_gbps(cycle, t, args.seconds)}
+            rows.append(row)
+    result = {
+        "cpu": cpu_model(), "host": platform.node(), "isa": kernel.isa, "dtype": args.dtype,
+        "shape": [hidden, inter], "expert_bytes": expert_bytes(layout), "working_set_bytes": slots.nbytes,
+        "tokens": args.tokens, "experts_per_call": cycle.per_call, "rows": rows,
+    }
+    table = Table(title=f"CPU experts {args.dtype} H={hidden} I={inter}, {args.tokens} token(s), "
+                        f"{slots.nbytes / 2**30:.1f} GiB working set, {kernel.isa}")
+    for col in ("threads", "ftkit GB/s", "torch GB/s", "DRAM read GB/s", "ftkit / DRAM"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        torch_gbps = "-" if r["torch_gbps"] is None else f"{r['torch_gbps']:.1f}"
+        table.add_row(str(r["threads"]), f"{r['ftkit_gbps']:.1f}", torch_gbps, f"{r['dram_read_gbps']:.1f}",
+                      f"{r['ftkit_gbps'] / r['dram_read_gbps']:.0%}")
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

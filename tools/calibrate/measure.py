@@ -1,0 +1,168 @@
+"""The measurements behind ft-calibrate and the CPU expert benchmark.
+
+Every figure is bytes moved / wall time over a working set much larger than the last-level cache,
+cycled so that no byte is read twice from cache: what decode sees, where each expert is read once
+per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ftkit.kernels.cpu import Kernel
+from ftkit.runtime.experts.pool import expert_forward, expert_weights
+from ftkit.runtime.ftw.manifest import SlotLayout, slot_layout
+from ftkit.runtime.ftw.random_model import demo_spec
+
+if TYPE_CHECKING:
+    from ftkit.runtime.ftw.manifest import Part
+
+QWEN3_30B_A3B = (2048, 768)  # (H, I) of qwen3-30b-a3b: 9 MiB per bf16 expert
+
+
+def layout_for(hidden: int, inter: int, dtype: str) -> SlotLayout:
+    """The FTW slot layout of one expert of this shape and dtype."""
+    return slot_layout(dataclasses.replace(demo_spec(64), hidden_size=hidden, moe_intermediate_size=inter), dtype)
+
+
+def expert_bytes(layout: SlotLayout) -> int:
+    """Bytes a kernel reads per expert (the slot without its alignment padding)."""
+    return sum(p.nbytes for p in layout.parts)
+
+
+def _part_bytes(p: Part, gen: torch.Generator) -> torch.Tensor:
+    if p.dtype == "q8_0":
+        rows, blocks = p.shape[0], p.shape[1] // 32
+        scale = torch.full((rows, blocks, 1), 0.01).half().view(torch.uint8)
+        q = torch.randint(-128, 128, (rows, blocks, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
+        return torch.cat([scale, q], dim=-1).reshape(-1)
+    w = torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5  # normal numbers: no denormal stalls
+    return w.to(getattr(torch, p.dtype)).reshape(-1).view(torch.uint8)
+
+
+def working_set(layout: SlotLayout, total_bytes: int, pin: bool = False) -> torch.Tensor:
+    """[n, slot_bytes] uint8 expert slots filling `total_bytes`: one random expert, copied n times
+    (the values do not matter for bandwidth, the distinct addresses do)."""
+    n = max(2, total_bytes // layout.slot_bytes)
+    one = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    for p in layout.parts:
+        one[p.offset : p.offset + p.nbytes] = _part_bytes(p, gen)
+    slots = torch.empty((n, layout.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+    slots.copy_(one.expand(n, -1))
+    return slots
+
+
+def _rate(step: Callable[[], int], seconds: float, stop: threading.Event | None = None) -> float:
+    """GB/s of `step` (returns bytes moved) repeated for about `seconds` after one warm-up call."""
+    step()
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds and not (stop and stop.is_set()):
+        done += step()
+    return done / (time.perf_counter() - t0) / 1e9
+
+
+class ExpertCycle:
+    """Calls of `per_call` experts x `tokens` tokens over the working set, round robin."""
+
+    def __init__(self, layout: SlotLayout, slots: torch.Tensor, tokens: int, per_call: int,
+                 bytes_per_expert: int | None = None):
+        """`bytes_per_expert`: what one expert counts for (default: the bytes the kernel reads;
+        ft-calibrate counts whole slots, the unit fills move)."""
+        self.layout, self.slots, self.tokens, self.per_call = layout, slots, tokens, min(per_call, len(slots))
+        hidden = layout.parts[0].shape[1]
+        self.x = torch.randn(tokens, hidden)
+        self.w = torch.rand(tokens * self.per_call)
+        self.out = torch.empty(tokens * self.per_call, hidden)
+        # Expert e of a call takes token t as assignment t * per_call + e (k = per_call).
+        self.groups = [torch.arange(e, tokens * self.per_call, self.per_call) for e in range(self.per_call)]
+        self.next = 0
+        self.bytes_per_call = (bytes_per_expert or expert_bytes(layout)) * self.per_call
+
+    def take(self) -> list[torch.Tensor]:
+        rows = [(self.next + e) % len(self.slots) for e in range(self.per_call)]
+        self.next = (self.next + self.per_call) % len(self.slots)
+        return [self.slots[r] for r in rows]
+
+    def kernel_step(self, kernel: Kernel, threads: int) -> Callable[[], int]:
+        def step() -> int:
+            kernel.experts(self.layout, self.take(), self.groups, self.x, self.w, self.out, self.per_call, threads)
+            return self.bytes_per_call
+        return step
+
+    def torch_step(self) -> Callable[[], int]:
+        """The same experts through torch matmuls in the stored dtype (what the runtime did)."""
+        dtype = torch.float32 if self.layout.dtype == "q8_0" else getattr(torch, self.layout.dtype)
+        x = self.x.to(dtype)
+
+        def step() -> int:
+            for e, slot in enumerate(self.take()):
+                g, u, d = expert_weights(self.layout, slot, dtype)
+                self.out[self.groups[e]] = (expert_forward(x, g, u, d) * self.w[self.groups[e], None]).float()
+            return self.bytes_per_call
+        return step
+
+
+def cpu_experts_gbps(kernel: Kernel, cycle: ExpertCycle, threads: int, seconds: float) -> float:
+    return _rate(cycle.kernel_step(kernel, threads), seconds)
+
+
+def torch_experts_gbps(cycle: ExpertCycle, threads: int, seconds: float) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _rate(cycle.torch_step(), seconds)
+    finally:
+        torch.set_num_threads(before)
+
+
+def dram_read_gbps(kernel: Kernel, buf: torch.Tensor, threads: int, seconds: float) -> float:
+    flat = buf.view(-1)
+    return _rate(lambda: (kernel.read(flat, threads), flat.nbytes)[1], seconds)
+
+
+class Copier:
+    """Pinned host slots to a ring of device slots on a side stream: what a fill does."""
+
+    def __init__(self, slots: torch.Tensor, ring: int = 64, batch: int = 16):
+        self.slots, self.batch = slots, batch
+        self.dev = torch.empty((min(ring, len(slots)), slots.shape[1]), dtype=torch.uint8, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.next = 0
+
+    def step(self) -> int:
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.batch):
+                self.dev[self.next % len(self.dev)].copy_(self.slots[self.next % len(self.slots)], non_blocking=True)
+                self.next += 1
+        self.stream.synchronize()
+        return self.batch * self.slots.shape[1]
+
+
+def h2d_gbps(copier: Copier, seconds: float) -> float:
+    return _rate(copier.step, seconds)
+
+
+def overlapped_gbps(copier: Copier, kernel: Kernel, cycle: ExpertCycle, threads: int,
+                    seconds: float) -> tuple[float, float]:
+    """(B_P, B_H) measured while both run at once, as in a hybrid decode step."""
+    result: dict[str, float] = {}
+    stop, go = threading.Event(), threading.Barrier(2)
+
+    def copies() -> None:
+        go.wait()
+        result["pcie"] = _rate(copier.step, seconds * 2, stop)  # stopped when the CPU side ends
+
+    side = threading.Thread(target=copies)
+    side.start()
+    go.wait()
+    result["cpu"] = _rate(cycle.kernel_step(kernel, threads), seconds)
+    stop.set()
+    side.join()
+    return result["pcie"], result["cpu"]
