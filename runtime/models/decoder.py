@@ -49,16 +49,23 @@ class MoEDecoder:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [T, V] for input_ids [T] at positions cache.length.. ; appends to the cache."""
-        s, w = self.spec, self.w
-        x = F.embedding(input_ids, w["embed.weight"])
+        s = self.spec
+        x = F.embedding(input_ids, self.w["embed.weight"])
         cos, sin = self.rope(cache.length, x.shape[0], x.dtype)
         for i in range(s.num_layers):
             p = f"layers.{i}."
-            x = x + self.attention(i, rms_norm(x, w[p + "attn_norm.weight"], s.rms_norm_eps), cos, sin, cache)
-            h = rms_norm(x, w[p + "mlp_norm.weight"], s.rms_norm_eps)
+            x = x + self.mixer(i, self.norm(x, p + "attn_norm.weight"), cos, sin, cache)
+            h = self.norm(x, p + "mlp_norm.weight")
             x = x + (self.moe(i, h) if s.is_moe(i) else self.mlp(p + "mlp", h))
         cache.advance(x.shape[0])
-        return F.linear(rms_norm(x, w["final_norm.weight"], s.rms_norm_eps), self.lm_head)
+        return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm(x, self.w[name], self.spec.rms_norm_eps)
+
+    def mixer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The layer's token mixer: attention here; families with other layer kinds override."""
+        return self.attention(i, x, cos, sin, cache)
 
     def mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, *(self.w[f"{prefix}.{n}.weight"] for n in ("gate", "up", "down")))

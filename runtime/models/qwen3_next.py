@@ -150,22 +150,13 @@ class Qwen3NextDecoder(MoEDecoder):
         self.kernel = e["linear_conv_kernel_dim"]
         self.fused_qkvz = e.get("linear_in_proj", "qkvz") == "qkvz"
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        s, w = self.spec, self.w
-        x = F.embedding(input_ids, w["embed.weight"])
-        cos, sin = self.rope(cache.length, x.shape[0], x.dtype)
-        for i in range(s.num_layers):
-            p = f"layers.{i}."
-            h = rms_norm_1p(x, w[p + "attn_norm.weight"], s.rms_norm_eps)
-            if s.layer_kinds[i] == LINEAR_ATTENTION:
-                x = x + self.linear_attention(i, h, cache)
-            else:
-                x = x + self.gated_attention(i, h, cos, sin, cache)
-            h = rms_norm_1p(x, w[p + "mlp_norm.weight"], s.rms_norm_eps)
-            x = x + (self.moe(i, h) if s.is_moe(i) else self.mlp(p + "mlp", h))
-        cache.advance(x.shape[0])
-        return F.linear(rms_norm_1p(x, w["final_norm.weight"], s.rms_norm_eps), self.lm_head)
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm_1p(x, self.w[name], self.spec.rms_norm_eps)
+
+    def mixer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if self.spec.layer_kinds[i] == LINEAR_ATTENTION:
+            return self.linear_attention(i, x, cache)
+        return self.gated_attention(i, x, cos, sin, cache)
 
     def gated_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         s, p, t = self.spec, f"layers.{i}.attn.", x.shape[0]
