@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import typer
@@ -54,7 +55,11 @@ def main(
     """Convert SRC to an FTW directory OUT (atomically: a temporary sibling renamed at the end)."""
 
     def run() -> None:
-        plan = make_plan(src, dtype, parse_bytes(bank_size))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = make_plan(src, dtype, parse_bytes(bank_size))
+        for w in caught:
+            console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")
