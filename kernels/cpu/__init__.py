@@ -102,17 +102,22 @@ class Kernel:
         for t in (x, out, *slots):
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the CPU kernel needs contiguous CPU tensors")
-        a = torch.cat(list(assignments)).to(torch.int64) if assignments else torch.empty(0, dtype=torch.int64)
-        if a.numel() and (a.min() < 0 or a.max() >= out.shape[0] or a.max() // k >= x.shape[0]):
+        if not slots:
+            return
+        a = torch.cat(list(assignments)).to(torch.int64)
+        lo, hi = torch.aminmax(a) if a.numel() else (0, 0)
+        if lo < 0 or hi >= out.shape[0] or hi // k >= x.shape[0]:
             raise ValueError("an assignment index is out of range")
-        start = torch.zeros(len(slots) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor([len(s) for s in assignments], dtype=torch.int64), 0, out=start[1:])
+        start = [0]
+        for s in assignments:
+            start.append(start[-1] + len(s))
+        starts = torch.tensor(start, dtype=torch.int64)
         tok = a // k
         w = weights.reshape(-1)[a].to(torch.float32).contiguous()
         ptrs = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64)
         offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
         rc = self.lib.ftk_experts(DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), len(slots),
-                                  ptrs.data_ptr(), start.data_ptr(), tok.data_ptr(), w.data_ptr(), a.data_ptr(),
+                                  ptrs.data_ptr(), starts.data_ptr(), tok.data_ptr(), w.data_ptr(), a.data_ptr(),
                                   x.data_ptr(), out.data_ptr(), threads)
         if rc:
             raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")

@@ -133,6 +133,11 @@ struct LoadQ8 {
   }
 };
 
+// Bytes ahead of the current load to prefetch: the hardware prefetchers alone left a third of
+// DRAM bandwidth unused (H200 host, 16 threads: 61% of a plain read without, 75-90% with 4096;
+// 512..2048 were in between). Past a row's end this prefetches the next row, which is read next.
+constexpr size_t PREFETCH = 4096;
+
 // s[r][t] = dot(rows[r][0:n], xs[t][0:n]) for R weight rows and TB tokens: each weight vector is
 // loaded once and used TB times; R independent rows keep the FMA units busy at TB = 1.
 template <class L, int R, int TB>
@@ -145,6 +150,7 @@ void dot(const uint8_t* const* rows, int n, const float* const* xs, float (*s)[T
     V x[TB];
     for (int t = 0; t < TB; ++t) x[t] = vload(xs[t] + i);
     for (int r = 0; r < R; ++r) {
+      __builtin_prefetch(rows[r] + L::row_bytes(i) + PREFETCH);
       const V w = L::vec(rows[r], i);
       for (int t = 0; t < TB; ++t) acc[r][t] = vfma(w, x[t], acc[r][t]);
     }

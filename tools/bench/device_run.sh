@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (python3 + torch + CUDA, no network): build the CPU expert kernel, check it,
 # benchmark it at 1..16 threads, run ft-calibrate, and the wrong-profile benchmark. Every result
-# goes under $OUT (default ./device-out). No pytest, pip or ninja needed: the kernel is built with
-# a plain g++ call and the checks run as a script.
+# goes under $OUT (default ./device-out). Needs no network, pytest or ninja: ftkit is installed
+# editable from this tree, the kernel is built with a plain g++ call, the checks run as a script.
 #   OUT=/tmp/out bash tools/bench/device_run.sh        [WRONG_PROFILE=0 skips the slowest step]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -10,12 +10,8 @@ OUT=${OUT:-$PWD/device-out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if ! $PY -c "import ftkit.kernels.cpu" 2>/dev/null; then
-  # Not installed: a package directory of links over the source tree (pyproject's package-dir).
-  shim=$(mktemp -d)
-  mkdir "$shim/ftkit" && cp ftkit/__init__.py "$shim/ftkit/"
-  for d in runtime kernels tools; do ln -s "$PWD/$d" "$shim/ftkit/$d"; done
-  export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
+if ! $PY -c "import ftkit.kernels.cpu" 2>/dev/null; then  # offline: no build isolation, no deps
+  $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .
 fi
 { nproc; lscpu | grep -E 'Model name|^L3|Flags' | cut -c1-400; nvidia-smi -L || true; } > "$OUT/machine.txt" 2>&1
 
