@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,16 @@ Threads = Annotated[Optional[int], typer.Option(help="CPU expert threads (defaul
 Profile = Annotated[Optional[Path], typer.Option(help="bandwidth profile JSON (from ft-calibrate)")]
 Ratio = Annotated[Optional[float], typer.Option(help="B_P / B_H for hybrid without a profile")]
 Dtype = Annotated[Optional[str], typer.Option(help="compute dtype (default: the weights' dtype)")]
+NoPrefix = Annotated[bool, typer.Option("--no-prefix-cache", help="no K/V reuse across requests (A/B runs)")]
+NoAnchors = Annotated[bool, typer.Option("--no-anchors", help="hybrid models: save recurrent state at prompt tails only")]
+PrefixTokens = Annotated[Optional[int], typer.Option(help="prefix cache budget in tokens (default: the context)")]
+AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hybrid models)")]
+
+
+def _with_cache(opts: RuntimeOptions, no_prefix_cache: bool, no_anchors: bool, prefix_cache_tokens: int | None,
+                anchor_slots: int) -> RuntimeOptions:
+    return replace(opts, prefix_cache=not no_prefix_cache, anchors=not no_anchors,
+                   prefix_cache_tokens=prefix_cache_tokens, anchor_slots=anchor_slots)
 
 
 def _options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio, dtype,
@@ -142,12 +153,15 @@ def chat_cmd(
     bandwidth_ratio: Ratio = None,
     dtype: Dtype = None,
     stats: Annotated[bool, typer.Option("--stats")] = False,
+    no_prefix_cache: NoPrefix = False,
+    no_anchors: NoAnchors = False,
 ) -> None:
-    """Chat interactively (empty line or Ctrl-D to quit); tokens stream as they come."""
+    """Chat interactively (empty line or Ctrl-D to quit); tokens stream as they come. Each turn
+    reuses the previous turns' K/V through the prefix cache."""
 
     def run() -> None:
-        rt = Runtime(model, _options(strategy, cache_experts, cache_bytes, device, threads, profile,
-                                     bandwidth_ratio, dtype))
+        rt = Runtime(model, _with_cache(_options(strategy, cache_experts, cache_bytes, device, threads, profile,
+                                                 bandwidth_ratio, dtype), no_prefix_cache, no_anchors, None, 32))
         if rt.tokenizer is None or rt.tokenizer.template is None:
             raise ValueError(f"{model} has no tokenizer or chat template; use ft-run generate --prompt-ids")
         messages = [{"role": "system", "content": system}] if system else []
@@ -233,12 +247,17 @@ def serve_cmd(
     profile: Profile = None,
     bandwidth_ratio: Ratio = None,
     dtype: Dtype = None,
+    no_prefix_cache: NoPrefix = False,
+    no_anchors: NoAnchors = False,
+    prefix_cache_tokens: PrefixTokens = None,
+    anchor_slots: AnchorSlots = 32,
 ) -> None:
     """Serve the model over OpenAI- and Anthropic-compatible HTTP APIs (default 127.0.0.1:8741)."""
     from .server.launch import serve
 
     def run() -> None:
-        opts = _options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio, dtype)
+        opts = _with_cache(_options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio,
+                                    dtype), no_prefix_cache, no_anchors, prefix_cache_tokens, anchor_slots)
         serve(model, opts, host=host, port=port, api_key=api_key, max_running=max_running, kv_tokens=kv_tokens,
               device_memory=parse_bytes(device_memory) if device_memory else None, served_name=served_model_name,
               say=lambda line: console.print(line, markup=False, highlight=False))

@@ -9,6 +9,7 @@ import torch
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.experts.cache import SlotCache
 from ftkit.runtime.experts.planner import Planner, hybrid_fill_count
+from ftkit.runtime.experts.prefill import LayerPrefetcher
 from ftkit.runtime.profile import Bandwidths
 from ftkit.tools.convert.pipeline import convert, make_plan
 
@@ -26,9 +27,11 @@ def ftw_models(hf_checkpoint, tmp_path_factory):
     return out
 
 
-def run_tokens(path, **opts):
+def run_tokens(path, stream_prefill=False, **opts):
     """Logits for a prefill then single-token decode steps, plus per-step routing counts."""
     rt = Runtime(path, RuntimeOptions(trace_stats=True, threads=2, **opts))
+    if stream_prefill:  # what CUDA does by default: whole layers copied one layer ahead
+        rt.store.prefetcher = LayerPrefetcher(rt.pool, rt.device)
     distinct: list[dict[int, int]] = []
     real_run = rt.store.run
 
@@ -78,6 +81,19 @@ def test_every_strategy_matches_fused_bitwise(ftw_models, family):
                     assert c.hits == c.fills == 0
                 if cfg["strategy"] == "hybrid" and c.misses and cfg.get("cache_experts", 99) > 1:
                     assert c.fills >= 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_prefill_layer_streaming_is_exact(ftw_models, family):
+    ref, _, _ = run_tokens(ftw_models[family], strategy="fused")
+    for cfg in (dict(strategy="offload", cache_experts=16), dict(strategy="hybrid", cache_experts=20,
+                                                              bandwidth_ratio=0.3)):
+        got, stats, distinct = run_tokens(ftw_models[family], stream_prefill=True, **cfg)
+        assert torch.equal(got, ref), cfg
+        prefill = stats.steps[0]
+        assert all(c.cpu == 0 and c.hits + c.fills == c.active for c in prefill.values())
+        for step, seen in zip(stats.steps, distinct, strict=True):
+            assert all(c.hits + c.fills + c.cpu == c.active == seen[layer] for layer, c in step.items())
 
 
 def test_fused_has_no_misses_and_cpu_no_cache(ftw_models):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kv.prefill import prefill
 from .loader import Runtime
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
@@ -16,6 +17,7 @@ from .tokenizer import StreamDecoder
 @dataclass
 class Generation:
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V (and state) came from the prefix cache
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length"
@@ -27,10 +29,11 @@ class Generation:
         n = len(self.token_ids)
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": n,
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
-            "prefill_tok_s": round(self.prompt_tokens / self.prefill_seconds, 2) if self.prefill_seconds else None,
+            "prefill_tok_s": round((self.prompt_tokens - self.cached_tokens) / self.prefill_seconds, 2) if self.prefill_seconds else None,
             "decode_tok_s": round((n - 1) / self.decode_seconds, 2) if n > 1 and self.decode_seconds else None,
         }
 
@@ -56,7 +59,12 @@ def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
     rt.store.stats.new_step()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        logits = rt.decoder.forward(torch.tensor(prompt_ids, device=rt.device), kv)[-1]
+        cuts, cache = rt.grid.scan(prompt_ids), rt.prefix_cache
+        gen.cached_tokens = cache.resume(prompt_ids, cuts, kv) if cache else 0
+        points = cache.snapshot_points(prompt_ids, cuts) if cache else {}
+        logits, snaps = prefill(rt.decoder, prompt_ids, kv, cuts, points, rt.prefill_chunk)
+        if cache:
+            cache.insert(prompt_ids, cuts, kv, snaps, points)
         gen.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         while len(gen.token_ids) < max_new:

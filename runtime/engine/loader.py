@@ -14,10 +14,14 @@ from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
+from ..kv.boundaries import Boundaries
+from ..kv.cache import PrefixCache
 from ..models import FAMILIES
 from ..models.kv import KVCache
 from ..profile import load_profile
 from .tokenizer import Tokenizer
+
+PREFILL_CHUNK = 8192  # tokens per prefill forward on a GPU
 
 
 @dataclass
@@ -32,6 +36,10 @@ class RuntimeOptions:
     dtype: str | None = None  # compute dtype; default: the dense weights' dtype
     trace_stats: bool = False
     verify: bool = False  # check every FTW checksum before loading (reads every byte twice)
+    prefix_cache: bool = True  # reuse K/V (and recurrent anchors) across requests
+    anchors: bool = True  # recurrent-state snapshots at semantic boundaries (else prompt tails only)
+    prefix_cache_tokens: int | None = None  # radix tree budget in tokens (default: the context)
+    anchor_slots: int = 32  # recurrent-state snapshots kept (hybrid families only)
 
 
 class Runtime:
@@ -59,6 +67,15 @@ class Runtime:
         self.store.stats.trace = opts.trace_stats
         self.decoder = self.family.decoder(self.spec, weights, self.store)
         self.tokenizer = Tokenizer(self.path) if (self.path / "tokenizer.json").is_file() else None
+        # On CPU every prefill is cut on this grid, cache on or off, so reuse is bitwise exact.
+        # On a GPU (results agree to rounding, not bitwise) prefill cuts only at anchors and every
+        # PREFILL_CHUNK tokens, so chunks stay big enough to stream whole expert layers.
+        self.grid = Boundaries.for_tokenizer(self.tokenizer)
+        self.prefill_chunk = PREFILL_CHUNK if self.device.type != "cpu" else None
+        self.prefix_cache = PrefixCache(
+            self.spec, self.grid, opts.prefix_cache_tokens or self.spec.max_position_embeddings,
+            opts.anchors, opts.anchor_slots,
+        ) if opts.prefix_cache else None
         self.load_seconds = time.perf_counter() - t0
 
     def cache_slots(self) -> int | None:

@@ -27,9 +27,21 @@ from .cache import SlotCache
 from .cpu import CPUExecutor
 from .planner import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES, LayerPlan, Planner
 from .pool import HostPool, expert_forward, expert_weights
+from .prefill import LayerPrefetcher
 from .stats import ExpertStats
 
 __all__ = ["STRATEGIES", "ExpertStore", "cache_capacity", "resolve_strategy"]
+
+GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the grouped GEMV
+
+
+def _load_gemv():
+    """The Triton grouped GEMV, or None where Triton is missing (torch per expert then)."""
+    try:
+        from ftkit.kernels.triton.experts import grouped_expert_gemv
+    except ImportError:
+        return None
+    return grouped_expert_gemv
 
 
 def resolve_strategy(strategy: str, ratio: float | None, device: torch.device) -> str:
@@ -68,7 +80,10 @@ class ExpertStore:
         threads: int | None = None,
         ratio: float | None = None,
         dtype: torch.dtype = torch.float32,
+        stream_prefill: bool | None = None,
     ):
+        """`stream_prefill`: copy whole layers ahead during long prefill chunks (default: on CUDA
+        with a cache of at least two layers)."""
         self.spec, self.pool, self.dtype = spec, pool, dtype
         self.device = torch.device(device)
         self.strategy = resolve_strategy(strategy, ratio, self.device)
@@ -79,6 +94,14 @@ class ExpertStore:
         self.cpu = CPUExecutor(threads)
         self.kernel = load_cpu_kernel()
         self.stats = ExpertStats()
+        float_slots = pool.layout.dtype != "q8_0"
+        self.gemv = _load_gemv() if self.device.type == "cuda" and float_slots else None
+        if stream_prefill is None:
+            stream_prefill = self.device.type == "cuda" and self.strategy in (OFFLOAD, HYBRID)
+        self.prefetcher = LayerPrefetcher(pool, self.device) if stream_prefill else None
+        if self.prefetcher and not self.prefetcher.fits(self.cache):
+            print(f"ftkit: expert cache of {capacity} slots holds fewer than two layers "
+                  f"({2 * spec.num_experts}): disabling prefill layer streaming (on-demand fills)")
         self._fill_events: deque = deque()  # (bytes, start, end) CUDA events of fills not yet timed
         if self.strategy == FUSED:
             for row in range(rows):
@@ -103,7 +126,11 @@ class ExpertStore:
                 start += n
         # Most-used experts first: they are the ones worth filling.
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))
+        streamed = self._stream_layers(self.spec.moe_index(layer), t * k)
         plan = self.planner.plan(self.cache, rows)
+        if streamed:  # copied in ahead for this layer: count them as this layer's fills
+            plan.fills += [(r, s) for r, s in plan.hits if r in streamed]
+            plan.hits = [(r, s) for r, s in plan.hits if r not in streamed]
         self.stats.record(layer, plan)
 
         weights = topk_weights.reshape(-1, 1)
@@ -111,11 +138,13 @@ class ExpertStore:
         self._time_cuda_fills()
         cpu_t0, cpu_ends = time.perf_counter(), []
         futures, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, cpu_ends)
-        self._fill(plan.fills)
+        self._fill([(r, s) for r, s in plan.fills if r not in streamed])
         resident = plan.hits + plan.fills
         if self.device.type == "cpu":
             self._host_experts([self.cache.slots[s] for _, s in resident], [groups[r] for r, _ in resident],
                                hidden, weights, y, k)
+        elif self.gemv is not None and t * k <= GEMV_MAX_ITEMS and resident:
+            self._device_gemv(resident, groups, hidden, weights, y, k)
         else:
             for row, slot in resident:
                 self._eval(self.cache.slots[slot], groups[row].to(hidden.device), hidden, weights, y, k)
@@ -125,6 +154,32 @@ class ExpertStore:
         if host_y is not y:  # rows are disjoint and zero elsewhere, so adding is exact
             y = y + host_y.to(y.device)
         return y.view(t, k, -1).sum(dim=1)
+
+    def _stream_layers(self, moe_index: int, items: int) -> set[int]:
+        """Prefill: wait for this layer's copies (started one layer ahead), then start the next
+        layer's. A short chunk (fewer routed items than experts) takes the routing-driven path,
+        but still waits for copies already in flight into its layer's slots."""
+        if self.prefetcher is None:
+            return set()
+        streaming = items >= self.spec.num_experts and self.prefetcher.fits(self.cache)
+        if streaming and moe_index not in self.prefetcher.pending:
+            self.prefetcher.prefetch(self.cache, moe_index, set())
+        filled = set(self.prefetcher.wait(moe_index))
+        if streaming:
+            self.prefetcher.prefetch(self.cache, moe_index + 1, set(self.prefetcher.rows(moe_index)))
+        return filled
+
+    def _device_gemv(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
+                     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
+        """Every (token, expert) item of the resident experts in two grouped launches."""
+        idx = torch.cat([groups[r] for r, _ in resident])
+        slots = torch.cat([torch.full((len(groups[r]),), s, dtype=torch.int32) for r, s in resident])
+        idx_d = idx.to(x.device, non_blocking=True)
+        tokens = (idx // k).to(torch.int32).to(x.device, non_blocking=True)
+        count = torch.tensor([idx.numel()], dtype=torch.int32).to(x.device, non_blocking=True)
+        out = self.gemv(x, self.cache.slots, self.pool.layout, slots.to(x.device, non_blocking=True), tokens,
+                        w[idx_d, 0].contiguous(), count)
+        y[idx_d] = out
 
     def _fill(self, fills: list[tuple[int, int]]) -> None:
         """Copy the fills in and time them for the planner (CUDA: with events, read when done)."""

@@ -144,8 +144,9 @@ def attention(
         mask = k_pos <= q_pos
         if window is not None:
             mask &= k_pos > q_pos - window  # transformers' sliding-window overlay
+    # 4-D inputs: with 3-D ones SDPA always takes its unfused math path (dozens of launches).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=causal, scale=q.shape[-1] ** -0.5, enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -85,9 +85,10 @@ def _stop_reason(gen: Any, calls: bool) -> str:
     return "stop_sequence" if gen.stop_string else "end_turn"
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"input_tokens": prompt, "output_tokens": completion, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, int]:
+    """`input_tokens` counts only the prompt tokens the prefix cache did not supply."""
+    return {"input_tokens": prompt - cached, "output_tokens": completion, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached}
 
 
 def router(state: ServerState) -> APIRouter:
@@ -122,7 +123,7 @@ def router(state: ServerState) -> APIRouter:
         joined = "".join(text).strip() if calls else "".join(text)  # newlines around calls are layout
         content = ([{"type": "text", "text": joined}] if joined else []) + [_tool_use(c) for c in calls]
         return {**head, "content": content, "stop_reason": _stop_reason(gen, bool(calls)),
-                "stop_sequence": gen.stop_string, "usage": _usage(job.prompt_tokens, len(gen.token_ids))}
+                "stop_sequence": gen.stop_string, "usage": _usage(job.prompt_tokens, len(gen.token_ids), gen.cached_tokens)}
 
     return r
 
@@ -131,11 +132,16 @@ async def _stream(job: Job, reply: Reply, head: dict) -> AsyncIterator[str]:
     def event(kind: str, **data: Any) -> str:
         return sse({"type": kind, **data}, kind)
 
-    yield event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                                          "usage": _usage(job.prompt_tokens, 0)})
-    index, text_open, calls = 0, False, 0
+    def start(cached: int) -> str:  # sent with the first event, once the prefix cache has answered
+        return event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                                               "usage": _usage(job.prompt_tokens, 0, cached)})
+
+    index, text_open, calls, started = 0, False, 0, False
     try:
         async for ev in job.events():
+            if not started:
+                yield start(ev.gen.cached_tokens)
+                started = True
             for item in reply.finish() if ev.done else reply.feed(ev.delta):
                 if isinstance(item, ToolCall):
                     if text_open:
@@ -158,7 +164,9 @@ async def _stream(job: Job, reply: Reply, head: dict) -> AsyncIterator[str]:
                 gen = ev.gen
                 yield event("message_delta", delta={"stop_reason": _stop_reason(gen, calls > 0),
                                                     "stop_sequence": gen.stop_string},
-                            usage={"output_tokens": len(gen.token_ids)})
+                            usage=_usage(job.prompt_tokens, len(gen.token_ids), gen.cached_tokens))
                 yield event("message_stop")
     except ApiError as e:
+        if not started:
+            yield start(0)
         yield sse(anthropic_body(ApiError(500, e.message)), "error")

@@ -36,7 +36,8 @@ def router(state: ServerState) -> APIRouter:
                             "resident": len(store.cache), "active": e.active, "hits": e.hits,
                             "misses": e.misses, "fills": e.fills, "cpu": e.cpu,
                             "miss_rate": round(store.stats.miss_rate, 4)},
-                "memory": memory(state)}
+                "memory": memory(state),
+                "prefix_cache": state.rt.prefix_cache.info() if state.rt.prefix_cache else None}
 
     @r.post("/v1/cache/rebuild")
     async def rebuild(request: Request) -> dict:

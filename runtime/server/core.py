@@ -12,7 +12,7 @@ from typing import Any
 from ..engine.loader import Runtime
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Event, Request, Scheduler
-from . import fields
+from . import fields, quirks
 from .errors import ApiError
 from .toolcalls import Item, parser_for, tag_tokens
 
@@ -54,7 +54,7 @@ class ServerState:
         if tok is None or tok.template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         try:
-            text = tok.chat(messages, tools=tools or None)
+            text = tok.chat(quirks.normalise(messages), tools=tools or None)
         except Exception as e:  # a template's raise_exception() or a message it cannot render
             raise ApiError(400, f"the chat template rejected the messages: {e}") from None
         ids = tok.encode(text)

@@ -18,9 +18,10 @@ from .toolcalls import ToolCall
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def usage(prompt: int, completion: int) -> dict[str, Any]:
+def usage(prompt: int, gen: Any) -> dict[str, Any]:
+    completion = len(gen.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}  # no prefix cache yet
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -107,7 +108,7 @@ def router(state: ServerState) -> APIRouter:
         finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": usage(job.prompt_tokens, len(gen.token_ids))}
+                "usage": usage(job.prompt_tokens, gen)}
 
     @r.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -133,7 +134,7 @@ def router(state: ServerState) -> APIRouter:
             raise ApiError(499, "the client went away")
         return {**head, "choices": [{"index": 0, "text": "".join(text), "logprobs": None,
                                      "finish_reason": gen.finish_reason}],
-                "usage": usage(job.prompt_tokens, len(gen.token_ids))}
+                "usage": usage(job.prompt_tokens, gen)}
 
     return r
 
@@ -158,7 +159,7 @@ async def _chat_stream(job: Job, reply: Reply, head: dict, include_usage: bool) 
                 yield chunk({}, "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason)
                 if include_usage:
                     yield sse({**head, "object": "chat.completion.chunk", "choices": [],
-                               "usage": usage(job.prompt_tokens, len(gen.token_ids))})
+                               "usage": usage(job.prompt_tokens, gen)})
     except ApiError as e:
         yield sse({"error": {"message": e.message, "type": "server_error"}})
     yield sse("[DONE]")
@@ -172,7 +173,7 @@ async def _completion_stream(job: Job, head: dict, include_usage: bool) -> Async
                 yield sse({**head, "choices": [{"index": 0, "text": ev.delta, "logprobs": None,
                                                 "finish_reason": finish}]})
             if ev.done and include_usage:
-                yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, len(ev.gen.token_ids))})
+                yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, ev.gen)})
     except ApiError as e:
         yield sse({"error": {"message": e.message, "type": "server_error"}})
     yield sse("[DONE]")

@@ -118,9 +118,9 @@ class Builder:
         yield self.event("response.output_item.done", output_index=idx, item=m)
 
 
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+            "input_tokens_details": {"cached_tokens": cached}, "output_tokens_details": {"reasoning_tokens": 0}}
 
 
 def router(state: ServerState) -> APIRouter:
@@ -178,7 +178,7 @@ async def _events(job: Job, reply: Reply, b: Builder, http_request: Any = None) 
             length = ev.gen.finish_reason == "length"
             kind = "response.incomplete" if length else "response.completed"
             yield b.event(kind, response=b.response(
-                "incomplete" if length else "completed", _usage(job.prompt_tokens, len(ev.gen.token_ids)),
+                "incomplete" if length else "completed", _usage(job.prompt_tokens, len(ev.gen.token_ids), ev.gen.cached_tokens),
                 "max_output_tokens" if length else None))
 
 

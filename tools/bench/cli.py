@@ -19,7 +19,7 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.ftw.random_model import write_random_ftw
 from ftkit.runtime.profile import load_profile
 
-from . import run
+from . import agent_trace, run
 from .presets import PRESETS, preset_spec
 from .routing import Recorder, Replayer, RoutingOverride, Synthetic
 
@@ -102,11 +102,14 @@ def decode(
     pcie_gbps: float | None = None,
     cpu_gbps: float | None = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    trace_dir: Annotated[Path | None, typer.Option(help="write a torch.profiler table per strategy")] = None,
 ) -> None:
     """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
 
     def body() -> None:
         results = {"machine": _machine(), "model": str(model), "runs": []}
+        if trace_dir:
+            trace_dir.mkdir(parents=True, exist_ok=True)
         table = Table(title=f"ft-bench decode: {model}")
         for col in ("strategy", "cache slots", "tok/s", "bound tok/s", "of bound", "miss rate", "prefill"):
             table.add_column(col, justify="right")
@@ -117,7 +120,8 @@ def decode(
             try:
                 figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
                 override = Recorder(rt.decoder) if record else _routing(rt, routing)
-                r = run.decode(rt, tokens, prompt, override, figs)
+                trace = trace_dir / f"profile-{rt.store.strategy}.txt" if trace_dir else None
+                r = run.decode(rt, tokens, prompt, override, figs, trace)
                 if record:
                     override.save(record)
                 pre = [run.prefill(rt, int(c), figs) for c in chunks.split(",") if c]
@@ -132,6 +136,32 @@ def decode(
         console.print(table)
         if as_json:
             as_json.write_text(json.dumps(results, indent=1))
+
+    guarded(body)
+
+
+@app.command("agent-trace")
+def agent_trace_cmd(
+    model: Annotated[str, typer.Option(help="next (a tiny Qwen3-Next: hybrid attention) or demo (the built-in Qwen3-MoE)")] = "next",
+    out: Annotated[Path, typer.Option(help="where the random-weight model is written (reused if there)")] = Path("agent-trace.ftw"),
+    turns: int = 8,
+    harness: Annotated[list[str] | None, typer.Option(help="openclaw, opencode, sweagent (repeatable; default all)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the rows and summary as JSON")] = False,
+) -> None:
+    """Replay scripted agent sessions (three harness styles) with anchors on, anchors off and no
+    prefix cache: per turn prompt, changed, reused and recomputed tokens, TTFT and the ideal TTFT."""
+
+    def body() -> None:
+        if model not in ("next", "demo"):
+            raise ValueError("--model must be next or demo")
+        path = agent_trace.write_model(model, out)
+        rows = agent_trace.run(path, tuple(harness or agent_trace.HARNESSES), turns)
+        if as_json:
+            print(json.dumps({"machine": _machine(), "model": model, "rows": agent_trace.as_dicts(rows),
+                              "summary": agent_trace.summary(rows)}, indent=1))
+            return
+        print(agent_trace.table(rows))
+        print(json.dumps(agent_trace.summary(rows), indent=1))
 
     guarded(body)
 

@@ -1,28 +1,47 @@
 #!/usr/bin/env bash
-# On the GPU machine (python3 + torch + CUDA, no network): build the CPU expert kernel, check it,
-# benchmark it at 1..16 threads, run ft-calibrate, and the wrong-profile benchmark. Every result
-# goes under $OUT (default ./device-out). Needs no network, pytest or ninja: ftkit is installed
-# editable from this tree, the kernel is built with a plain g++ call, the checks run as a script.
-#   OUT=/tmp/out bash tools/bench/device_run.sh        [WRONG_PROFILE=0 skips the slowest step]
-set -euo pipefail
+# The GPU machine's whole build-check-measure cycle (python3 + torch + CUDA, no network).
+# Every result goes under $OUT (default ./device-out). ftkit is installed editable from this tree
+# without build isolation or deps; the CPU kernel is built with a plain g++ call.
+#   OUT=/tmp/out PARTS="kernels calibrate gpu read decode" bash tools/bench/device_run.sh
+# Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile), wrong
+# (wrong-profile convergence), gpu (pytest -m gpu), read (FTW read + pin), decode (qwen3-30b-a3b
+# shape cut to 12 layers: decode per strategy and an 8192-token prefill, beside their bounds).
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
+PARTS=${PARTS:-kernels calibrate gpu read decode}
+W=${WORK:-${TMPDIR:-/tmp}/ftkit-bench}
+mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1
-if ! $PY -c "import ftkit.kernels.cpu" 2>/dev/null; then  # offline: no build isolation, no deps
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+if ! $PY -c "import ftkit.kernels.cpu" 2>/dev/null; then
   $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .
 fi
-{ nproc; lscpu | grep -E 'Model name|^L3|Flags' | cut -c1-400; nvidia-smi -L || true; } > "$OUT/machine.txt" 2>&1
-
-$PY -c "from ftkit.kernels.cpu import load; k = load(); print('kernel:', k.path, k.isa)" 2>&1 | tee "$OUT/kernel.txt"
-$PY tests/test_cpu_kernels.py 2>&1 | tee -a "$OUT/kernel.txt"
-$PY -m ftkit.tools.bench.cpu_experts --threads 1,2,4,8,16 --gib 4 --json "$OUT/cpu_experts.json" 2>&1 \
-  | tee "$OUT/cpu_experts.txt"
-$PY -m ftkit.tools.calibrate.cli --threads 4,8,15 --working-set 4G --out "$OUT/profile.json" --json \
-  2> "$OUT/calibrate.txt" > /dev/null
-cat "$OUT/calibrate.txt"
-if [ "${WRONG_PROFILE:-1}" != 0 ]; then
-  $PY -m ftkit.tools.bench.wrong_profile "${TMPDIR:-/tmp}/ftkit-bench" --profile "$OUT/profile.json" \
-    --layers 4 --threads 15 --json "$OUT/wrong_profile.json" 2>&1 | tee "$OUT/wrong_profile.txt"
+{ nproc; lscpu | grep -E 'Model name|^L3' ; nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv; } > "$OUT/machine.txt" 2>&1
+PROFILE=docs/profiles/h200-16c.json
+if has kernels; then
+  $PY -c "from ftkit.kernels.cpu import load; k = load(); print('kernel:', k.path, k.isa)" 2>&1 | tee "$OUT/kernel.txt"
+  $PY tests/test_cpu_kernels.py 2>&1 | tee -a "$OUT/kernel.txt"
+  $PY -m ftkit.tools.bench.cpu_experts --threads 1,2,4,8,16 --gib 4 --json "$OUT/cpu_experts.json" 2>&1 | tee "$OUT/cpu_experts.txt"
+fi
+if has calibrate; then
+  $PY -m ftkit.tools.calibrate.cli --threads 4,8,15 --working-set 4G --out "$OUT/profile.json" --json 2> "$OUT/calibrate.txt" > /dev/null
+  cat "$OUT/calibrate.txt"; PROFILE="$OUT/profile.json"
+fi
+if has wrong; then
+  $PY -m ftkit.tools.bench.wrong_profile "$W" --profile "$PROFILE" --layers 4 --threads 15 --json "$OUT/wrong_profile.json" 2>&1 | tee "$OUT/wrong_profile.txt"
+fi
+if has gpu; then
+  $PY -m pytest -q -x --tb=short -m gpu tests/test_gpu.py tests/test_triton_experts.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
+fi
+if has read; then
+  $PY -m ftkit.tools.bench.ftw_read "$W" --gib 4 --threads 16 --pin 2>&1 | tee "$OUT/ftw_read.txt"
+fi
+if has decode; then
+  [ -f "$W/q12.ftw/manifest.json" ] || $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1
+  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
+      --tokens ${TOKENS:-32} --strategies offload,cpu,hybrid --json "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
+  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
+      --tokens 4 --chunks 4096,8192 --strategies offload --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.txt"
 fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -37,11 +38,13 @@ def dense_bytes(rt: Runtime) -> int:
     return sum(t.numel() * t.element_size() for t in rt.decoder.w.values())
 
 
-def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | None, figures: Figures) -> dict:
-    """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill."""
+def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | None, figures: Figures,
+           trace_to: Path | None = None) -> dict:
+    """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill; `trace_to` also
+    writes a torch.profiler table of 4 further steps (where the per-token time goes)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, rt.spec.vocab_size, (prompt,), generator=gen).to(rt.device)
-    kv = rt.new_kv(prompt + tokens + 2)
+    kv = rt.new_kv(prompt + tokens + 8)
     with torch.inference_mode():
         if routing:
             routing.next_step()
@@ -60,6 +63,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     t = stats.totals()
     s = rt.ftw.layout.slot_bytes
     bound = _decode_bound(rt, stats, tokens, figures)
+    if trace_to is not None:
+        _profile_steps(rt, token, kv, routing, trace_to)
     return {
         "tokens": tokens,
         "tok_s": tokens / seconds,
@@ -71,6 +76,22 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         "bound_tok_s": 1 / bound if bound else None,
         "of_bound": tokens / seconds * bound if bound else None,  # measured tok/s over bound tok/s
     }
+
+
+def _profile_steps(rt: Runtime, token: torch.Tensor, kv, routing: RoutingOverride | None, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
+    with torch.inference_mode(), profile(activities=acts) as prof:
+        for _ in range(4):
+            if routing:
+                routing.next_step()
+            token = rt.decoder.forward(token, kv)[-1].argmax().view(1)
+        sync(rt)
+    sort = "self_cuda_time_total" if rt.device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    gpu = prof.key_averages().table(sort_by=sort, row_limit=15) if rt.device.type == "cuda" else ""
+    Path(path).write_text(table + "\n\n" + gpu)
 
 
 def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:

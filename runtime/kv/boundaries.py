@@ -1,0 +1,106 @@
+"""Where a prompt's prefill is cut: every page boundary and every semantic boundary.
+
+Reuse is exact only if a resumed request computes every row the way a from-scratch run of the
+same prompt would. CPU matmuls, the attention kernels and the chunked delta rule all round
+differently for different segment shapes, so every run (cache on or off) prefills in the same
+segments: cut at each multiple of `page` and at each marker the chat template emits. The cuts
+of a position depend only on the tokens before it (plus `lookahead` tokens for a "before"
+marker of several tokens), so two prompts that share a prefix share its cuts, and a resume
+point (always a cut) starts the same segments a from-scratch run would.
+
+Markers (turn headers, thinking blocks, tool calls and results) are matched as token sequences;
+a marker counts only when its first token is an added token of the tokenizer, so a family whose
+template does not use it never matches plain text that happens to spell it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.tokenizer import Tokenizer
+
+PAGE = 16
+PERIOD = 256  # an anchor-worthy cut after this many tokens without a semantic boundary
+
+# (text, kind, after): `after` puts the cut right after the marker, otherwise right before it.
+# "<|im_start|>assistant\n" ends the generation prompt: the next turn's edits of the reply
+# (dropped reasoning, a re-rendered tool call) start exactly there.
+MARKERS: tuple[tuple[str, str, bool], ...] = (
+    ("<|im_start|>", "turn", False),
+    ("<|im_start|>assistant\n", "turn", True),
+    ("<think>", "think", False),
+    ("</think>", "think", True),
+    ("<tool_call>", "tool_call", False),
+    ("</tool_call>", "tool_call", True),
+    ("<tool_response>", "tool_result", False),
+    ("</tool_response>", "tool_result", True),
+)
+# Cut kinds, lowest anchor value first; "page" cuts are never anchors.
+IN_THINK, PERIODIC = "in_think", "periodic"
+KIND_RANK = {"page": 0, IN_THINK: 1, PERIODIC: 1, "think": 2, "tool_call": 2, "tool_result": 2, "turn": 3}
+
+
+@dataclass(frozen=True)
+class Marker:
+    ids: tuple[int, ...]
+    kind: str
+    after: bool
+
+
+class Boundaries:
+    def __init__(self, markers: list[Marker], page: int = PAGE, period: int = PERIOD):
+        if page < 1 or period % page:
+            raise ValueError("the anchor period must be a multiple of the page size")
+        self.markers, self.page, self.period = markers, page, period
+        self.by_first: dict[int, list[Marker]] = {}
+        for m in markers:
+            self.by_first.setdefault(m.ids[0], []).append(m)
+        self.lookahead = max((len(m.ids) - 1 for m in markers if not m.after), default=0)
+
+    @classmethod
+    def for_tokenizer(cls, tok: Tokenizer | None, page: int = PAGE, period: int = PERIOD) -> Boundaries:
+        if tok is None:
+            return cls([], page, period)
+        added = set(tok.tok.get_added_tokens_decoder())
+        markers = []
+        for text, kind, after in MARKERS:
+            ids = tuple(tok.encode(text))
+            if ids and ids[0] in added:
+                markers.append(Marker(ids, kind, after))
+        return cls(markers, page, period)
+
+    def scan(self, tokens: list[int]) -> dict[int, str]:
+        """Cut position (1..len) -> kind, in increasing order. A cut at p splits p-1 | p."""
+        n, found = len(tokens), {}  # position -> [(kind, after)]
+        for i, t in enumerate(tokens):
+            for m in self.by_first.get(t, ()):
+                end = i + len(m.ids)
+                if end <= n and tuple(tokens[i:end]) == m.ids:
+                    p = end if m.after else i
+                    if 0 < p:
+                        found.setdefault(p, []).append((m.kind, m.after))
+        cuts: dict[int, str] = {}
+        inside, last_anchor = False, 0
+        for p in range(1, n + 1):
+            kind = None
+            for mkind, after in found.get(p, ()):
+                if mkind == "think":  # "<think>" opens (cut before), "</think>" closes (cut after)
+                    inside = not after
+                elif mkind == "turn":  # an unclosed block ends with its turn
+                    inside = False
+                elif inside:
+                    mkind = IN_THINK
+                if kind is None or KIND_RANK[mkind] > KIND_RANK[kind]:
+                    kind = mkind
+            if kind is None and p % self.page == 0:
+                kind = PERIODIC if p - last_anchor >= self.period else "page"
+            if kind is not None:
+                cuts[p] = kind
+                if kind != "page":
+                    last_anchor = p
+        return cuts
+
+    def stable_end(self, cuts: dict[int, str], n: int) -> int:
+        """The last cut of an n-token prompt that a longer prompt with the same prefix also has:
+        rows before it are computed as any run of such a prompt computes them."""
+        return max((p for p in cuts if p <= n - self.lookahead), default=0)

@@ -1,0 +1,82 @@
+"""The prefix cache the generation loop talks to: resume a prompt from the longest exact prefix,
+then remember what its prefill computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.kv import CacheSnapshot, KVCache
+from ..spec import LINEAR_ATTENTION, ModelSpec
+from .anchors import TAIL, AnchorPool
+from .boundaries import Boundaries
+from .radix import RadixTree
+
+
+@dataclass
+class PrefixStats:
+    requests: int = 0
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class PrefixCache:
+    """Full-attention layers resume from the longest radix match (cut down to a cut of the
+    canonical grid); recurrent layers from the deepest live anchor inside it. With `anchors`
+    off, only each prompt's tail is saved (what a plain hybrid cache does)."""
+
+    def __init__(self, spec: ModelSpec, boundaries: Boundaries, max_tokens: int, anchors: bool = True,
+                 anchor_slots: int = 32):
+        self.grid, self.anchors_on = boundaries, anchors
+        self.recurrent = LINEAR_ATTENTION in spec.layer_kinds
+        self.tree = RadixTree(max_tokens)
+        self.pool = AnchorPool(anchor_slots)
+        self.stats = PrefixStats()
+
+    def resume(self, tokens: list[int], cuts: dict[int, str], kv: KVCache) -> int:
+        """Load the longest reusable prefix of `tokens` into the empty `kv`; returns its length
+        (at most len - 1: the last prompt token is always computed, for its logits)."""
+        path, matched = self.tree.match(tokens)
+        limit = min(matched, len(tokens) - 1)
+        start, snap = 0, None
+        if self.recurrent:
+            for node in path:
+                if node.anchor is not None and node.depth <= limit:
+                    node.anchor.last_used = self.tree.clock  # a live session keeps its anchors young
+                    start, snap = node.depth, node.anchor.snap
+        else:
+            start = max((p for p in cuts if p <= limit), default=0)
+        if start:
+            self.tree.copy_into(path, start, kv)
+            kv.restore(snap or CacheSnapshot(start))
+        self.stats.requests += 1
+        self.stats.reused_tokens += start
+        self.stats.prompt_tokens += len(tokens)
+        return start
+
+    def snapshot_points(self, tokens: list[int], cuts: dict[int, str]) -> dict[int, str]:
+        """Cut -> anchor kind, for the cuts whose recurrent state the prefill should save."""
+        if not self.recurrent:
+            return {}
+        end = self.grid.stable_end(cuts, len(tokens))
+        points = {p: k for p, k in cuts.items() if k != "page" and p < end} if self.anchors_on else {}
+        if end:
+            points[end] = TAIL
+        return points
+
+    def insert(self, tokens: list[int], cuts: dict[int, str], kv: KVCache,
+               snaps: dict[int, CacheSnapshot], kinds: dict[int, str]) -> None:
+        """Remember rows 0..stable end of `kv` and the new snapshots, then evict to the budgets."""
+        end = self.grid.stable_end(cuts, len(tokens))
+        if not end:
+            return
+        nodes = self.tree.insert(tokens, end, kv, list(snaps))
+        for pos, snap in snaps.items():
+            self.pool.add(nodes[pos], snap, kinds[pos], self.tree.clock)
+        self.pool.evict(self.tree.clock)
+        self.tree.evict(self.pool.drop)
+
+    def info(self) -> dict:
+        s = self.stats
+        return {"tokens": self.tree.tokens, "max_tokens": self.tree.max_tokens, "anchors": len(self.pool.live),
+                "anchor_slots": self.pool.slots if self.recurrent else 0, "anchors_on": self.anchors_on,
+                "requests": s.requests, "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens}

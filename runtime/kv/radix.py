@@ -1,0 +1,128 @@
+"""A radix tree over token ids whose nodes own the K/V rows of their span, for every attention
+layer. Requests copy rows out (so nothing is locked while they run) and copy rows in after their
+prefill. Eviction drops leaves under a token budget, least valuable first:
+
+    value = sqrt(depth) / (1 + age in requests)
+
+so a short side request (a title generation) goes before a long session used a few requests ago,
+while a session left alone for long enough goes before a new one (a plain depth weight would let
+one huge idle session evict every newcomer)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.kv import KVCache
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: list[int]
+    depth: int  # tokens from the root to the end of this node
+    parent: Node | None
+    k: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [len, kv_heads, head_dim]
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+    children: dict[int, Node] = field(default_factory=dict)
+    last_used: int = 0
+    anchor: object | None = None  # the AnchorPool entry for the state at this node's end
+
+
+def _common(a: list[int], b: list[int], start: int, n: int) -> int:
+    """Length of the common prefix of a[:n] and b[start:start+n]."""
+    if a[:n] == b[start : start + n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[start + i])
+
+
+class RadixTree:
+    def __init__(self, max_tokens: int):
+        self.root = Node([], 0, None)
+        self.max_tokens, self.tokens = max_tokens, 0
+        self.clock = 0  # one tick per lookup: ages are counted in requests
+
+    def match(self, tokens: list[int]) -> tuple[list[Node], int]:
+        """(the nodes a prefix of `tokens` enters, the length of that prefix); the last node may
+        be matched only in part. Matched nodes are touched as used."""
+        self.clock += 1
+        path, node, pos = [], self.root, 0
+        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
+            n = _common(child.tokens, tokens, pos, min(len(child.tokens), len(tokens) - pos))
+            child.last_used = self.clock
+            path.append(child)
+            pos += n
+            if n < len(child.tokens):
+                break
+            node = child
+        return path, pos
+
+    def copy_into(self, path: list[Node], upto: int, kv: KVCache) -> None:
+        """Write the rows 0..upto of `path` into an empty cache (its length is left at 0)."""
+        for node in path:
+            start = node.depth - len(node.tokens)
+            if start >= upto:
+                break
+            n = min(len(node.tokens), upto - start)
+            for layer in kv.k:
+                kv.k[layer][start : start + n] = node.k[layer][:n]
+                kv.v[layer][start : start + n] = node.v[layer][:n]
+
+    def insert(self, tokens: list[int], end: int, kv: KVCache, stops: list[int]) -> dict[int, Node]:
+        """Hold rows 0..end of `kv` (computed for `tokens`); every position in `stops` ends a
+        node. Returns {stop: the node ending there}."""
+        node, pos, out = self.root, 0, {}
+        for stop in [*sorted(s for s in stops if 0 < s < end), end]:
+            while pos < stop:
+                child = node.children.get(tokens[pos])
+                if child is None:
+                    child = self._new(node, tokens[pos:stop], kv, pos)
+                else:
+                    n = _common(child.tokens, tokens, pos, min(len(child.tokens), stop - pos))
+                    if n < len(child.tokens):
+                        self._split(child, n)
+                child.last_used = self.clock
+                node, pos = child, child.depth
+            out[stop] = node
+        return out
+
+    def evict(self, on_drop) -> None:
+        """Drop leaves, least valuable first, until the budget holds; `on_drop(node)` first."""
+        while self.tokens > self.max_tokens:
+            leaves = [n for n in self._nodes() if not n.children]
+            if not leaves:
+                return
+            victim = min(leaves, key=lambda n: math.sqrt(n.depth) / (1 + self.clock - n.last_used))
+            on_drop(victim)
+            del victim.parent.children[victim.tokens[0]]
+            self.tokens -= len(victim.tokens)
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _new(self, parent: Node, tokens: list[int], kv: KVCache, start: int) -> Node:
+        end = start + len(tokens)
+        node = Node(list(tokens), end, parent, {i: t[start:end].clone() for i, t in kv.k.items()},
+                    {i: t[start:end].clone() for i, t in kv.v.items()}, last_used=self.clock)
+        parent.children[tokens[0]] = node
+        self.tokens += len(tokens)
+        return node
+
+    def _split(self, node: Node, n: int) -> None:
+        """Keep the first n tokens in `node`; the rest (with the children and the anchor, which
+        sits at the end) moves to a new child."""
+        tail = Node(node.tokens[n:], node.depth, node, {i: t[n:].clone() for i, t in node.k.items()},
+                    {i: t[n:].clone() for i, t in node.v.items()}, node.children, node.last_used, node.anchor)
+        for child in tail.children.values():
+            child.parent = tail
+        if tail.anchor is not None:
+            tail.anchor.node = tail
+        node.tokens, node.depth = node.tokens[:n], node.depth - len(tail.tokens)
+        node.k = {i: t[:n].clone() for i, t in node.k.items()}
+        node.v = {i: t[:n].clone() for i, t in node.v.items()}
+        node.children, node.anchor = {tail.tokens[0]: tail}, None
