@@ -136,8 +136,8 @@ class ExpertStore:
         weights = topk_weights.reshape(-1, 1)
         y = torch.zeros((t * k, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
         self._time_cuda_fills()
-        cpu_t0, cpu_ends = time.perf_counter(), []
-        futures, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, cpu_ends)
+        cpu_ends: list[float] = []
+        futures, host_y, cpu_t0 = self._start_cpu(plan, groups, hidden, weights, y, k, cpu_ends)
         self._fill([(r, s) for r, s in plan.fills if r not in streamed])
         resident = plan.hits + plan.fills
         if self.device.type == "cpu":
@@ -230,10 +230,10 @@ class ExpertStore:
     def _start_cpu(self, plan: LayerPlan, groups: dict[int, torch.Tensor], hidden: torch.Tensor,
                    weights: torch.Tensor, y: torch.Tensor, k: int, ends: list[float]):
         """Start the CPU set from the host pool: one kernel call for the whole set, or one torch
-        job per expert without the kernel. Returns the futures and the buffer they write; each job
-        appends its finishing time to `ends`."""
+        job per expert without the kernel. Returns the futures, the buffer they write and their
+        start time; each job appends its finishing time to `ends`."""
         if not plan.cpu:
-            return [], y
+            return [], y, 0.0
         if hidden.device.type == "cpu":
             x, w, out = hidden, weights, y
         else:
@@ -248,7 +248,9 @@ class ExpertStore:
             return run
 
         batches = [plan.cpu] if self.kernel else [[r] for r in plan.cpu]
-        return self.cpu.start([job(b) for b in batches]), out
+        # Timed from here: waiting for the device to hand over `hidden` is not CPU expert work.
+        t0 = time.perf_counter()
+        return self.cpu.start([job(b) for b in batches]), out, t0
 
     def rebuild(self, cache_slots: int) -> None:
         """Resize the device cache (call at a safe point: no `run` in flight); the host pool is

@@ -11,6 +11,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..spec import ModelSpec
 
@@ -129,6 +130,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---- attention -----------------------------------------------------------------------------
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int | None = None
 ) -> torch.Tensor:
@@ -145,8 +149,10 @@ def attention(
         if window is not None:
             mask &= k_pos > q_pos - window  # transformers' sliding-window overlay
     # 4-D inputs: with 3-D ones SDPA always takes its unfused math path (dozens of launches).
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=causal, scale=q.shape[-1] ** -0.5, enable_gqa=True,
-    )
+    # Not cuDNN: it builds a new plan for every KV length, milliseconds per decode step.
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=causal, scale=q.shape[-1] ** -0.5, enable_gqa=True,
+        )
     return out[0].transpose(0, 1)
