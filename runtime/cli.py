@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
-from typing_extensions import Annotated
 
 from .console import guarded, human_bytes, parse_bytes
-from .engine.generate import Generation, generate, stream
+from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
 
@@ -22,16 +21,17 @@ app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_
 
 Model = Annotated[Path, typer.Option("--model", "-m", help="FTW directory (from ftw-convert)")]
 Strategy = Annotated[str, typer.Option(help="fused | offload | cpu | hybrid | auto")]
-CacheExperts = Annotated[Optional[int], typer.Option(help="device expert cache size in slots")]
-CacheBytes = Annotated[Optional[str], typer.Option(help="device expert cache size in bytes, e.g. 8G")]
+CacheExperts = Annotated[int | None, typer.Option(help="device expert cache size in slots")]
+CacheBytes = Annotated[str | None, typer.Option(help="device expert cache size in bytes, e.g. 8G")]
 Device = Annotated[str, typer.Option(help="cpu or cuda")]
-Threads = Annotated[Optional[int], typer.Option(help="CPU expert threads (default: cores - 1)")]
-Profile = Annotated[Optional[Path], typer.Option(help="bandwidth profile JSON (from ft-calibrate)")]
-Ratio = Annotated[Optional[float], typer.Option(help="B_P / B_H for hybrid without a profile")]
-Dtype = Annotated[Optional[str], typer.Option(help="compute dtype (default: the weights' dtype)")]
+Threads = Annotated[int | None, typer.Option(help="CPU expert threads (default: cores - 1)")]
+Profile = Annotated[Path | None, typer.Option(help="bandwidth profile JSON (from ft-calibrate)")]
+Ratio = Annotated[float | None, typer.Option(help="B_P / B_H for hybrid without a profile")]
+Verify = Annotated[bool, typer.Option("--verify", help="check every FTW checksum before loading")]
+Dtype = Annotated[str | None, typer.Option(help="compute dtype (default: the weights' dtype)")]
 NoPrefix = Annotated[bool, typer.Option("--no-prefix-cache", help="no K/V reuse across requests (A/B runs)")]
 NoAnchors = Annotated[bool, typer.Option("--no-anchors", help="hybrid models: save recurrent state at prompt tails only")]
-PrefixTokens = Annotated[Optional[int], typer.Option(help="prefix cache budget in tokens (default: the context)")]
+PrefixTokens = Annotated[int | None, typer.Option(help="prefix cache budget in tokens (default: the context)")]
 AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hybrid models)")]
 
 
@@ -42,12 +42,16 @@ def _with_cache(opts: RuntimeOptions, no_prefix_cache: bool, no_anchors: bool, p
 
 
 def _options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio, dtype,
-             trace=False) -> RuntimeOptions:
+             trace=False, verify=False) -> RuntimeOptions:
     return RuntimeOptions(
         strategy=strategy, cache_experts=cache_experts,
         cache_bytes=parse_bytes(cache_bytes) if cache_bytes else None, device=device, threads=threads,
-        profile=profile, bandwidth_ratio=bandwidth_ratio, dtype=dtype, trace_stats=trace,
+        profile=profile, bandwidth_ratio=bandwidth_ratio, dtype=dtype, trace_stats=trace, verify=verify,
     )
+
+
+def _echo(delta: str) -> None:
+    console.print(delta, end="", markup=False, highlight=False)
 
 
 def _prompt_ids(rt: Runtime, prompt: str | None, prompt_ids: str | None, chat: bool) -> list[int]:
@@ -94,15 +98,15 @@ def _report(rt: Runtime, gen: Generation, as_json: bool, show_stats: bool) -> No
 @app.command("generate")
 def generate_cmd(
     model: Model,
-    prompt: Annotated[Optional[str], typer.Option(help="prompt text")] = None,
-    prompt_ids: Annotated[Optional[str], typer.Option(help="prompt token ids, e.g. 1,2,3")] = None,
+    prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
+    prompt_ids: Annotated[str | None, typer.Option(help="prompt token ids, e.g. 1,2,3")] = None,
     chat: Annotated[bool, typer.Option(help="wrap --prompt in the chat template")] = False,
     max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    seed: Optional[int] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
+    seed: int | None = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
     ignore_eos: bool = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="per-layer expert hits/misses/fills/CPU")] = False,
@@ -114,22 +118,19 @@ def generate_cmd(
     profile: Profile = None,
     bandwidth_ratio: Ratio = None,
     dtype: Dtype = None,
+    verify: Verify = False,
 ) -> None:
     """Generate a completion for one prompt."""
 
     def run() -> None:
         rt = Runtime(model, _options(strategy, cache_experts, cache_bytes, device, threads, profile,
-                                     bandwidth_ratio, dtype))
+                                     bandwidth_ratio, dtype, verify=verify))
         try:
             ids = _prompt_ids(rt, prompt, prompt_ids, chat)
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                     seed=seed, stop=stop or [], ignore_eos=ignore_eos)
-            if as_json:
-                gen = generate(rt, ids, params)
-            else:
-                gen = None
-                for _, delta, gen in stream(rt, ids, params):
-                    console.print(delta, end="", markup=False, highlight=False)
+            gen = generate(rt, ids, params, on_text=None if as_json else _echo)
+            if not as_json:
                 console.print()
             _report(rt, gen, as_json, stats)
         finally:
@@ -143,7 +144,7 @@ def chat_cmd(
     model: Model,
     max_tokens: int = 256,
     temperature: float = 0.7,
-    system: Annotated[Optional[str], typer.Option(help="system prompt")] = None,
+    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     strategy: Strategy = "auto",
     cache_experts: CacheExperts = None,
     cache_bytes: CacheBytes = None,
@@ -152,6 +153,7 @@ def chat_cmd(
     profile: Profile = None,
     bandwidth_ratio: Ratio = None,
     dtype: Dtype = None,
+    verify: Verify = False,
     stats: Annotated[bool, typer.Option("--stats")] = False,
     no_prefix_cache: NoPrefix = False,
     no_anchors: NoAnchors = False,
@@ -161,7 +163,7 @@ def chat_cmd(
 
     def run() -> None:
         rt = Runtime(model, _with_cache(_options(strategy, cache_experts, cache_bytes, device, threads, profile,
-                                                 bandwidth_ratio, dtype), no_prefix_cache, no_anchors, None, 32))
+                                                 bandwidth_ratio, dtype, verify=verify), no_prefix_cache, no_anchors, None, 32))
         if rt.tokenizer is None or rt.tokenizer.template is None:
             raise ValueError(f"{model} has no tokenizer or chat template; use ft-run generate --prompt-ids")
         messages = [{"role": "system", "content": system}] if system else []
@@ -175,10 +177,8 @@ def chat_cmd(
                     break
                 messages.append({"role": "user", "content": user})
                 ids = rt.tokenizer.encode(rt.tokenizer.chat(messages))
-                gen = None
                 console.print("[bold green]model>[/] ", end="")
-                for _, delta, gen in stream(rt, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature)):
-                    console.print(delta, end="", markup=False, highlight=False)
+                gen = generate(rt, ids, SamplingParams(max_tokens=max_tokens, temperature=temperature), _echo)
                 console.print()
                 messages.append({"role": "assistant", "content": gen.text})
                 _report(rt, gen, False, stats)
@@ -218,9 +218,7 @@ def demo_cmd(
             )
             ids = rt.tokenizer.encode(rt.tokenizer.chat([{"role": "user", "content": prompt}]))
             console.print(f"[bold cyan]prompt>[/] {prompt}\n[bold green]model>[/] ", end="")
-            gen = None
-            for _, delta, gen in stream(rt, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
-                console.print(delta, end="", markup=False, highlight=False)
+            gen = generate(rt, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), _echo)
             console.print()
             _report(rt, gen, False, True)
         finally:
@@ -234,11 +232,11 @@ def serve_cmd(
     model: Model,
     host: Annotated[str, typer.Option(help="bind address (non-loopback without --api-key warns)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8741,
-    api_key: Annotated[Optional[str], typer.Option(envvar="FTKIT_API_KEY", help="required key (Bearer or x-api-key)")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(help="model id clients send (default: the directory name)")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="FTKIT_API_KEY", help="required key (Bearer or x-api-key)")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model id clients send (default: the directory name)")] = None,
     max_running: Annotated[int, typer.Option(help="requests decoded concurrently; more wait in a queue")] = 4,
-    kv_tokens: Annotated[Optional[int], typer.Option(help="KV budget in tokens over all running requests (default: max-running x context)")] = None,
-    device_memory: Annotated[Optional[str], typer.Option(help="device memory budget, e.g. 20G (default: free VRAM, or available RAM on cpu)")] = None,
+    kv_tokens: Annotated[int | None, typer.Option(help="KV budget in tokens over all running requests (default: max-running x context)")] = None,
+    device_memory: Annotated[str | None, typer.Option(help="device memory budget, e.g. 20G (default: free VRAM, or available RAM on cpu)")] = None,
     strategy: Strategy = "auto",
     cache_experts: CacheExperts = None,
     cache_bytes: CacheBytes = None,
@@ -247,6 +245,7 @@ def serve_cmd(
     profile: Profile = None,
     bandwidth_ratio: Ratio = None,
     dtype: Dtype = None,
+    verify: Verify = False,
     no_prefix_cache: NoPrefix = False,
     no_anchors: NoAnchors = False,
     prefix_cache_tokens: PrefixTokens = None,
@@ -257,7 +256,7 @@ def serve_cmd(
 
     def run() -> None:
         opts = _with_cache(_options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio,
-                                    dtype), no_prefix_cache, no_anchors, prefix_cache_tokens, anchor_slots)
+                                    dtype, verify=verify), no_prefix_cache, no_anchors, prefix_cache_tokens, anchor_slots)
         serve(model, opts, host=host, port=port, api_key=api_key, max_running=max_running, kv_tokens=kv_tokens,
               device_memory=parse_bytes(device_memory) if device_memory else None, served_name=served_model_name,
               say=lambda line: console.print(line, markup=False, highlight=False))
@@ -268,7 +267,7 @@ def serve_cmd(
 ctl = typer.Typer(no_args_is_help=True, help="Talk to a running `ft-run serve`.")
 app.add_typer(ctl, name="ctl")
 Url = Annotated[str, typer.Option(help="server address")]
-Key = Annotated[Optional[str], typer.Option(envvar="FTKIT_API_KEY", help="the server's --api-key")]
+Key = Annotated[str | None, typer.Option(envvar="FTKIT_API_KEY", help="the server's --api-key")]
 
 
 @ctl.command("stats")
@@ -281,8 +280,8 @@ def ctl_stats(url: Url = "http://127.0.0.1:8741", api_key: Key = None) -> None:
 
 @ctl.command("cache")
 def ctl_cache(
-    experts: Annotated[Optional[int], typer.Option(help="new expert cache size in slots")] = None,
-    kv: Annotated[Optional[int], typer.Option(help="new KV budget in tokens")] = None,
+    experts: Annotated[int | None, typer.Option(help="new expert cache size in slots")] = None,
+    kv: Annotated[int | None, typer.Option(help="new KV budget in tokens")] = None,
     url: Url = "http://127.0.0.1:8741",
     api_key: Key = None,
 ) -> None:

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from ftkit.runtime.ftw.reader import FTWModel, HostBanks
 from ftkit.runtime.models import FAMILIES, decoder
 from ftkit.runtime.models.decoder import MoEDecoder
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.spec import ModelSpec
 from ftkit.tools.convert.pipeline import convert, make_plan
-from transformers import AutoConfig, AutoModelForCausalLM
 
 FAMILY_NAMES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 COMMON = dict(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftkit.runtime.engine.generate import generate, stream
+from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
@@ -60,10 +60,9 @@ def test_stop_string_cuts_text_and_never_streams_it(rt):
     text = full.text
     stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if text[i : i + 3].strip() and "\ufffd" not in text[i : i + 3])
     cut = text.index(stop)
-    streamed = ""
-    gen = None
-    for _, delta, gen in stream(rt, PROMPT, SamplingParams(max_tokens=24, stop=[stop], ignore_eos=True)):
-        streamed += delta
+    pieces: list[str] = []
+    gen = generate(rt, PROMPT, SamplingParams(max_tokens=24, stop=[stop], ignore_eos=True), pieces.append)
+    streamed = "".join(pieces)
     assert gen.finish_reason == "stop"
     assert gen.text == streamed == text[:cut]
 

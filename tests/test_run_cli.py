@@ -61,3 +61,15 @@ def test_bad_requests_fail_cleanly(tmp_path):
     for args in (["--prompt-ids", "1,x"], ["--prompt-ids", "999999"], ["--strategy", "magic", "--prompt-ids", "1"]):
         r = ft_run("generate", "-m", model, *args)
         assert r.returncode == 1 and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_verify_refuses_a_corrupt_bank(tmp_path):
+    ft_run("demo", "--out", tmp_path, "--max-tokens", "1")
+    model = tmp_path / "demo.ftw"
+    assert ft_run("generate", "-m", model, "--prompt-ids", "1,2", "--max-tokens", "1", "--verify").returncode == 0
+    bank = next(model.glob("experts-*.ftwb"))
+    data = bytearray(bank.read_bytes())
+    data[100] ^= 1
+    bank.write_bytes(bytes(data))
+    r = ft_run("generate", "-m", model, "--prompt-ids", "1,2", "--max-tokens", "1", "--verify")
+    assert r.returncode == 1 and "checksum" in r.stderr and "Traceback" not in r.stderr

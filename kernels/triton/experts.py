@@ -20,7 +20,7 @@ TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 
 
 @triton.jit
-def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, h_ptr, H, I, slot_elems, up_off,
+def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, h_ptr, H, I, slot_elems, up_off,  # noqa: E741 (I: the FFN width)
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
@@ -47,7 +47,7 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, h_ptr, H, I, slot_elems
 
 
 @triton.jit
-def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I, slot_elems, down_off,
+def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):

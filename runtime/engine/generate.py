@@ -102,8 +102,12 @@ def _stop_string(text: str, stops: list[str]) -> int | None:
     return min(found) if found else None
 
 
-def generate(rt: Runtime, prompt_ids: list[int], params: SamplingParams) -> Generation:
+def generate(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
+             on_text: Callable[[str], None] | None = None) -> Generation:
+    """Run to completion; `on_text` receives each text delta as it is produced."""
     gen = Generation(len(prompt_ids), finish_reason="length")  # what zero tokens asked for returns
-    for _token, _delta, latest in stream(rt, prompt_ids, params):
+    for _token, delta, latest in stream(rt, prompt_ids, params):
+        if on_text is not None:
+            on_text(delta)
         gen = latest
     return gen
