@@ -16,8 +16,8 @@ from ..checkpoint.base import TORCH_DTYPES
 from ..console import human_bytes
 from ..experts.store import cache_capacity, resolve_strategy
 from ..ftw.reader import FTWModel
+from ..models.kv import kv_bytes_per_token
 from ..profile import load_profile
-from ..spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
 from .loader import RuntimeOptions
 
 
@@ -68,11 +68,6 @@ class MemoryPlan:
         return (f"{human_bytes(self.total_bytes)} does not fit {human_bytes(self.budget_bytes)}: lower "
                 f"--cache-experts to {slots} or fewer (with {self.kv_tokens} KV tokens), or --kv-tokens "
                 f"to {kv} or fewer (with {self.expert_slots} slots)")
-
-
-def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
-    layers = sum(kind in (FULL_ATTENTION, SLIDING_ATTENTION) for kind in spec.layer_kinds)
-    return 2 * layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
 
 
 def device_budget(device: str) -> int | None:

@@ -85,3 +85,10 @@ class CacheSnapshot:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.states.values() for t in s.values())
+
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """K and V bytes one position takes in every softmax-attention layer, as KVCache allocates
+    them (sliding-window layers too: the cache is not windowed)."""
+    layers = sum(kind in (FULL_ATTENTION, SLIDING_ATTENTION) for kind in spec.layer_kinds)
+    return 2 * layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize

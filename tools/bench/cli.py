@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
@@ -17,6 +18,7 @@ from ftkit import __version__
 from ftkit.runtime.console import guarded, human_bytes, parse_bytes
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.ftw.random_model import write_random_ftw
+from ftkit.runtime.models.kv import kv_bytes_per_token
 from ftkit.runtime.profile import load_profile
 
 from . import agent_trace, run
@@ -184,7 +186,7 @@ def _sized(opts: RuntimeOptions, model: Path, gpu_budget: str | None, fraction: 
     elif gpu_budget is not None:
         spec = ftw.spec
         dense = (ftw.path / ftw.manifest.dense["file"]).stat().st_size
-        kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * kv_tokens
+        kv = kv_tokens * kv_bytes_per_token(spec, torch.bfloat16)
         left = parse_bytes(gpu_budget) - dense - kv
         if left < slot * spec.top_k:
             raise ValueError(f"--gpu-budget {gpu_budget} leaves {human_bytes(max(left, 0))} for experts "

@@ -24,7 +24,8 @@ from ftkit.runtime.checkpoint.safetensors import find_config, parse_file
 from ftkit.runtime.ftw.manifest import EXPERT_DTYPES, MANIFEST, FTWError, slot_layout
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES, Family, family_for_config
-from ftkit.runtime.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+from ftkit.runtime.models.kv import kv_bytes_per_token
+from ftkit.runtime.spec import ModelSpec
 
 PLAN_DTYPE = torch.bfloat16  # the memory plan's compute dtype: dense weights and KV cache
 KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
@@ -111,11 +112,7 @@ def expected_dense(family: Family, spec: ModelSpec) -> dict[str, torch.Tensor]:
 
 
 def kv_bytes(spec: ModelSpec, tokens: int) -> int:
-    """K and V of `tokens` positions in every softmax-attention layer, as the runtime's KVCache
-    allocates them (sliding-window layers too: the cache is not windowed)."""
-    per_layer = torch.empty((tokens, spec.num_kv_heads, spec.head_dim), dtype=PLAN_DTYPE, device="meta").nbytes
-    layers = sum(kind in (FULL_ATTENTION, SLIDING_ATTENTION) for kind in spec.layer_kinds)
-    return 2 * layers * per_layer
+    return tokens * kv_bytes_per_token(spec, PLAN_DTYPE)
 
 
 def memory_plan(family: Family, spec: ModelSpec, expert_dtype: str | None) -> dict[str, Any]:
