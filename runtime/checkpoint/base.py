@@ -14,8 +14,17 @@ from typing import Any, Protocol
 import torch
 
 
+def one_line(message: str, limit: int = 400) -> str:
+    """A message as one printable line: names read from a corrupt header can hold any bytes."""
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class CheckpointError(Exception):
     """A checkpoint cannot be used; the message is one line a user can act on."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
 
 
 # Stored dtypes we understand, by our name. `q8_0` is GGUF's block format: blocks of 32 weights

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.base import Q8_0, TORCH_DTYPES, stored_nbytes, stored_shape
+from ..checkpoint.base import Q8_0, TORCH_DTYPES, one_line, stored_nbytes, stored_shape
 from ..spec import EXPERT_PARTS, ModelSpec
 
 FORMAT = "ftw"
@@ -26,6 +26,9 @@ EXPERT_DTYPES = ("float32", "float16", "bfloat16", Q8_0)
 
 class FTWError(Exception):
     """An FTW directory cannot be read exactly; the message says what to do."""
+
+    def __init__(self, message: str):
+        super().__init__(one_line(message))
 
 
 def align_up(n: int, a: int) -> int:
