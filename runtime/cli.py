@@ -27,6 +27,7 @@ Device = Annotated[str, typer.Option(help="cpu or cuda")]
 Threads = Annotated[int | None, typer.Option(help="CPU expert threads (default: cores - 1)")]
 Profile = Annotated[Path | None, typer.Option(help="bandwidth profile JSON (from ft-calibrate)")]
 Ratio = Annotated[float | None, typer.Option(help="B_P / B_H for hybrid without a profile")]
+GpuBudget = Annotated[str | None, typer.Option(help="device bytes for dense + KV + expert cache, e.g. 8G; the cache gets what is left")]
 Verify = Annotated[bool, typer.Option("--verify", help="check every FTW checksum before loading")]
 Dtype = Annotated[str | None, typer.Option(help="compute dtype (default: the weights' dtype)")]
 NoPrefix = Annotated[bool, typer.Option("--no-prefix-cache", help="no K/V reuse across requests (A/B runs)")]
@@ -42,10 +43,11 @@ def _with_cache(opts: RuntimeOptions, no_prefix_cache: bool, no_anchors: bool, p
 
 
 def _options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio, dtype,
-             trace=False, verify=False) -> RuntimeOptions:
+             trace=False, verify=False, gpu_budget=None) -> RuntimeOptions:
     return RuntimeOptions(
         strategy=strategy, cache_experts=cache_experts,
         cache_bytes=parse_bytes(cache_bytes) if cache_bytes else None, device=device, threads=threads,
+        gpu_budget=parse_bytes(gpu_budget) if gpu_budget else None,
         profile=profile, bandwidth_ratio=bandwidth_ratio, dtype=dtype, trace_stats=trace, verify=verify,
     )
 
@@ -113,6 +115,7 @@ def generate_cmd(
     strategy: Strategy = "auto",
     cache_experts: CacheExperts = None,
     cache_bytes: CacheBytes = None,
+    gpu_budget: GpuBudget = None,
     device: Device = "cpu",
     threads: Threads = None,
     profile: Profile = None,
@@ -124,7 +127,7 @@ def generate_cmd(
 
     def run() -> None:
         rt = Runtime(model, _options(strategy, cache_experts, cache_bytes, device, threads, profile,
-                                     bandwidth_ratio, dtype, verify=verify))
+                                     bandwidth_ratio, dtype, verify=verify, gpu_budget=gpu_budget))
         try:
             ids = _prompt_ids(rt, prompt, prompt_ids, chat)
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -148,6 +151,7 @@ def chat_cmd(
     strategy: Strategy = "auto",
     cache_experts: CacheExperts = None,
     cache_bytes: CacheBytes = None,
+    gpu_budget: GpuBudget = None,
     device: Device = "cpu",
     threads: Threads = None,
     profile: Profile = None,
@@ -163,7 +167,7 @@ def chat_cmd(
 
     def run() -> None:
         rt = Runtime(model, _with_cache(_options(strategy, cache_experts, cache_bytes, device, threads, profile,
-                                                 bandwidth_ratio, dtype, verify=verify), no_prefix_cache, no_anchors, None, 32))
+                                                 bandwidth_ratio, dtype, verify=verify, gpu_budget=gpu_budget), no_prefix_cache, no_anchors, None, 32))
         if rt.tokenizer is None or rt.tokenizer.template is None:
             raise ValueError(f"{model} has no tokenizer or chat template; use ft-run generate --prompt-ids")
         messages = [{"role": "system", "content": system}] if system else []
@@ -240,6 +244,7 @@ def serve_cmd(
     strategy: Strategy = "auto",
     cache_experts: CacheExperts = None,
     cache_bytes: CacheBytes = None,
+    gpu_budget: GpuBudget = None,
     device: Device = "cpu",
     threads: Threads = None,
     profile: Profile = None,
@@ -256,7 +261,7 @@ def serve_cmd(
 
     def run() -> None:
         opts = _with_cache(_options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio,
-                                    dtype, verify=verify), no_prefix_cache, no_anchors, prefix_cache_tokens, anchor_slots)
+                                    dtype, verify=verify, gpu_budget=gpu_budget), no_prefix_cache, no_anchors, prefix_cache_tokens, anchor_slots)
         serve(model, opts, host=host, port=port, api_key=api_key, max_running=max_running, kv_tokens=kv_tokens,
               device_memory=parse_bytes(device_memory) if device_memory else None, served_name=served_model_name,
               say=lambda line: console.print(line, markup=False, highlight=False))

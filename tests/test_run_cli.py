@@ -73,3 +73,14 @@ def test_verify_refuses_a_corrupt_bank(tmp_path):
     bank.write_bytes(bytes(data))
     r = ft_run("generate", "-m", model, "--prompt-ids", "1,2", "--max-tokens", "1", "--verify")
     assert r.returncode == 1 and "checksum" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gpu_budget_sizes_the_expert_cache(tmp_path):
+    ft_run("demo", "--out", tmp_path, "--max-tokens", "1")
+    model = tmp_path / "demo.ftw"
+    base = ["generate", "-m", model, "--prompt-ids", "1,2", "--max-tokens", "2", "--json", "--strategy", "offload"]
+    small = json.loads(ft_run(*base, "--gpu-budget", "12M").stdout)
+    big = json.loads(ft_run(*base, "--gpu-budget", "40M").stdout)
+    assert small["token_ids"] == big["token_ids"]
+    r = ft_run(*base, "--gpu-budget", "1M")
+    assert r.returncode == 1 and "--gpu-budget" in r.stderr and "Traceback" not in r.stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.base import TORCH_DTYPES
+from ..console import human_bytes
 from ..experts.cpu import CPUExecutor
 from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
@@ -17,7 +18,7 @@ from ..ftw.reader import FTWModel
 from ..kv.boundaries import Boundaries
 from ..kv.cache import PrefixCache
 from ..models import FAMILIES
-from ..models.kv import KVCache
+from ..models.kv import KVCache, kv_bytes_per_token
 from ..profile import load_profile
 from .tokenizer import Tokenizer
 
@@ -29,6 +30,8 @@ class RuntimeOptions:
     strategy: str = "auto"
     cache_experts: int | None = None  # device cache size in expert slots
     cache_bytes: int | None = None  # ... or in bytes
+    gpu_budget: int | None = None  # ... or what is left of this many device bytes after dense + KV
+    kv_tokens: int = 8192  # the KV a gpu_budget reserves before sizing the expert cache
     device: str = "cpu"
     threads: int | None = None
     profile: Path | None = None
@@ -62,7 +65,8 @@ class Runtime:
         if opts.profile is not None:
             ratio = load_profile(opts.profile, opts.threads or CPUExecutor.default_threads()).ratio
         self.store = ExpertStore(
-            self.spec, self.pool, opts.strategy, self.cache_slots(), self.device, opts.threads, ratio, self.dtype
+            self.spec, self.pool, opts.strategy, self.cache_slots(_nbytes(weights)), self.device, opts.threads,
+            ratio, self.dtype
         )
         self.store.stats.trace = opts.trace_stats
         self.decoder = self.family.decoder(self.spec, weights, self.store)
@@ -78,12 +82,22 @@ class Runtime:
         ) if opts.prefix_cache else None
         self.load_seconds = time.perf_counter() - t0
 
-    def cache_slots(self) -> int | None:
+    def cache_slots(self, dense_bytes: int = 0) -> int | None:
         o = self.opts
-        if o.cache_experts is not None and o.cache_bytes is not None:
-            raise ValueError("give --cache-experts or --cache-bytes, not both")
+        if sum(x is not None for x in (o.cache_experts, o.cache_bytes, o.gpu_budget)) > 1:
+            raise ValueError("give one of --cache-experts, --cache-bytes and --gpu-budget")
+        slot = self.ftw.layout.slot_bytes
         if o.cache_bytes is not None:
-            return o.cache_bytes // self.ftw.layout.slot_bytes
+            return o.cache_bytes // slot
+        if o.gpu_budget is not None:
+            kv = o.kv_tokens * kv_bytes_per_token(self.spec, self.dtype)
+            left = o.gpu_budget - dense_bytes - kv
+            if left < self.spec.top_k * slot:
+                raise ValueError(
+                    f"--gpu-budget {human_bytes(o.gpu_budget)} leaves {human_bytes(max(left, 0))} for experts "
+                    f"after dense weights ({human_bytes(dense_bytes)}) and {o.kv_tokens} KV tokens "
+                    f"({human_bytes(kv)}); one layer's experts need {human_bytes(self.spec.top_k * slot)}")
+            return left // slot
         return o.cache_experts
 
     def new_kv(self, max_tokens: int) -> KVCache:
@@ -100,3 +114,7 @@ class Runtime:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

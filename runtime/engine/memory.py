@@ -94,6 +94,9 @@ def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: 
     requested = opts.cache_experts
     if opts.cache_bytes is not None:
         requested = opts.cache_bytes // ftw.layout.slot_bytes
+    if opts.gpu_budget is not None:  # the expert cache gets what dense weights and KV leave
+        left = opts.gpu_budget - dense_bytes - kv_tokens * kv_bytes_per_token(ftw.spec, dtype)
+        requested = max(1, left // ftw.layout.slot_bytes)
     slots = cache_capacity(strategy, requested, ftw.spec.num_expert_rows)
     return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(ftw.spec, dtype), slots,
                       ftw.layout.slot_bytes, budget_bytes)

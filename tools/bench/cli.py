@@ -15,10 +15,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from ftkit import __version__
-from ftkit.runtime.console import guarded, human_bytes, parse_bytes
+from ftkit.runtime.console import guarded, parse_bytes
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.ftw.random_model import write_random_ftw
-from ftkit.runtime.models.kv import kv_bytes_per_token
 from ftkit.runtime.profile import load_profile
 
 from . import agent_trace, run
@@ -73,7 +72,6 @@ def _routing(rt: Runtime, routing: str) -> RoutingOverride | None:
 
 
 def _machine() -> dict:
-    import torch
 
     out = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
            "torch": torch.__version__, "ftkit": __version__}
@@ -179,19 +177,10 @@ def _sized(opts: RuntimeOptions, model: Path, gpu_budget: str | None, fraction: 
     """Expert cache slots from a device budget (after dense weights and KV) or a pool fraction."""
     from ftkit.runtime.ftw.reader import FTWModel
 
-    ftw = FTWModel(model)
-    rows, slot = ftw.spec.num_expert_rows, ftw.layout.slot_bytes
     if fraction is not None:
-        opts.cache_experts = max(1, int(rows * fraction))
+        opts.cache_experts = max(1, int(FTWModel(model).spec.num_expert_rows * fraction))
     elif gpu_budget is not None:
-        spec = ftw.spec
-        dense = (ftw.path / ftw.manifest.dense["file"]).stat().st_size
-        kv = kv_tokens * kv_bytes_per_token(spec, torch.bfloat16)
-        left = parse_bytes(gpu_budget) - dense - kv
-        if left < slot * spec.top_k:
-            raise ValueError(f"--gpu-budget {gpu_budget} leaves {human_bytes(max(left, 0))} for experts "
-                             f"after dense weights and KV; need at least {human_bytes(slot * spec.top_k)}")
-        opts.cache_experts = min(rows, left // slot)
+        opts.gpu_budget, opts.kv_tokens = parse_bytes(gpu_budget), kv_tokens
     return opts
 
 
