@@ -91,7 +91,8 @@ def test_prefill_layer_streaming_is_exact(ftw_models, family):
         got, stats, distinct = run_tokens(ftw_models[family], stream_prefill=True, **cfg)
         assert torch.equal(got, ref), cfg
         prefill = stats.steps[0]
-        assert all(c.cpu == 0 and c.hits + c.fills == c.active for c in prefill.values())
+        first = min(prefill)  # decides from its own routing; later layers arrive copied in
+        assert all(c.cpu == 0 and c.hits + c.fills == c.active for layer, c in prefill.items() if layer != first)
         for step, seen in zip(stats.steps, distinct, strict=True):
             assert all(c.hits + c.fills + c.cpu == c.active == seen[layer] for layer, c in step.items())
 

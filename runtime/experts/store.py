@@ -32,6 +32,7 @@ from .stats import ExpertStats
 
 __all__ = ["STRATEGIES", "ExpertStore", "cache_capacity", "resolve_strategy"]
 
+STREAM_FRACTION = 0.75  # a layer routed to this share of its experts makes prefill stream whole layers
 GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the grouped GEMV
 
 
@@ -126,7 +127,7 @@ class ExpertStore:
                 start += n
         # Most-used experts first: they are the ones worth filling.
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))
-        streamed = self._stream_layers(self.spec.moe_index(layer), t * k)
+        streamed = self._stream_layers(self.spec.moe_index(layer), rows)
         plan = self.planner.plan(self.cache, rows)
         if streamed:  # copied in ahead for this layer: count them as this layer's fills
             plan.fills += [(r, s) for r, s in plan.hits if r in streamed]
@@ -155,17 +156,16 @@ class ExpertStore:
             y = y + host_y.to(y.device)
         return y.view(t, k, -1).sum(dim=1)
 
-    def _stream_layers(self, moe_index: int, items: int) -> set[int]:
-        """Prefill: wait for this layer's copies (started one layer ahead), then start the next
-        layer's. A short chunk (fewer routed items than experts) takes the routing-driven path,
-        but still waits for copies already in flight into its layer's slots."""
+    def _stream_layers(self, moe_index: int, rows: list[int]) -> set[int]:
+        """Prefill: wait for this layer's copies (started one layer ahead); when this layer's
+        routing touches most of its experts, the next one's will too, so start copying all of it.
+        A short extend after a prefix hit routes to few experts and takes the routing-driven path
+        (only its misses move), but still waits for copies already in flight into its slots."""
         if self.prefetcher is None:
             return set()
-        streaming = items >= self.spec.num_experts and self.prefetcher.fits(self.cache)
-        if streaming and moe_index not in self.prefetcher.pending:
-            self.prefetcher.prefetch(self.cache, moe_index, set())
         filled = set(self.prefetcher.wait(moe_index))
-        if streaming:
+        dense = len(rows) >= STREAM_FRACTION * self.spec.num_experts
+        if dense and self.prefetcher.fits(self.cache):
             self.prefetcher.prefetch(self.cache, moe_index + 1, set(self.prefetcher.rows(moe_index)))
         return filled
 
