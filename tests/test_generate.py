@@ -77,3 +77,20 @@ def test_limits(rt):
         generate(rt, [1, 99999], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+def test_stream_decoder_deltas_add_up_to_the_full_decode(rt):
+    from ftkit.runtime.engine.tokenizer import StreamDecoder
+
+    tok = rt.tokenizer
+    texts = ["Grüße, 世界! def f(x):\n    return x ** 2  # ok", "  spaces   and\ttabs 😀 done"]
+    for text in texts:
+        ids = tok.encode(text)
+        dec = StreamDecoder(tok, skip_special=False)
+        assert "".join(dec.push(t) for t in ids) == tok.decode(ids) == text
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, tok.vocab_size, (300,), generator=gen).tolist()
+    dec = StreamDecoder(tok)
+    pieces = "".join(dec.push(t) for t in ids)
+    full = tok.decode(ids, skip_special=True)
+    assert full.startswith(pieces) and len(full) - len(pieces) <= 4  # only a held-back partial char

@@ -64,7 +64,11 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing token list into text deltas without splitting UTF-8 characters."""
+    """Turns a growing token list into text deltas without splitting UTF-8 characters.
+
+    Each step decodes only a short window: the tokens since the last emitted delta plus the ones
+    before them (as context, so tokenizers that render a leading space by context stay right),
+    so a long generation costs linear, not quadratic, decoding work."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, keep: frozenset[int] = frozenset()):
         """`keep`: special token ids shown even when skipping specials (tool-call and think
@@ -72,14 +76,21 @@ class StreamDecoder:
         self.tok, self.skip, self.keep = tokenizer, skip_special, keep
         self.ids: list[int] = []
         self.text = ""
+        self.prefix = 0  # window start: context already emitted
+        self.read = 0  # tokens before this are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.keep and self.skip:
+            return self.tok.decode([t for t in ids if t in self.keep or t not in self.tok.special_ids], False)
+        return self.tok.decode(ids, self.skip)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        if self.keep and self.skip:
-            text = self.tok.decode([t for t in self.ids if t in self.keep or t not in self.tok.special_ids], False)
-        else:
-            text = self.tok.decode(self.ids, self.skip)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
+        if now.endswith("\ufffd") or len(now) <= len(before):  # incomplete character: wait
             return ""
-        delta, self.text = text[len(self.text):], text
+        delta = now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
         return delta
