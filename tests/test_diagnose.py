@@ -444,3 +444,41 @@ def test_large_model_stub_names_a_missing_expert(tmp_path: Path) -> None:
     r = diagnose(big_stub(tmp_path / "big", drop="model.layers.47.mlp.experts.127.up_proj.weight"))
     assert r["verdict"] == "FAIL"
     assert r["problems"] == ["missing tensor: layer 47 up projection of expert(s) 127"]
+
+
+def test_k_quant_gguf_names_every_unsupported_tensor_and_still_plans(hf_checkpoint, tmp_path):
+    """Most GGUFs people have are Q4_K-style: FAIL, naming each tensor, with the model still
+    identified and its memory plan given."""
+    import gguf
+    import numpy as np
+
+    from gguf_fixtures import write_gguf_from_hf
+
+    src = tmp_path / "f32.gguf"
+    write_gguf_from_hf(hf_checkpoint("qwen3_moe"), src, "F32")
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(tmp_path / "q4.gguf", "qwen3moe")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, field.contents())
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    for t in reader.tensors:
+        data = np.array(t.data).reshape(tuple(int(x) for x in reversed(t.shape)))
+        if t.name == "token_embd.weight" or "_exps" in t.name:
+            q4 = gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+            writer.add_tensor(t.name, q4, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    report = diagnose(tmp_path / "q4.gguf")
+    assert report["verdict"] == "FAIL" and report["family"] == "qwen3_moe"
+    assert "unsupported: GGUF type Q4_0 for tensor token_embd.weight" in report["problems"]
+    assert sum("Q4_0" in p for p in report["problems"]) == 1 + 3 * 2  # embedding + 3 parts x 2 layers
+    assert not [p for p in report["problems"] if "missing" in p]
+    assert report["memory"]["host_expert_pool_bytes"] > 0

@@ -164,6 +164,7 @@ class GGUFSource:
         self.tensors: dict[str, TensorRef] = {}
         # Tensors of types we cannot read (only filled when strict_types is False): name -> type.
         self.unsupported: dict[str, str] = {}
+        self.unsupported_shapes: dict[str, tuple[int, ...]] = {}  # still tells what the model is
         name = self.path.name
         try:
             file_size = self.path.stat().st_size
@@ -241,6 +242,7 @@ class GGUFSource:
                         f"{name}: unsupported GGUF type {ggml_type_name(type_id)} for tensor {tname}"
                     )
                 self.unsupported[tname] = ggml_type_name(type_id)
+                self.unsupported_shapes[tname] = tuple(reversed(ne))
                 continue
             if dtype == Q8_0 and (not ne or ne[0] % Q8_0_BLOCK):
                 raise CheckpointError(

@@ -47,7 +47,8 @@ def resolve(source: Source) -> tuple[Family, ModelSpec]:
     """The family and ModelSpec of an opened checkpoint."""
     if source.kind == "gguf":
         fam = family_for_gguf(source.metadata)
-        shapes = {n: r.shape for n, r in source.tensors.items()}
+        # Tensors of types we cannot read still say what the model is (e.g. a Q4_K embedding).
+        shapes = {**getattr(source, "unsupported_shapes", {}), **{n: r.shape for n, r in source.tensors.items()}}
         return fam, fam.spec_from_gguf(source.metadata, shapes)
     fam = family_for_config(source.config)
     return fam, fam.spec_from_config(source.config)
