@@ -29,6 +29,11 @@ class MemoryPlan:
     expert_slots: int
     slot_bytes: int
     budget_bytes: int | None  # None: unknown, not checked
+    prefix_tokens: int = 0  # K/V rows the prefix cache may hold, on the same device
+
+    @property
+    def prefix_bytes(self) -> int:
+        return self.prefix_tokens * self.kv_bytes_per_token
 
     @property
     def kv_bytes(self) -> int:
@@ -40,7 +45,7 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.dense_bytes + self.kv_bytes + self.expert_bytes
+        return self.dense_bytes + self.kv_bytes + self.expert_bytes + self.prefix_bytes
 
     @property
     def fits(self) -> bool:
@@ -54,12 +59,16 @@ class MemoryPlan:
         budget = human_bytes(self.budget_bytes) if self.budget_bytes is not None else "unchecked"
         return (f"memory plan: dense {human_bytes(self.dense_bytes)} + KV {self.kv_tokens} tokens "
                 f"({human_bytes(self.kv_bytes)}) + {self.expert_slots} expert slots "
-                f"({human_bytes(self.expert_bytes)}) = {human_bytes(self.total_bytes)} of {budget}")
+                f"({human_bytes(self.expert_bytes)}) + prefix cache {self.prefix_tokens} tokens "
+                f"({human_bytes(self.prefix_bytes)}) = {human_bytes(self.total_bytes)} of {budget}")
 
     def advice(self) -> str:
         """Why it does not fit and what would: the largest expert cache and KV that do."""
         assert self.budget_bytes is not None
-        room = self.budget_bytes - self.dense_bytes
+        room = self.budget_bytes - self.dense_bytes - self.prefix_bytes
+        if room <= 0 and self.prefix_bytes:
+            return (f"dense weights and the prefix cache ({self.prefix_tokens} tokens) exceed the budget "
+                    f"of {human_bytes(self.budget_bytes)}; lower --prefix-cache-tokens")
         if room <= 0:
             return (f"the dense weights alone ({human_bytes(self.dense_bytes)}) exceed the budget of "
                     f"{human_bytes(self.budget_bytes)}; use a smaller --dtype or a larger device")
@@ -98,5 +107,6 @@ def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: 
         left = opts.gpu_budget - dense_bytes - kv_tokens * kv_bytes_per_token(ftw.spec, dtype)
         requested = max(1, left // ftw.layout.slot_bytes)
     slots = cache_capacity(strategy, requested, ftw.spec.num_expert_rows)
+    prefix = (opts.prefix_cache_tokens or ftw.spec.max_position_embeddings) if opts.prefix_cache else 0
     return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(ftw.spec, dtype), slots,
-                      ftw.layout.slot_bytes, budget_bytes)
+                      ftw.layout.slot_bytes, budget_bytes, prefix)
