@@ -15,6 +15,7 @@ float32 rounding, not bitwise. Without a compiler every tier uses the torch path
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 
@@ -102,7 +103,8 @@ class ExpertStore:
         self.prefetcher = LayerPrefetcher(pool, self.device) if stream_prefill else None
         if self.prefetcher and not self.prefetcher.fits(self.cache):
             print(f"ftkit: expert cache of {capacity} slots holds fewer than two layers "
-                  f"({2 * spec.num_experts}): disabling prefill layer streaming (on-demand fills)")
+                  f"({2 * spec.num_experts}): disabling prefill layer streaming (on-demand fills)",
+                  file=sys.stderr)
         self._fill_events: deque = deque()  # (bytes, start, end) CUDA events of fills not yet timed
         if self.strategy == FUSED:
             for row in range(rows):
