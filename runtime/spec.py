@@ -18,6 +18,8 @@ LINEAR_ATTENTION = "linear_attention"
 
 # Routing functions.
 SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, keep the top k (optionally renormalised)
+# sigmoid scores; a bias steers the choice only; top k within the best expert groups (GLM-4.5)
+SIGMOID_GROUP_TOPK = "sigmoid_group_topk"
 
 # Q/K norm placement.
 QK_NORM_NONE = "none"

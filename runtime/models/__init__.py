@@ -9,11 +9,12 @@ from typing import Any
 
 from ..checkpoint.base import CheckpointError, Source
 from ..spec import ModelSpec
-from . import mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
+from . import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from .base import Family, Mapped
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY)
+    f.name: f
+    for f in (qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, glm4_moe.FAMILY)
 }
 
 __all__ = ["FAMILIES", "Family", "Mapped", "family_for_config", "family_for_gguf", "resolve"]

@@ -1,0 +1,128 @@
+"""GLM-4.5 MoE: sigmoid routing with a selection-only bias and grouped top-k, ungated shared
+experts, leading dense layers, partial rotary, optional per-head Q/K norms, q/k/v biases.
+
+Routing (transformers' Glm4MoeTopkRouter, all in float32): scores = sigmoid(x @ W); the choice
+ranks scores + `e_score_correction_bias` (canonical `layers.N.router.bias`), first keeping the
+`topk_group` best of `n_group` expert groups (a group's score: the sum of its two best), then the
+top k experts among them; the weights are the chosen experts' unbiased scores, renormalised if
+`norm_topk_prob`, times `routed_scaling_factor`. They stay float32 into the experts.
+
+GGUF (llama.cpp arch `glm4moe`): the bias is `blk.N.exp_probs_b.bias`, the post-attention norm
+`post_attention_norm`; the converter appends the multi-token-prediction layer(s) as extra blocks
+counted in block_count (we serve the main layers; the rest map as unexpected) and writes no
+expert-group keys (GLM-4.5 uses one group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint.base import CheckpointError
+from ..spec import QK_NORM_HEAD, QK_NORM_NONE, SIGMOID_GROUP_TOPK, ModelSpec
+from .base import (
+    GGUF_RULES,
+    HF_RULES,
+    Family,
+    gguf_common,
+    llama_dense_shapes,
+    moe_spec,
+    rules,
+    text_config,
+)
+from .decoder import MoEDecoder
+
+SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+HF_GLM_RULES = rules(
+    (r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", "layers.{1}.router.bias"),
+) + HF_RULES
+
+GGUF_GLM_RULES = rules(
+    (r"blk\.(\d+)\.exp_probs_b\.bias", "layers.{1}.router.bias"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{1}.mlp_norm.weight"),
+) + GGUF_RULES
+
+
+class Glm4MoeDecoder(MoEDecoder):
+    cast_router_weights = False  # transformers hands the experts float32 weights
+
+    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, p, t = self.spec, f"layers.{i}.router.", x.shape[0]
+        groups, keep = s.extra["n_group"], s.extra["topk_group"]
+        scores = F.linear(x.float(), self.w[p + "weight"].float()).sigmoid()
+        choice = (scores + self.w[p + "bias"].float()).view(t, groups, -1)
+        best = choice.topk(2, dim=-1)[0].sum(dim=-1).topk(keep, dim=-1)[1]
+        kept = torch.zeros(t, groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+        choice = choice.masked_fill(~kept[..., None], float("-inf")).view(t, -1)
+        ids = choice.topk(s.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if s.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * s.extra["routed_scaling_factor"]
+
+
+class Glm4Moe(Family):
+    name = "glm4_moe"
+    architectures = ("Glm4MoeForCausalLM",)
+    gguf_archs = ("glm4moe",)
+    hf_rules = HF_GLM_RULES
+    gguf_rules = GGUF_GLM_RULES
+    decoder_class = Glm4MoeDecoder
+
+    def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
+        cfg = dict(text_config(cfg))
+        cfg["num_experts"] = cfg.get("n_routed_experts") or cfg.get("num_experts")  # HF names it n_routed_experts
+        params = cfg.get("rope_parameters") or {}
+        if "partial_rotary_factor" not in params and cfg.get("partial_rotary_factor") is None:
+            cfg["partial_rotary_factor"] = 0.5  # transformers' default for this family
+        layers, first = int(cfg.get("num_hidden_layers") or 0), int(cfg.get("first_k_dense_replace") or 0)
+        extra = dict(n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                     routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
+        experts = int(cfg.get("num_experts") or 0)
+        if experts % extra["n_group"] or experts // extra["n_group"] < 2 or extra["topk_group"] > extra["n_group"]:
+            raise CheckpointError(f"GLM-4.5 MoE: {experts} experts cannot form {extra['n_group']} groups of 2 or more "
+                                  f"with {extra['topk_group']} kept")
+        return moe_spec(
+            self.name, cfg, "moe_intermediate_size", dense_ffn=True,
+            moe_layers=tuple(range(first, layers)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            router=SIGMOID_GROUP_TOPK,
+            shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
+            qk_norm=QK_NORM_HEAD if cfg.get("use_qk_norm") else QK_NORM_NONE,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            extra=extra,
+        )
+
+    def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
+        g = gguf_common(meta, tensor_shapes)
+        arch = meta.get("general.architecture")
+
+        def m(key: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{key}")
+            return default if value is None else value
+
+        if m("expert_gating_func", SIGMOID_GATING) != SIGMOID_GATING:
+            raise CheckpointError(f"glm4moe GGUF with expert_gating_func {m('expert_gating_func')}; GLM-4.5 is sigmoid")
+        layers = int(g["num_hidden_layers"] or 0) - int(m("nextn_predict_layers", 0))
+        head_dim = int(g["head_dim"] or g["hidden_size"] // g["num_attention_heads"])
+        g.update(
+            architectures=list(self.architectures), num_hidden_layers=layers, num_experts=g["experts"],
+            num_experts_per_tok=g["experts_used"], intermediate_size=g["ffn"], moe_intermediate_size=g["expert_ffn"],
+            n_shared_experts=m("expert_shared_count", 0), first_k_dense_replace=m("leading_dense_block_count", 0),
+            routed_scaling_factor=m("expert_weights_scale", 1.0), norm_topk_prob=m("expert_weights_norm", False),
+            n_group=m("expert_group_count", 1), topk_group=m("expert_group_used_count", 1),
+            partial_rotary_factor=int(m("rope.dimension_count", head_dim)) / head_dim,
+            attention_bias="blk.0.attn_q.bias" in tensor_shapes, use_qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        )
+        return self.spec_from_config(g)
+
+    def dense_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+        out = llama_dense_shapes(spec)
+        out.update({f"layers.{i}.router.bias": (spec.num_experts,) for i in spec.moe_layers})
+        return out
+
+
+FAMILY = Glm4Moe()
