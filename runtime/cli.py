@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -36,20 +39,46 @@ PrefixTokens = Annotated[int | None, typer.Option(help="prefix cache budget in t
 AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hybrid models)")]
 
 
-def _with_cache(opts: RuntimeOptions, no_prefix_cache: bool, no_anchors: bool, prefix_cache_tokens: int | None,
-                anchor_slots: int) -> RuntimeOptions:
-    return replace(opts, prefix_cache=not no_prefix_cache, anchors=not no_anchors,
-                   prefix_cache_tokens=prefix_cache_tokens, anchor_slots=anchor_slots)
+# The runtime flags every model-running command takes, once: `runtime_flags` adds them to a
+# command's signature and hands the command a RuntimeOptions instead.
+RUNTIME_FLAGS: list[tuple[str, object, object]] = [
+    ("strategy", Strategy, "auto"), ("cache_experts", CacheExperts, None), ("cache_bytes", CacheBytes, None),
+    ("gpu_budget", GpuBudget, None), ("device", Device, "cpu"), ("threads", Threads, None),
+    ("profile", Profile, None), ("bandwidth_ratio", Ratio, None), ("dtype", Dtype, None), ("verify", Verify, False),
+]
+PREFIX_FLAGS: list[tuple[str, object, object]] = [("no_prefix_cache", NoPrefix, False), ("no_anchors", NoAnchors, False)]
+SERVE_FLAGS: list[tuple[str, object, object]] = [("prefix_cache_tokens", PrefixTokens, None), ("anchor_slots", AnchorSlots, 32)]
 
 
-def _options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio, dtype,
-             trace=False, verify=False, gpu_budget=None) -> RuntimeOptions:
+def _to_options(f: dict) -> RuntimeOptions:
     return RuntimeOptions(
-        strategy=strategy, cache_experts=cache_experts,
-        cache_bytes=parse_bytes(cache_bytes) if cache_bytes else None, device=device, threads=threads,
-        gpu_budget=parse_bytes(gpu_budget) if gpu_budget else None,
-        profile=profile, bandwidth_ratio=bandwidth_ratio, dtype=dtype, trace_stats=trace, verify=verify,
+        strategy=f["strategy"], cache_experts=f["cache_experts"],
+        cache_bytes=parse_bytes(f["cache_bytes"]) if f["cache_bytes"] else None,
+        gpu_budget=parse_bytes(f["gpu_budget"]) if f["gpu_budget"] else None,
+        device=f["device"], threads=f["threads"], profile=f["profile"], bandwidth_ratio=f["bandwidth_ratio"],
+        dtype=f["dtype"], verify=f["verify"], prefix_cache=not f.get("no_prefix_cache", False),
+        anchors=not f.get("no_anchors", False), prefix_cache_tokens=f.get("prefix_cache_tokens"),
+        anchor_slots=f.get("anchor_slots", 32),
     )
+
+
+def runtime_flags(*groups: list[tuple[str, object, object]]) -> Callable[[Callable], Callable]:
+    flags = [flag for group in (RUNTIME_FLAGS, *groups) for flag in group]
+
+    def wrap(command: Callable) -> Callable:
+        sig = inspect.signature(command, eval_str=True)  # typer reads real annotations
+        own = [p for p in sig.parameters.values() if p.name != "opts"]
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a, default=d) for n, a, d in flags]
+
+        @functools.wraps(command)
+        def run(**kwargs: object) -> None:
+            given = {n: kwargs.pop(n) for n, _, _ in flags}
+            command(opts=_to_options(given), **kwargs)
+
+        run.__signature__ = sig.replace(parameters=own + added)  # what typer reads
+        return run
+
+    return wrap
 
 
 def _echo(delta: str) -> None:
@@ -98,6 +127,7 @@ def _report(rt: Runtime, gen: Generation, as_json: bool, show_stats: bool) -> No
 
 
 @app.command("generate")
+@runtime_flags()
 def generate_cmd(
     model: Model,
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
@@ -112,22 +142,12 @@ def generate_cmd(
     ignore_eos: bool = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="per-layer expert hits/misses/fills/CPU")] = False,
-    strategy: Strategy = "auto",
-    cache_experts: CacheExperts = None,
-    cache_bytes: CacheBytes = None,
-    gpu_budget: GpuBudget = None,
-    device: Device = "cpu",
-    threads: Threads = None,
-    profile: Profile = None,
-    bandwidth_ratio: Ratio = None,
-    dtype: Dtype = None,
-    verify: Verify = False,
+    opts: RuntimeOptions = None,
 ) -> None:
     """Generate a completion for one prompt."""
 
     def run() -> None:
-        rt = Runtime(model, _options(strategy, cache_experts, cache_bytes, device, threads, profile,
-                                     bandwidth_ratio, dtype, verify=verify, gpu_budget=gpu_budget))
+        rt = Runtime(model, replace(opts, prefix_cache=False))  # one prompt: nothing to reuse
         try:
             ids = _prompt_ids(rt, prompt, prompt_ids, chat)
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -143,31 +163,20 @@ def generate_cmd(
 
 
 @app.command("chat")
+@runtime_flags(PREFIX_FLAGS)
 def chat_cmd(
     model: Model,
     max_tokens: int = 256,
     temperature: float = 0.7,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
-    strategy: Strategy = "auto",
-    cache_experts: CacheExperts = None,
-    cache_bytes: CacheBytes = None,
-    gpu_budget: GpuBudget = None,
-    device: Device = "cpu",
-    threads: Threads = None,
-    profile: Profile = None,
-    bandwidth_ratio: Ratio = None,
-    dtype: Dtype = None,
-    verify: Verify = False,
     stats: Annotated[bool, typer.Option("--stats")] = False,
-    no_prefix_cache: NoPrefix = False,
-    no_anchors: NoAnchors = False,
+    opts: RuntimeOptions = None,
 ) -> None:
     """Chat interactively (empty line or Ctrl-D to quit); tokens stream as they come. Each turn
     reuses the previous turns' K/V through the prefix cache."""
 
     def run() -> None:
-        rt = Runtime(model, _with_cache(_options(strategy, cache_experts, cache_bytes, device, threads, profile,
-                                                 bandwidth_ratio, dtype, verify=verify, gpu_budget=gpu_budget), no_prefix_cache, no_anchors, None, 32))
+        rt = Runtime(model, opts)
         if rt.tokenizer is None or rt.tokenizer.template is None:
             raise ValueError(f"{model} has no tokenizer or chat template; use ft-run generate --prompt-ids")
         messages = [{"role": "system", "content": system}] if system else []
@@ -232,6 +241,7 @@ def demo_cmd(
 
 
 @app.command("serve")
+@runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
 def serve_cmd(
     model: Model,
     host: Annotated[str, typer.Option(help="bind address (non-loopback without --api-key warns)")] = "127.0.0.1",
@@ -241,27 +251,12 @@ def serve_cmd(
     max_running: Annotated[int, typer.Option(help="requests decoded concurrently; more wait in a queue")] = 4,
     kv_tokens: Annotated[int | None, typer.Option(help="KV budget in tokens over all running requests (default: max-running x context)")] = None,
     device_memory: Annotated[str | None, typer.Option(help="device memory budget, e.g. 20G (default: free VRAM, or available RAM on cpu)")] = None,
-    strategy: Strategy = "auto",
-    cache_experts: CacheExperts = None,
-    cache_bytes: CacheBytes = None,
-    gpu_budget: GpuBudget = None,
-    device: Device = "cpu",
-    threads: Threads = None,
-    profile: Profile = None,
-    bandwidth_ratio: Ratio = None,
-    dtype: Dtype = None,
-    verify: Verify = False,
-    no_prefix_cache: NoPrefix = False,
-    no_anchors: NoAnchors = False,
-    prefix_cache_tokens: PrefixTokens = None,
-    anchor_slots: AnchorSlots = 32,
+    opts: RuntimeOptions = None,
 ) -> None:
     """Serve the model over OpenAI- and Anthropic-compatible HTTP APIs (default 127.0.0.1:8741)."""
     from .server.launch import serve
 
     def run() -> None:
-        opts = _with_cache(_options(strategy, cache_experts, cache_bytes, device, threads, profile, bandwidth_ratio,
-                                    dtype, verify=verify, gpu_budget=gpu_budget), no_prefix_cache, no_anchors, prefix_cache_tokens, anchor_slots)
         serve(model, opts, host=host, port=port, api_key=api_key, max_running=max_running, kv_tokens=kv_tokens,
               device_memory=parse_bytes(device_memory) if device_memory else None, served_name=served_model_name,
               say=lambda line: console.print(line, markup=False, highlight=False))
