@@ -382,3 +382,21 @@ def header_only_stub(src_dir: Path, out: Path) -> Path:
             with open(path, "rb") as f:
                 dest.write_bytes(f.read(header_end(path)))
     return out
+
+
+def assert_converted_bitwise(src: dict[str, torch.Tensor], ftw: Path, family: str) -> None:
+    """Every tensor of an HF checkpoint (`src`, by HF name) is in the FTW `ftw`, bitwise."""
+    from ftkit.runtime.ftw.reader import FTWModel
+    from ftkit.runtime.models import FAMILIES
+
+    m, fam = FTWModel(ftw), FAMILIES[family]
+    dense, spec = m.dense_state(), m.spec
+    assert set(dense) == set(fam.dense_shapes(spec))
+    banks = m.read_banks(pin=False)
+    for name, t in src.items():
+        mapped = fam.map_name(name, gguf=False)
+        if mapped.canonical:
+            assert torch.equal(dense[mapped.canonical].reshape(t.shape), t), name
+        else:
+            row = spec.moe_index(mapped.layer) * spec.num_experts + mapped.expert
+            assert torch.equal(banks.parts(row)[mapped.part], t), name

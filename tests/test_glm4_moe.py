@@ -149,19 +149,8 @@ def test_float32_logits_and_greedy_match_transformers(hf_dir, ftw):
 
 
 def test_convert_round_trip(hf_dir, ftw):
-    m = FTWModel(ftw)
-    dense, fam, spec = m.dense_state(), FAMILIES[NAME], m.spec
     with safe_open(hf_dir / "model.safetensors", "pt") as f:
-        src = {k: f.get_tensor(k) for k in f.keys()}
-    assert set(dense) == set(fam.dense_shapes(spec))
-    banks = m.read_banks(pin=False)
-    for name, t in src.items():
-        mapped = fam.map_name(name, gguf=False)
-        if mapped.canonical:
-            assert torch.equal(dense[mapped.canonical].reshape(t.shape), t), name
-        else:
-            row = spec.moe_index(mapped.layer) * spec.num_experts + mapped.expert
-            assert torch.equal(banks.parts(row)[mapped.part], t), name
+        fx.assert_converted_bitwise({k: f.get_tensor(k) for k in f.keys()}, ftw, NAME)
 
 
 def test_diagnose_pass(hf_dir, ftw):
@@ -171,15 +160,9 @@ def test_diagnose_pass(hf_dir, ftw):
 
 
 def test_every_strategy_matches_fused_bitwise(ftw):
-    from test_store import CONFIGS, run_tokens
+    from test_store import assert_strategies_match_fused
 
-    ref, _, _ = run_tokens(ftw, strategy="fused")
-    for cfg in CONFIGS:
-        got, stats, distinct = run_tokens(ftw, **cfg)
-        assert torch.equal(got, ref), (cfg, (got - ref).abs().max())
-        for step, seen in zip(stats.steps, distinct, strict=True):
-            for layer, c in step.items():
-                assert c.hits + c.fills + c.cpu == c.active == seen[layer], (cfg, layer)
+    assert_strategies_match_fused(ftw)
 
 
 # ---- GGUF, as llama.cpp's converter writes glm4moe ------------------------------------------
