@@ -75,12 +75,21 @@ class BankExperts:
         return out
 
 
+def ftw_decoder(path: Path) -> MoEDecoder:
+    """Our decoder over an FTW directory, experts run by the reference BankExperts."""
+    ftw = FTWModel(path)
+    spec = ftw.spec
+    return FAMILIES[spec.family].decoder(spec, ftw.dense_state(), BankExperts(spec, ftw.read_banks(pin=False)))
+
+
+def new_cache(dec: MoEDecoder, tokens: int) -> KVCache:
+    return KVCache(dec.spec, tokens, dtype=dec.w["embed.weight"].dtype)
+
+
 def _load(hf_dir: Path, out: Path, dtype: torch.dtype) -> tuple[MoEDecoder, torch.nn.Module]:
     """Our decoder over the converted FTW, and transformers' eager model, both in `dtype`."""
     convert(make_plan(hf_dir, dtype=str(dtype).removeprefix("torch.")), out)
-    ftw = FTWModel(out)
-    spec = ftw.spec
-    ours = FAMILIES[spec.family].decoder(spec, ftw.dense_state(), BankExperts(spec, ftw.read_banks(pin=False)))
+    ours = ftw_decoder(out)
     ref = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
     ).eval()

@@ -18,7 +18,7 @@ import gguf
 import pytest
 import torch
 from safetensors import safe_open
-from test_fidelity import BankExperts, _rel_err
+from test_fidelity import _rel_err, ftw_decoder, new_cache
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import fixtures as fx
@@ -27,7 +27,6 @@ from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.checkpoint.inventory import take_inventory
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
-from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.spec import SIGMOID_GROUP_TOPK
 from ftkit.runtime.synthetic import write_tokenizer
 from ftkit.tools.convert.pipeline import convert, make_plan
@@ -81,16 +80,6 @@ def ftw(hf_dir, tmp_path_factory) -> Path:
     return out
 
 
-def ours(path: Path):
-    m = FTWModel(path)
-    spec = m.spec
-    return FAMILIES[spec.family].decoder(spec, m.dense_state(), BankExperts(spec, m.read_banks(pin=False)))
-
-
-def new_cache(dec, tokens: int) -> KVCache:
-    return KVCache(dec.spec, tokens, dtype=dec.w["embed.weight"].dtype)
-
-
 def test_spec_names_and_shapes(hf_dir):
     inv = take_inventory(open_source(hf_dir, allow_stub=False))
     spec = inv.spec
@@ -114,7 +103,7 @@ def test_spec_names_and_shapes(hf_dir):
 def test_bias_steers_the_choice_only(ftw):
     """The correction bias changes which experts are chosen for some tokens, never the weights'
     values (the unbiased sigmoid scores), and only experts of the one kept group are chosen."""
-    dec = ours(ftw)
+    dec = ftw_decoder(ftw)
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
     ids, weights = dec.route(1, x)
     scores = torch.sigmoid(x @ dec.w["layers.1.router.weight"].T)
@@ -129,7 +118,7 @@ def test_bias_steers_the_choice_only(ftw):
 
 
 def test_float32_logits_and_greedy_match_transformers(hf_dir, ftw):
-    dec, ref = ours(ftw), fx.load_reference(hf_dir)
+    dec, ref = ftw_decoder(ftw), fx.load_reference(hf_dir)
     with torch.no_grad():
         want = ref(PROMPT[None]).logits[0]
     err = _rel_err(dec.forward(PROMPT, new_cache(dec, len(PROMPT))), want)
@@ -231,5 +220,5 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, tmp_path):
                                                dtype=torch.float32, n_group=1, topk_group=1).eval()
     with torch.no_grad():
         logits = ref(PROMPT[None]).logits[0]
-    dec = ours(tmp_path / "ftw")
+    dec = ftw_decoder(tmp_path / "ftw")
     assert _rel_err(dec.forward(PROMPT, new_cache(dec, len(PROMPT))), logits) <= 1e-4

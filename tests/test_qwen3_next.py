@@ -17,7 +17,7 @@ import gguf
 import pytest
 import torch
 from safetensors import safe_open
-from test_fidelity import BankExperts, _eager_attention, _rel_err
+from test_fidelity import _eager_attention, _rel_err, ftw_decoder, new_cache
 from transformers import AutoConfig
 
 import fixtures as fx
@@ -26,7 +26,6 @@ from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.checkpoint.inventory import take_inventory
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES, qwen3_next
-from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.models.layers import attention
 from ftkit.runtime.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from ftkit.tools.convert.pipeline import convert, make_plan
@@ -56,16 +55,6 @@ def ftw(hf_dir, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def reference(hf_dir):
     return {dt: fx.load_reference(hf_dir, dt) for dt in (torch.float32, torch.bfloat16)}
-
-
-def ours(path: Path):
-    m = FTWModel(path)
-    spec = m.spec
-    return FAMILIES[spec.family].decoder(spec, m.dense_state(), BankExperts(spec, m.read_banks(pin=False)))
-
-
-def new_cache(dec, tokens: int) -> KVCache:
-    return KVCache(dec.spec, tokens, dtype=dec.w["embed.weight"].dtype)
 
 
 # ---- spec and names -----------------------------------------------------------------------
@@ -108,7 +97,7 @@ def greedy(dec, prompt: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
 
 
 def test_float32_logits_and_greedy_match_transformers(ftw, reference):
-    dec, ref = ours(ftw["float32"]), reference[torch.float32]
+    dec, ref = ftw_decoder(ftw["float32"]), reference[torch.float32]
     for prompt in (PROMPT, LONG):
         with torch.no_grad():
             want = ref(prompt[None]).logits[0]
@@ -124,7 +113,7 @@ def test_float32_logits_and_greedy_match_transformers(ftw, reference):
 
 
 def test_bfloat16_logits_close_to_transformers(ftw, reference, monkeypatch):
-    dec, ref = ours(ftw["bfloat16"]), reference[torch.bfloat16]
+    dec, ref = ftw_decoder(ftw["bfloat16"]), reference[torch.bfloat16]
     for prompt in (PROMPT, LONG):
         with torch.no_grad():
             want = ref(prompt[None]).logits[0]
@@ -155,7 +144,7 @@ def test_delta_rule_chunked_equals_recurrent():
 
 # ---- the cache: chunked prefill, snapshot / restore ---------------------------------------
 def test_snapshot_restore_resumes_a_prefix(ftw):
-    dec = ours(ftw["float32"])
+    dec = ftw_decoder(ftw["float32"])
     a, b = PROMPT[:5], PROMPT[5:]
     whole = dec.forward(PROMPT, new_cache(dec, 40))
     cache = new_cache(dec, 40)
@@ -285,7 +274,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     assert spec.extra == {**want.extra, "linear_in_proj": "qkv_z"}
     assert (spec.layer_kinds, spec.partial_rotary_factor, spec.shared_expert_gate) == \
         (want.layer_kinds, want.partial_rotary_factor, want.shared_expert_gate)
-    dec = ours(tmp_path / "ftw")
+    dec = ftw_decoder(tmp_path / "ftw")
     with torch.no_grad():
         logits = reference[torch.float32](PROMPT[None]).logits[0]
     # F32 GGUF: only the +1 / -exp(.) round trips separate it from the HF weights.
@@ -301,13 +290,13 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
             if p.dim() >= 2 and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.copy_(p.half().float())  # what the converter stores as F16
         want16 = rounded(PROMPT[None]).logits[0]
-    dec = ours(tmp_path / "ftw-f16")
+    dec = ftw_decoder(tmp_path / "ftw-f16")
     assert _rel_err(dec.forward(PROMPT, new_cache(dec, len(PROMPT))), want16) <= 1e-4
 
     # Q8_0 loads and converts (dequantized); its logits stay recognisably the model's.
     write_qwen3next_gguf(hf_dir, tmp_path / "q8.gguf", "Q8_0")
     assert diagnose(tmp_path / "q8.gguf")["verdict"] == "PASS"
     convert(make_plan(tmp_path / "q8.gguf", dtype="float32"), tmp_path / "ftw-q8")
-    dec = ours(tmp_path / "ftw-q8")
+    dec = ftw_decoder(tmp_path / "ftw-q8")
     got = dec.forward(PROMPT, new_cache(dec, len(PROMPT)))
     assert (got.argmax(-1) == logits.argmax(-1)).float().mean() >= 0.75
