@@ -222,3 +222,13 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, tmp_path):
         logits = ref(PROMPT[None]).logits[0]
     dec = ftw_decoder(tmp_path / "ftw")
     assert _rel_err(dec.forward(PROMPT, new_cache(dec, len(PROMPT))), logits) <= 1e-4
+
+
+def test_router_stays_float32_in_a_bf16_runtime(ftw):
+    from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+
+    rt = Runtime(ftw, RuntimeOptions(strategy="cpu", dtype="bfloat16", threads=1))
+    w = rt.decoder.w
+    assert w["layers.1.router.weight"].dtype == w["layers.1.router.bias"].dtype == torch.float32
+    assert w["layers.1.attn.q.weight"].dtype == torch.bfloat16
+    rt.close()

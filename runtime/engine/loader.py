@@ -59,7 +59,8 @@ class Runtime:
             raise ValueError("--device cuda, but no CUDA device is available")
         weights = self.ftw.dense_state()
         self.dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else weights["embed.weight"].dtype
-        weights = {k: v.to(self.device, self.dtype) for k, v in weights.items()}
+        keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
+        weights = {k: v.to(self.device, torch.float32 if k.endswith(keep) else self.dtype) for k, v in weights.items()}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
         ratio = opts.bandwidth_ratio
         if opts.profile is not None:

@@ -105,6 +105,7 @@ class Family:
     hf_rules: list[Rule] = HF_RULES
     gguf_rules: list[Rule] = GGUF_RULES
     decoder_class: type[MoEDecoder] = MoEDecoder  # a subclass where the forward pass has a quirk
+    float32_suffixes: tuple[str, ...] = ()  # dense tensors kept in float32 at any runtime dtype
 
     # ---- config -> ModelSpec ---------------------------------------------------------------
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:

@@ -71,6 +71,7 @@ class Glm4Moe(Family):
     hf_rules = HF_GLM_RULES
     gguf_rules = GGUF_GLM_RULES
     decoder_class = Glm4MoeDecoder
+    float32_suffixes = ("router.weight", "router.bias")  # transformers routes in float32
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
         cfg = dict(text_config(cfg))

@@ -71,7 +71,8 @@ def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BAN
     dense = []
     for canonical, shape in want.items():
         name, _ = inv.dense[canonical]
-        dense.append((canonical, _out_dtype(source.tensors[name].dtype, dtype), shape))
+        keep = canonical.endswith(inv.family.float32_suffixes)  # the family routes these in float32
+        dense.append((canonical, _out_dtype(source.tensors[name].dtype, None if keep else dtype), shape))
     expert_dtype = dtype or next(iter(inv.expert_dtypes))
     layout = slot_layout(inv.spec, expert_dtype)
     return Plan(
