@@ -279,6 +279,7 @@ def test_anthropic_bad_input(server, ant):
 # ---- the scheduler under load ---------------------------------------------------------------
 def test_eight_concurrent_streams(server, oai):
     results: dict[int, tuple] = {}
+    before = stats(server)["requests"]
 
     def one(i: int) -> None:
         chunks = list(oai.chat.completions.create(
@@ -295,7 +296,11 @@ def test_eight_concurrent_streams(server, oai):
     for i, (usage, finish) in results.items():
         want = len(server.state.encode_chat(hello(f"Request {i}"), None))
         assert (usage.prompt_tokens, usage.completion_tokens, finish) == (want, 5, "length")
-    assert stats(server)["requests"]["running"] == 0
+    after = stats(server)["requests"]
+    assert after["running"] == 0
+    # Running requests decode together: fewer forwards than tokens.
+    forwards = after["decode_forwards"] - before["decode_forwards"]
+    assert after["decode_batched_tokens"] - before["decode_batched_tokens"] > forwards > 0
 
 
 def test_disconnect_frees_the_slot(server):

@@ -38,58 +38,93 @@ class Generation:
         }
 
 
+class Decoding:
+    """One request's generation as explicit steps, so a scheduler can batch the decode forwards
+    of several requests: `prefill()`, then repeatedly `emit()` a token and, unless `done`,
+    `accept()` the logits of a forward over `next_input`."""
+
+    def __init__(self, rt: Runtime, prompt_ids: list[int], params: SamplingParams,
+                 should_stop: Callable[[], bool] = lambda: False, keep_special: frozenset[int] = frozenset()):
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        limit = rt.spec.max_position_embeddings
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {limit}")
+        if bad := [t for t in prompt_ids if not 0 <= t < rt.spec.vocab_size]:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{rt.spec.vocab_size - 1})")
+        self.rt, self.prompt_ids, self.params, self.should_stop = rt, prompt_ids, params, should_stop
+        self.max_new = min(params.max_tokens, limit - len(prompt_ids))
+        self.gen = Generation(len(prompt_ids))
+        self.sampler = Sampler(params)
+        self.stops = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.eos_ids)
+        self.detok = StreamDecoder(rt.tokenizer, keep=keep_special) if rt.tokenizer else None
+        self.kv = rt.new_kv(len(prompt_ids) + self.max_new)
+        self.logits: torch.Tensor | None = None
+        self.done = self.max_new <= 0
+        self.decode_started = 0.0
+
+    def prefill(self) -> None:
+        rt, ids, gen = self.rt, self.prompt_ids, self.gen
+        rt.store.stats.new_step()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            cuts, cache = rt.grid.scan(ids), rt.prefix_cache
+            gen.cached_tokens = cache.resume(ids, cuts, self.kv) if cache else 0
+            points = cache.snapshot_points(ids, cuts) if cache else {}
+            self.logits, snaps = prefill(rt.decoder, ids, self.kv, cuts, points, rt.prefill_chunk)
+            if cache:
+                cache.insert(ids, cuts, self.kv, snaps, points)
+        gen.prefill_seconds = time.perf_counter() - t0
+        self.decode_started = time.perf_counter()
+
+    def emit(self) -> tuple[int, str, Generation]:
+        """Sample the next token from the current logits: (token, text delta, generation)."""
+        gen, params, detok = self.gen, self.params, self.detok
+        token = self.sampler(self.logits)
+        gen.token_ids.append(token)
+        last = token in self.stops or len(gen.token_ids) == self.max_new or self.should_stop()
+        if token in self.stops:
+            gen.finish_reason = "stop"
+        elif detok:
+            detok.push(token)
+        full = detok.text if detok else ""
+        hit = _stop_string(full, params.stop)
+        if hit is not None:
+            gen.stop_string = next(s for s in params.stop if s and full.startswith(s, hit))
+            full, last, gen.finish_reason = full[:hit], True, "stop"
+        # Hold back a tail that may be the start of a stop string, unless this is the end.
+        shown = full if last else full[: len(full) - _partial_stop(full, params.stop)]
+        delta, gen.text = shown[len(gen.text):], shown
+        gen.decode_seconds = time.perf_counter() - self.decode_started
+        if last:
+            self.done = True
+            gen.finish_reason = gen.finish_reason or "length"
+        return token, delta, gen
+
+    @property
+    def next_input(self) -> int:
+        return self.gen.token_ids[-1]
+
+    def accept(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
 def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
            should_stop: Callable[[], bool] = lambda: False,
            keep_special: frozenset[int] = frozenset()) -> Iterator[tuple[int, str, Generation]]:
     """Yield (token, text delta, generation so far) per generated token. `keep_special`: special
     token ids whose text stays in the output (see StreamDecoder)."""
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    limit = rt.spec.max_position_embeddings
-    if len(prompt_ids) >= limit:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {limit}")
-    if bad := [t for t in prompt_ids if not 0 <= t < rt.spec.vocab_size]:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{rt.spec.vocab_size - 1})")
-    max_new = min(params.max_tokens, limit - len(prompt_ids))
-    gen = Generation(len(prompt_ids))
-    sampler = Sampler(params)
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.eos_ids)
-    detok = StreamDecoder(rt.tokenizer, keep=keep_special) if rt.tokenizer else None
-    kv = rt.new_kv(len(prompt_ids) + max_new)
-    rt.store.stats.new_step()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        cuts, cache = rt.grid.scan(prompt_ids), rt.prefix_cache
-        gen.cached_tokens = cache.resume(prompt_ids, cuts, kv) if cache else 0
-        points = cache.snapshot_points(prompt_ids, cuts) if cache else {}
-        logits, snaps = prefill(rt.decoder, prompt_ids, kv, cuts, points, rt.prefill_chunk)
-        if cache:
-            cache.insert(prompt_ids, cuts, kv, snaps, points)
-        gen.prefill_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        while len(gen.token_ids) < max_new:
-            token = sampler(logits)
-            gen.token_ids.append(token)
-            last = token in stops or len(gen.token_ids) == max_new or should_stop()
-            if token in stops:
-                gen.finish_reason = "stop"
-            elif detok:
-                detok.push(token)
-            full = detok.text if detok else ""
-            hit = _stop_string(full, params.stop)
-            if hit is not None:
-                gen.stop_string = next(s for s in params.stop if s and full.startswith(s, hit))
-                full, last, gen.finish_reason = full[:hit], True, "stop"
-            # Hold back a tail that may be the start of a stop string, unless this is the end.
-            shown = full if last else full[: len(full) - _partial_stop(full, params.stop)]
-            delta, gen.text = shown[len(gen.text):], shown
-            yield token, delta, gen
-            if last:
-                break
-            rt.store.stats.new_step()
-            logits = rt.decoder.forward(torch.tensor([token], device=rt.device), kv)[-1]
-        gen.decode_seconds = time.perf_counter() - t1
-    gen.finish_reason = gen.finish_reason or "length"
+    d = Decoding(rt, prompt_ids, params, should_stop, keep_special)
+    if d.done:
+        return
+    d.prefill()
+    while True:
+        yield d.emit()
+        if d.done:
+            return
+        rt.store.stats.new_step()
+        with torch.inference_mode():
+            d.accept(rt.decoder.forward(torch.tensor([d.next_input], device=rt.device), d.kv)[-1])
 
 
 def _partial_stop(text: str, stops: list[str]) -> int:

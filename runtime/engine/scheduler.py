@@ -1,9 +1,11 @@
 """The request scheduler: one thread steps a bounded set of running generations in turn.
 
-The decoder runs one sequence per forward, so concurrency is interleaving: every pass of the
-loop advances each running request by one token (its first step is its prefill). Between passes
-no forward is in flight: that is the safe point where waiting requests are admitted, cancelled
-ones dropped and cache rebuilds applied, so a rebuild never loses or disturbs a request.
+Every pass of the loop advances each running request by one token: new requests are prefilled
+one by one, and the decode steps of all the others run as one batched forward (attention per
+sequence, everything else, the experts above all, once for the batch: concurrent requests share
+each layer's expert fills and CPU work). Between passes no forward is in flight: that is the safe
+point where waiting requests are admitted, cancelled ones dropped and cache rebuilds applied, so
+a rebuild never loses or disturbs a request.
 
 Admission is bounded twice: at most `max_running` requests, and their KV reservations
 (prompt + the tokens they may still generate) within the KV budget in tokens.
@@ -14,11 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .generate import Generation, stream
+import torch
+
+from .generate import Decoding, Generation
 from .loader import Runtime
 from .memory import MemoryPlan
 from .sampling import SamplingParams
@@ -42,7 +46,8 @@ class Request:
         new = params.max_tokens if context is None else min(params.max_tokens, context - len(prompt_ids))
         self.kv_tokens = len(prompt_ids) + max(0, new)
         self.cancelled = threading.Event()
-        self.steps: Iterator[tuple[int, str, Generation]] | None = None
+        self.decoding: Decoding | None = None  # set on admission
+        self.prefilled = False
         self.gen: Generation | None = None
 
     def cancel(self) -> None:
@@ -55,18 +60,18 @@ class RebuildError(Exception):
 
 
 class Scheduler:
-    def __init__(self, rt: Runtime, plan: MemoryPlan, max_running: int = 4,
-                 stream_fn: Callable[..., Iterator[tuple[int, str, Generation]]] = stream):
+    def __init__(self, rt: Runtime, plan: MemoryPlan, max_running: int = 4):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
-        self.rt, self.plan, self.max_running, self.stream_fn = rt, plan, max_running, stream_fn
+        self.rt, self.plan, self.max_running = rt, plan, max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.rebuilds: deque[tuple[int | None, int | None, Future]] = deque()
         self.cond = threading.Condition()
         self.closed = False
         self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0,
-                       "prompt_tokens": 0, "generated_tokens": 0}
+                       "prompt_tokens": 0, "generated_tokens": 0,
+                       "decode_forwards": 0, "decode_batched_tokens": 0}  # how much decode was batched
         self.busy_seconds = 0.0
         self.started = time.time()
         self.thread = threading.Thread(target=self._loop, name="ftkit-scheduler", daemon=True)
@@ -125,8 +130,7 @@ class Scheduler:
                 self._admit()
                 batch = list(self.running)
             t0 = time.perf_counter()
-            for req in batch:
-                self._step(req)
+            self._pass(batch)
             self.busy_seconds += time.perf_counter() - t0
         for req in [*self.running, *self.waiting]:
             self._finish(req, "cancelled", error="the server is shutting down")
@@ -142,25 +146,61 @@ class Scheduler:
             if used + req.kv_tokens > self.plan.kv_tokens:
                 break  # first come, first served: wait for KV to free up
             self.waiting.popleft()
-            req.steps = self.stream_fn(self.rt, req.prompt_ids, req.params, keep_special=req.keep_special)
+            try:
+                req.decoding = Decoding(self.rt, req.prompt_ids, req.params, keep_special=req.keep_special)
+            except ValueError as e:
+                self._finish(req, "failed", error=str(e))
+                continue
             self.running.append(req)
             self.counts["prompt_tokens"] += len(req.prompt_ids)
             used += req.kv_tokens
 
-    def _step(self, req: Request) -> None:
-        if req.cancelled.is_set():
-            req.steps.close()  # frees its KV cache
-            self._finish(req, "cancelled")
+    def _pass(self, batch: list[Request]) -> None:
+        """One token for every running request: prefill the new ones, batch the others' decode."""
+        live = []
+        for req in batch:
+            if req.cancelled.is_set():
+                self._finish(req, "cancelled")  # dropping its Decoding frees its KV cache
+            elif req.decoding.done:
+                self._finish(req, "completed")
+            elif not req.prefilled:
+                if self._run(req, req.decoding.prefill):
+                    req.prefilled = True
+                    self._emit(req)
+            else:
+                live.append(req)
+        if not live:
             return
         try:
-            token, delta, req.gen = next(req.steps)
-        except StopIteration:
-            self._finish(req, "completed")
+            self.rt.store.stats.new_step()
+            tokens = torch.tensor([r.decoding.next_input for r in live], device=self.rt.device)
+            logits = self.rt.decoder.forward_batch(tokens, [r.decoding.kv for r in live])
+            self.counts["decode_forwards"] += 1
+            self.counts["decode_batched_tokens"] += len(live)
+        except Exception as e:  # a failed step fails its requests, not the server
+            for req in live:
+                self._finish(req, "failed", error=f"{type(e).__name__}: {e}")
+            return
+        for req, row in zip(live, logits, strict=True):
+            req.decoding.accept(row)
+            self._emit(req)
+
+    def _run(self, req: Request, fn: Callable[[], None]) -> bool:
+        try:
+            fn()
+            return True
         except Exception as e:  # a failed request must not take the others down
             self._finish(req, "failed", error=f"{type(e).__name__}: {e}")
-        else:
+            return False
+
+    def _emit(self, req: Request) -> None:
+        def emit() -> None:
+            token, delta, req.gen = req.decoding.emit()
             self.counts["generated_tokens"] += 1
             req.sink(Event(req.gen, token, delta))
+
+        if self._run(req, emit) and req.decoding.done:
+            self._finish(req, "completed")
 
     def _finish(self, req: Request, outcome: str, error: str | None = None) -> None:
         with self.cond:

@@ -60,6 +60,26 @@ class MoEDecoder:
         cache.advance(x.shape[0])
         return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
 
+    @torch.inference_mode()
+    def forward_batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """Logits [B, V] for one new token of each of B sequences. Attention runs per sequence
+        (its own cache and position); everything else, the routed experts above all, runs once
+        for the batch, so concurrent requests share each layer's expert work."""
+        if len(caches) == 1:
+            return self.forward(input_ids, caches[0])
+        s = self.spec
+        x = F.embedding(input_ids, self.w["embed.weight"])
+        ropes = [self.rope(c.length, 1, x.dtype) for c in caches]
+        for i in range(s.num_layers):
+            p = f"layers.{i}."
+            h = self.norm(x, p + "attn_norm.weight")
+            x = x + torch.cat([self.mixer(i, h[b : b + 1], *ropes[b], c) for b, c in enumerate(caches)])
+            h = self.norm(x, p + "mlp_norm.weight")
+            x = x + (self.moe(i, h) if s.is_moe(i) else self.mlp(p + "mlp", h))
+        for c in caches:
+            c.advance(1)
+        return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
+
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.w[name], self.spec.rms_norm_eps)
 
