@@ -27,6 +27,8 @@ from .loader import Runtime
 from .memory import MemoryPlan
 from .sampling import SamplingParams
 
+REPLIES_KEPT = 8  # finished conversations waiting for idle time to be prefilled into the cache
+
 
 @dataclass
 class Event:
@@ -67,11 +69,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.rebuilds: deque[tuple[int | None, int | None, Future]] = deque()
+        # Finished prompt + reply token lists to prefill into the prefix cache when idle: the
+        # next agent turn resends them, and decoded K/V rows are not the ones a prefill computes.
+        self.replies: deque[list[int]] = deque(maxlen=REPLIES_KEPT)
         self.cond = threading.Condition()
         self.closed = False
         self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0,
                        "prompt_tokens": 0, "generated_tokens": 0,
-                       "decode_forwards": 0, "decode_batched_tokens": 0}  # how much decode was batched
+                       "decode_forwards": 0, "decode_batched_tokens": 0,  # how much decode was batched
+                       "replies_cached": 0}
         self.busy_seconds = 0.0
         self.started = time.time()
         self.thread = threading.Thread(target=self._loop, name="ftkit-scheduler", daemon=True)
@@ -121,7 +127,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not (self.waiting or self.running or self.rebuilds or self.closed):
+                while not (self.waiting or self.running or self.rebuilds or self.closed or self.replies):
                     self.cond.wait()
                 if self.closed:
                     break
@@ -129,6 +135,10 @@ class Scheduler:
                     self._apply_rebuild(*self.rebuilds.popleft())
                 self._admit()
                 batch = list(self.running)
+                idle_reply = self.replies.popleft() if not batch and not self.waiting and self.replies else None
+            if idle_reply is not None:
+                self._cache_reply(idle_reply)
+                continue
             t0 = time.perf_counter()
             self._pass(batch)
             self.busy_seconds += time.perf_counter() - t0
@@ -202,11 +212,21 @@ class Scheduler:
         if self._run(req, emit) and req.decoding.done:
             self._finish(req, "completed")
 
+    def _cache_reply(self, ids: list[int]) -> None:
+        """Prefill a finished conversation (prompt + reply) through the prefix cache."""
+        try:
+            Decoding(self.rt, ids, SamplingParams(max_tokens=1)).prefill()
+        except ValueError:  # e.g. it fills the context: nothing a next turn could extend
+            return
+        self.counts["replies_cached"] += 1
+
     def _finish(self, req: Request, outcome: str, error: str | None = None) -> None:
         with self.cond:
             if req in self.running:
                 self.running.remove(req)
             self.counts[outcome] += 1
+            if outcome == "completed" and self.rt.prefix_cache is not None and req.gen and req.gen.token_ids:
+                self.replies.append(req.prompt_ids + req.gen.token_ids)
         if req.gen is None:
             req.gen = Generation(len(req.prompt_ids), finish_reason="length")
         req.gen.finish_reason = req.gen.finish_reason or "length"

@@ -1,0 +1,54 @@
+"""A finished reply is prefilled into the prefix cache in idle time, so the next agent turn, which
+resends prompt + reply, reuses it; outputs stay bitwise equal to a run from scratch (CPU, f32)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ftkit.runtime.engine.generate import Decoding
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.memory import plan_memory
+from ftkit.runtime.engine.sampling import SamplingParams
+from ftkit.runtime.engine.scheduler import Request, Scheduler
+from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.synthetic import write_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reply") / "m.ftw"
+    write_random_ftw(path, demo_spec(400), seed=9, side_files=lambda d: write_tokenizer(d, 400))
+    return path
+
+
+def test_reply_is_reused_by_the_next_turn(model):
+    opts = RuntimeOptions(strategy="cpu", threads=1)
+    rt = Runtime(model, opts)
+    sched = Scheduler(rt, plan_memory(model, opts, 2048, None), max_running=2)
+    prompt = list(range(5, 105))
+    done = threading.Event()
+    req = Request(prompt, SamplingParams(max_tokens=60, ignore_eos=True), lambda e: e.done and done.set())
+    sched.submit(req)
+    assert done.wait(60)
+    reply = req.gen.token_ids
+    deadline = time.time() + 30
+    while sched.stats()["replies_cached"] < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert sched.stats()["replies_cached"] == 1
+    sched.close()
+
+    turn2 = prompt + reply + list(range(200, 230))
+    resumed = Decoding(rt, turn2, SamplingParams(max_tokens=1))
+    resumed.prefill()
+    # Reuse reaches into the reply (page-granular, minus the cache's look-ahead), not just the prompt.
+    assert resumed.gen.cached_tokens > len(prompt) + len(reply) - 40
+    fresh_rt = Runtime(model, RuntimeOptions(strategy="cpu", threads=1, prefix_cache=False))
+    fresh = Decoding(fresh_rt, turn2, SamplingParams(max_tokens=1))
+    fresh.prefill()
+    assert torch.equal(resumed.logits, fresh.logits)
+    rt.close()
+    fresh_rt.close()
