@@ -100,12 +100,12 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def _greedy(dec: MoEDecoder) -> tuple[list[int], list[torch.Tensor]]:
+def greedy(dec: MoEDecoder, prompt: torch.Tensor = PROMPT, n: int = NEW_TOKENS) -> tuple[list[int], list[torch.Tensor]]:
     """Prefill, then one token at a time through the KV cache: (tokens, each step's logits)."""
-    cache = KVCache(dec.spec, len(PROMPT) + NEW_TOKENS, dtype=dec.w["embed.weight"].dtype)
-    step = dec.forward(PROMPT, cache)[-1]
+    cache = new_cache(dec, len(prompt) + n)
+    step = dec.forward(prompt, cache)[-1]
     tokens, logits = [], []
-    for _ in range(NEW_TOKENS):
+    for _ in range(n):
         logits.append(step)
         tokens.append(int(step.argmax()))
         step = dec.forward(torch.tensor(tokens[-1:]), cache)[-1]
@@ -120,7 +120,7 @@ def _check_f32(hf_dir: Path, tmp: Path) -> None:
                            output_logits=True, return_dict_in_generate=True)
     err = _rel_err(ours.forward(PROMPT, KVCache(ours.spec, len(PROMPT))), want)
     assert err <= 1e-4, f"prefill logits relative error {err:.2e}"
-    tokens, logits = _greedy(ours)
+    tokens, logits = greedy(ours)
     assert tokens == gen.sequences[0, len(PROMPT):].tolist()
     step_err = max(_rel_err(a, b[0]) for a, b in zip(logits, gen.logits, strict=True))
     assert step_err <= 1e-4, f"decode-step logits relative error {step_err:.2e}"

@@ -18,7 +18,7 @@ import gguf
 import pytest
 import torch
 from safetensors import safe_open
-from test_fidelity import _rel_err, ftw_decoder, new_cache
+from test_fidelity import _rel_err, ftw_decoder, greedy, new_cache
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import fixtures as fx
@@ -126,12 +126,7 @@ def test_float32_logits_and_greedy_match_transformers(hf_dir, ftw):
     with torch.no_grad():
         gen = ref.generate(PROMPT[None], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                            eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-    cache = new_cache(dec, len(PROMPT) + NEW_TOKENS)
-    step, tokens, logits = dec.forward(PROMPT, cache)[-1], [], []
-    for _ in range(NEW_TOKENS):
-        logits.append(step)
-        tokens.append(int(step.argmax()))
-        step = dec.forward(torch.tensor(tokens[-1:]), cache)[-1]
+    tokens, logits = greedy(dec, PROMPT, NEW_TOKENS)
     assert tokens == gen.sequences[0, len(PROMPT):].tolist()
     step_err = max(_rel_err(a, b[0]) for a, b in zip(logits, gen.logits, strict=True))
     assert step_err <= 1e-4, f"decode-step logits relative error {step_err:.2e}"

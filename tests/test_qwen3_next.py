@@ -17,7 +17,7 @@ import gguf
 import pytest
 import torch
 from safetensors import safe_open
-from test_fidelity import _eager_attention, _rel_err, ftw_decoder, new_cache
+from test_fidelity import _eager_attention, _rel_err, ftw_decoder, greedy, new_cache
 from transformers import AutoConfig
 
 import fixtures as fx
@@ -85,17 +85,6 @@ def test_spec_names_and_shapes(hf_dir):
 
 
 # ---- fidelity -----------------------------------------------------------------------------
-def greedy(dec, prompt: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
-    cache = new_cache(dec, len(prompt) + NEW_TOKENS)
-    step = dec.forward(prompt, cache)[-1]
-    tokens, logits = [], []
-    for _ in range(NEW_TOKENS):
-        logits.append(step)
-        tokens.append(int(step.argmax()))
-        step = dec.forward(torch.tensor(tokens[-1:]), cache)[-1]
-    return tokens, logits
-
-
 def test_float32_logits_and_greedy_match_transformers(ftw, reference):
     dec, ref = ftw_decoder(ftw["float32"]), reference[torch.float32]
     for prompt in (PROMPT, LONG):
