@@ -115,7 +115,7 @@ def stats_table(rt: Runtime) -> Table:
 def _report(rt: Runtime, gen: Generation, as_json: bool, show_stats: bool) -> None:
     if as_json:
         out = {"token_ids": gen.token_ids, "text": gen.text, "finish_reason": gen.finish_reason,
-               "stats": {**gen.stats(), "strategy": rt.store.strategy, "experts": rt.store.stats.to_dict()}}
+               "stats": {**gen.stats(), "load_seconds": round(rt.load_seconds, 3), "strategy": rt.store.strategy, "experts": rt.store.stats.to_dict()}}
         print(json.dumps(out))
         return
     if show_stats:

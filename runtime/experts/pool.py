@@ -13,7 +13,6 @@ from ..spec import ModelSpec
 class HostPool:
     def __init__(self, spec: ModelSpec, banks: HostBanks):
         self.spec, self.banks, self.layout = spec, banks, banks.layout
-        self.rows_per_bank = banks.banks[0].rows if banks.banks else 1
 
     @classmethod
     def from_ftw(cls, model: FTWModel, pin: bool | None = None, threads: int = 8) -> HostPool:
@@ -33,10 +32,7 @@ class HostPool:
 
     def slot(self, row: int) -> torch.Tensor:
         """The uint8 bytes of one expert: what a fill copies."""
-        b = row // self.rows_per_bank
-        i = row - b * self.rows_per_bank
-        s = self.layout.slot_bytes
-        return self.banks.buffers[b][i * s : (i + 1) * s]
+        return self.banks.slot(row)
 
 
 def expert_weights(layout: SlotLayout, slot: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -64,13 +64,14 @@ class HostBanks:
         return sum(b.numel() for b in self.buffers)
 
     def slot(self, row: int) -> torch.Tensor:
-        """The uint8 bytes of expert row `row`."""
-        for bank, buf in zip(self.banks, self.buffers, strict=False):
-            if bank.first_row <= row < bank.first_row + bank.rows:
-                i = row - bank.first_row
-                s = self.layout.slot_bytes
-                return buf[i * s : (i + 1) * s]
-        raise IndexError(f"expert row {row} is not in any bank")
+        """The uint8 bytes of expert row `row` (a view: what a fill copies). Every bank but the
+        last holds the same number of rows, so the bank is one division away."""
+        per_bank = self.banks[0].rows
+        b, i = divmod(row, per_bank)
+        if row < 0 or b >= len(self.banks) or i >= self.banks[b].rows:
+            raise IndexError(f"expert row {row} is not in any bank")
+        s = self.layout.slot_bytes
+        return self.buffers[b][i * s : (i + 1) * s]
 
     def parts(self, row: int) -> dict[str, torch.Tensor]:
         slot = self.slot(row)
