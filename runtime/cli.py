@@ -36,6 +36,7 @@ Dtype = Annotated[str | None, typer.Option(help="compute dtype (default: the wei
 NoPrefix = Annotated[bool, typer.Option("--no-prefix-cache", help="no K/V reuse across requests (A/B runs)")]
 NoAnchors = Annotated[bool, typer.Option("--no-anchors", help="hybrid models: save recurrent state at prompt tails only")]
 PrefixTokens = Annotated[int | None, typer.Option(help="prefix cache budget in tokens (default: the context)")]
+NoGraphs = Annotated[bool, typer.Option("--no-graphs", help="CUDA: decode eagerly, no graphs and no device-side planning (A/B runs)")]
 AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hybrid models)")]
 
 
@@ -45,6 +46,7 @@ RUNTIME_FLAGS: list[tuple[str, object, object]] = [
     ("strategy", Strategy, "auto"), ("cache_experts", CacheExperts, None), ("cache_bytes", CacheBytes, None),
     ("gpu_budget", GpuBudget, None), ("device", Device, "cpu"), ("threads", Threads, None),
     ("profile", Profile, None), ("bandwidth_ratio", Ratio, None), ("dtype", Dtype, None), ("verify", Verify, False),
+    ("no_graphs", NoGraphs, False),
 ]
 PREFIX_FLAGS: list[tuple[str, object, object]] = [("no_prefix_cache", NoPrefix, False), ("no_anchors", NoAnchors, False)]
 SERVE_FLAGS: list[tuple[str, object, object]] = [("prefix_cache_tokens", PrefixTokens, None), ("anchor_slots", AnchorSlots, 32)]
@@ -58,7 +60,7 @@ def _to_options(f: dict) -> RuntimeOptions:
         device=f["device"], threads=f["threads"], profile=f["profile"], bandwidth_ratio=f["bandwidth_ratio"],
         dtype=f["dtype"], verify=f["verify"], prefix_cache=not f.get("no_prefix_cache", False),
         anchors=not f.get("no_anchors", False), prefix_cache_tokens=f.get("prefix_cache_tokens"),
-        anchor_slots=f.get("anchor_slots", 32),
+        anchor_slots=f.get("anchor_slots", 32), graphs=not f["no_graphs"],
     )
 
 
@@ -104,7 +106,7 @@ def stats_table(rt: Runtime) -> Table:
     t = Table(title=f"experts ({rt.store.strategy}, cache {rt.store.cache.capacity} slots)")
     for col in ("layer", "active", "hits", "fills", "cpu", "miss rate"):
         t.add_column(col, justify="right")
-    for layer, c in sorted(s.layers.items()):
+    for layer, c in sorted(s.per_layer().items()):
         t.add_row(str(layer), str(c.active), str(c.hits), str(c.fills), str(c.cpu),
                   f"{c.misses / c.active:.1%}" if c.active else "-")
     tot = s.totals()

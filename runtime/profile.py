@@ -56,8 +56,9 @@ def _nearest_row(rows: list[dict[str, Any]], threads: int | None, path: Path) ->
     return row
 
 
-def load_profile(path: Path, threads: int | None = None) -> Bandwidths:
-    """The figures for `threads` CPU threads: overlapped ones when measured, else the plain ones."""
+def load_profile(path: Path, threads: int | None = None, overlapped: bool = True) -> Bandwidths:
+    """The figures for `threads` CPU threads: overlapped ones when measured, else the plain ones
+    (`overlapped=False`: the plain ones, each path measured alone)."""
     try:
         d = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -71,11 +72,11 @@ def load_profile(path: Path, threads: int | None = None) -> Bandwidths:
         figures, at = {"pcie_gbps": d.get("pcie_gbps"), **row}, row["threads"]
     else:
         figures, at = d.get("figures", d), None
-    for p_key, c_key, overlapped in (("pcie_overlapped_gbps", "cpu_overlapped_gbps", True),
-                                     ("pcie_gbps", "cpu_gbps", False)):
+    kinds = (("pcie_overlapped_gbps", "cpu_overlapped_gbps", True), ("pcie_gbps", "cpu_gbps", False))
+    for p_key, c_key, both in kinds if overlapped else kinds[::-1]:
         p, c = figures.get(p_key), figures.get(c_key)
         if _positive(p) and _positive(c):
-            return Bandwidths(float(p), float(c), overlapped, at)
+            return Bandwidths(float(p), float(c), both, at)
     if figures.get("pcie_gbps") is None and _positive(figures.get("cpu_gbps")):
         return Bandwidths(None, float(figures["cpu_gbps"]), False, at)
     raise ValueError(f"profile {path} has no pcie_gbps and cpu_gbps figures")

@@ -53,3 +53,19 @@ def test_grouped_gemv_matches_reference(dtype, hidden, inter):
     rel = (got - ref).norm() / ref.norm()
     assert rel < (2e-2 if dtype == "bfloat16" else 1e-5), rel
     assert not torch.isnan(got).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_rms_norm_matches_torch(dtype):
+    from ftkit.kernels.triton.norm import rms_norm as triton_rms_norm
+    from ftkit.runtime.models.layers import rms_norm
+
+    dev = "cuda" if CUDA else "cpu"
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((3, 4, 96), generator=gen).to(dtype).to(dev)
+    for w in (torch.randn(96, generator=gen).to(dtype), torch.randn(96, generator=gen)):  # same or float32 weight
+        w = w.to(dev)
+        got = triton_rms_norm(x, w, 1e-6)
+        ref = rms_norm(x.cpu(), w.cpu(), 1e-6)
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert torch.allclose(got.cpu().float(), ref.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)  # bf16: 2 ulps

@@ -88,6 +88,10 @@ class Kernel:
         self.lib.ftk_experts.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int, _ptr,
                                          _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self.lib.ftk_read.restype = ctypes.c_double
+        self.lib.ftk_worker_start.restype = _ptr
+        self.lib.ftk_worker_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, ctypes.c_int,
+                                              _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+        self.lib.ftk_worker_stop.argtypes = [_ptr]
         self.lib.ftk_read.argtypes = [_ptr, _i64, ctypes.c_int]
         self.isa: str = self.lib.ftk_isa().decode()
 
@@ -122,11 +126,41 @@ class Kernel:
         if rc:
             raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
 
+    def start_worker(self, layout: SlotLayout, row_ptrs: torch.Tensor, k: int, ctrl: torch.Tensor,
+                     payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int) -> Worker:
+        """Start the doorbell worker of device-driven decode (see `Worker` in experts.cpp).
+        row_ptrs: int64 host address of every expert row; ctrl: int32 control block (bell at
+        word 0, done at word 16); payload: float32 [H + 3k]; out: float32 [k, H]; busy_ns: int64
+        [1]. All are host tensors that must outlive the worker."""
+        inter, hidden = layout.parts[0].shape
+        if payload.numel() != hidden + 3 * k or out.shape != (k, hidden) or ctrl.numel() < 32:
+            raise ValueError("worker buffers do not match the layout")
+        offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
+        handle = self.lib.ftk_worker_start(
+            DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), row_ptrs.numel(), row_ptrs.data_ptr(), k,
+            ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(), busy_ns.data_ptr(), threads)
+        return Worker(self.lib, handle, (row_ptrs, ctrl, payload, out, busy_ns))
+
     def read(self, buf: torch.Tensor, threads: int) -> float:
         """Read all of `buf` (contiguous, nbytes a multiple of 64) with `threads` threads."""
         if buf.nbytes % 64 or not buf.is_contiguous():
             raise ValueError("read() needs a contiguous buffer of a multiple of 64 bytes")
         return self.lib.ftk_read(buf.data_ptr(), buf.nbytes, threads)
+
+
+class Worker:
+    """A running doorbell worker; `stop()` joins its thread (idempotent)."""
+
+    def __init__(self, lib: ctypes.CDLL, handle: int, keep: tuple):
+        self.lib, self.handle, self._keep = lib, handle, keep
+
+    def stop(self) -> None:
+        if self.handle:
+            self.lib.ftk_worker_stop(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.stop()
 
 
 @functools.cache

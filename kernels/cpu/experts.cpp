@@ -8,9 +8,12 @@
 // whatever the thread count, the other tokens or the other experts of the call, so an assignment's
 // result is bitwise reproducible however the runtime batches or splits a layer.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -243,9 +246,99 @@ void run(const Call& c) {
   }
 }
 
+int dispatch(int dtype, const Call& c) {
+  if (c.n <= 0) return 0;
+  switch (dtype) {
+    case F32: run<LoadF32>(c); return 0;
+    case F16: run<LoadF16>(c); return 0;
+    case BF16: run<LoadBF16>(c); return 0;
+    case Q8_0: run<LoadQ8>(c); return 0;
+  }
+  return -1;
+}
+
+// The CPU branch of device-driven decode. The GPU writes a layer's payload (x, then per routed
+// item its weight, row and a CPU flag, as floats) into mapped memory and rings `bell` with a
+// nonzero value; the worker clears the bell, runs the flagged items from the host pool into
+// `out` [k, H] and writes the value to `done`, which the GPU polls. No Python on the way.
+struct Worker {
+  int dtype, H, I, k, threads;
+  int64_t part_off[3];
+  std::vector<const uint8_t*> row_ptr;  // host address of every expert row
+  volatile int32_t* bell;
+  volatile int32_t* done;
+  const float* payload;  // [H + 3k]: x, weights, rows, flags
+  float* out;            // [k, H]
+  int64_t* busy_ns;      // accumulated compute time, for the planner
+  std::atomic<bool> stop{false};
+  std::thread thread;
+
+  void loop() {
+    auto idle_since = std::chrono::steady_clock::now();
+    std::vector<const uint8_t*> slots(k);
+    std::vector<int64_t> start(k + 1), tok(k, 0), row(k);
+    std::vector<float> w(k);
+    while (!stop.load(std::memory_order_relaxed)) {
+      const int32_t v = *bell;
+      if (v == 0) {
+        // Spin while decode is running (a bell every few hundred microseconds); back off to
+        // sleeping polls once idle, so an idle server does not burn a core.
+        if (std::chrono::steady_clock::now() - idle_since > std::chrono::milliseconds(50))
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+#if defined(__x86_64__)
+        else
+          __builtin_ia32_pause();
+#endif
+        continue;
+      }
+      *bell = 0;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      const auto t0 = std::chrono::steady_clock::now();
+      const float* x = payload;
+      int n = 0;
+      for (int j = 0; j < k; ++j) {
+        if (payload[H + 2 * k + j] == 0.0f) continue;
+        slots[n] = row_ptr[int64_t(payload[H + k + j])];
+        w[n] = payload[H + j];
+        row[n] = j;
+        start[n] = n;
+        ++n;
+      }
+      start[n] = n;
+      const Call c{H, I, part_off, n, slots.data(), start.data(), tok.data(), w.data(), row.data(), x, out,
+                   threads};
+      dispatch(dtype, c);
+      const auto t1 = std::chrono::steady_clock::now();
+      *busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+      std::atomic_thread_fence(std::memory_order_release);
+      *done = v;
+      idle_since = t1;
+    }
+  }
+};
+
 }  // namespace
 
 extern "C" {
+
+void* ftk_worker_start(int dtype, int H, int I, const int64_t* part_off, int64_t rows, const int64_t* row_ptr,
+                       int k, int32_t* bell, int32_t* done, const float* payload, float* out, int64_t* busy_ns,
+                       int threads) {
+  auto* w = new Worker();
+  w->dtype = dtype, w->H = H, w->I = I, w->k = k, w->threads = std::max(1, threads);
+  std::copy(part_off, part_off + 3, w->part_off);
+  w->row_ptr.assign((const uint8_t* const*)row_ptr, (const uint8_t* const*)row_ptr + rows);
+  w->bell = bell, w->done = done, w->payload = payload, w->out = out, w->busy_ns = busy_ns;
+  w->thread = std::thread([w] { w->loop(); });
+  return w;
+}
+
+void ftk_worker_stop(void* handle) {
+  auto* w = static_cast<Worker*>(handle);
+  w->stop.store(true);
+  w->thread.join();
+  delete w;
+}
 
 const char* ftk_isa() { return ISA; }
 
@@ -255,15 +348,7 @@ const char* ftk_isa() { return ISA; }
 int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const uint8_t* const* slots,
                 const int64_t* start, const int64_t* tok, const float* weight, const int64_t* out_row,
                 const float* x, float* out, int threads) {
-  const Call c{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads)};
-  if (n <= 0) return 0;
-  switch (dtype) {
-    case F32: run<LoadF32>(c); return 0;
-    case F16: run<LoadF16>(c); return 0;
-    case BF16: run<LoadBF16>(c); return 0;
-    case Q8_0: run<LoadQ8>(c); return 0;
-  }
-  return -1;
+  return dispatch(dtype, Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads)});
 }
 
 // A plain parallel read of `nbytes` (a multiple of 64) as floats: the DRAM bandwidth reference

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ class RuntimeOptions:
     anchors: bool = True  # recurrent-state snapshots at semantic boundaries (else prompt tails only)
     prefix_cache_tokens: int | None = None  # radix tree budget in tokens (default: the context)
     anchor_slots: int = 32  # recurrent-state snapshots kept (hybrid families only)
+    graphs: bool = True  # CUDA: batch-1 decode through CUDA graphs with device-side expert planning
 
 
 class Runtime:
@@ -71,6 +73,8 @@ class Runtime:
         )
         self.store.stats.trace = opts.trace_stats
         self.decoder = self.family.decoder(self.spec, weights, self.store)
+        if opts.graphs and self.device.type == "cuda":
+            self._setup_graphs()
         self.tokenizer = Tokenizer(self.path) if (self.path / "tokenizer.json").is_file() else None
         # On CPU every prefill is cut on this grid, cache on or off, so reuse is bitwise exact.
         # On a GPU (results agree to rounding, not bitwise) prefill cuts only at anchors and every
@@ -82,6 +86,15 @@ class Runtime:
             opts.anchors, opts.anchor_slots,
         ) if opts.prefix_cache else None
         self.load_seconds = time.perf_counter() - t0
+
+    def _setup_graphs(self) -> None:
+        from .graphs import GraphDecode, unsupported
+
+        reason = unsupported(self.decoder, self.store)
+        if reason:
+            print(f"ftkit: decoding without CUDA graphs: {reason}", file=sys.stderr)
+            return
+        self.decoder.graphs = GraphDecode(self.decoder, self.store, self.opts.kv_tokens)
 
     def cache_slots(self, dense_bytes: int = 0) -> int | None:
         o = self.opts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .planner import LayerPlan
@@ -24,13 +25,18 @@ class ExpertStats:
     layers: dict[int, LayerCounts] = field(default_factory=dict)
     steps: list[dict[int, LayerCounts]] = field(default_factory=list)  # kept when `trace` is on
     trace: bool = False
+    # Counts kept elsewhere (device-side decode) and moved in by this call before any read.
+    pull: Callable[[], None] | None = None
 
     def new_step(self) -> None:
         if self.trace:
             self.steps.append({})
 
     def record(self, layer: int, plan: LayerPlan) -> None:
-        step = LayerCounts(len(plan.hits) + plan.misses, len(plan.hits), len(plan.fills), len(plan.cpu))
+        self.add(layer, len(plan.hits), len(plan.fills), len(plan.cpu))
+
+    def add(self, layer: int, hits: int, fills: int, cpu: int) -> None:
+        step = LayerCounts(hits + fills + cpu, hits, fills, cpu)
         total = self.layers.setdefault(layer, LayerCounts())
         total.active += step.active
         total.hits += step.hits
@@ -39,9 +45,14 @@ class ExpertStats:
         if self.trace and self.steps:
             self.steps[-1][layer] = step
 
+    def per_layer(self) -> dict[int, LayerCounts]:
+        if self.pull is not None:
+            self.pull()
+        return self.layers
+
     def totals(self) -> LayerCounts:
         out = LayerCounts()
-        for c in self.layers.values():
+        for c in self.per_layer().values():
             out.active += c.active
             out.hits += c.hits
             out.fills += c.fills
@@ -58,9 +69,9 @@ class ExpertStats:
         return {
             "active": t.active, "hits": t.hits, "fills": t.fills, "cpu": t.cpu,
             "miss_rate": round(self.miss_rate, 4),
-            "per_layer": {str(k): vars(v) for k, v in sorted(self.layers.items())},
+            "per_layer": {str(k): vars(v) for k, v in sorted(self.per_layer().items())},
         }
 
     def reset(self) -> None:
-        self.layers.clear()
+        self.per_layer().clear()
         self.steps.clear()

@@ -15,9 +15,11 @@ float32 rounding, not bitwise. Without a compiler every tier uses the torch path
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +32,9 @@ from .planner import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES, LayerPlan, P
 from .pool import HostPool, expert_forward, expert_weights
 from .prefill import LayerPrefetcher
 from .stats import ExpertStats
+
+if TYPE_CHECKING:
+    from .device_plan import DevicePlan
 
 __all__ = ["STRATEGIES", "ExpertStore", "cache_capacity", "resolve_strategy"]
 
@@ -106,6 +111,9 @@ class ExpertStore:
                   f"({2 * spec.num_experts}): disabling prefill layer streaming (on-demand fills)",
                   file=sys.stderr)
         self._fill_events: deque = deque()  # (bytes, start, end) CUDA events of fills not yet timed
+        self.device_plan: DevicePlan | None = None  # device-side planning of graph decode steps
+        self.in_graph = False  # set while a graph decode step is being recorded or run eagerly
+        self.version = 0  # bumped when the cache is rebuilt (captured graphs point at its slots)
         if self.strategy == FUSED:
             for row in range(rows):
                 self.cache.fill(self.cache.claim(row, set()), pool.slot(row))
@@ -116,6 +124,10 @@ class ExpertStore:
 
     def run(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Gate-weighted sum of the routed experts for `hidden` [T, H] at model layer `layer`."""
+        if self.device_plan is not None and self.device_plan.on_device:
+            if self.in_graph:
+                return self.device_plan.run(layer, hidden, topk_ids, topk_weights)
+            self.device_plan.to_host()  # the host planner takes over again (prefill, batches)
         t, k = topk_ids.shape
         base = self.spec.moe_index(layer) * self.spec.num_experts
         flat = topk_ids.reshape(-1).to("cpu", torch.int64)
@@ -148,9 +160,8 @@ class ExpertStore:
                                hidden, weights, y, k)
         elif self.gemv is not None and t * k <= GEMV_MAX_ITEMS and resident:
             self._device_gemv(resident, groups, hidden, weights, y, k)
-        else:
-            for row, slot in resident:
-                self._eval(self.cache.slots[slot], groups[row].to(hidden.device), hidden, weights, y, k)
+        elif resident:
+            self._device_segments(resident, groups, hidden, weights, y, k)
         CPUExecutor.wait(futures)
         if cpu_ends:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, max(cpu_ends) - cpu_t0)
@@ -182,6 +193,22 @@ class ExpertStore:
         out = self.gemv(x, self.cache.slots, self.pool.layout, slots.to(x.device, non_blocking=True), tokens,
                         w[idx_d, 0].contiguous(), count)
         y[idx_d] = out
+
+    def _device_segments(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
+                         x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
+        """Prefill-sized work: the assignments sorted by expert, uploaded once, each expert one
+        segment of a gathered batch (no per-expert index uploads or host round trips)."""
+        idx = torch.cat([groups[r] for r, _ in resident])
+        ends = torch.tensor([len(groups[r]) for r, _ in resident]).cumsum(0).tolist()
+        idx_d = idx.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else idx
+        xs = x[idx_d // k]
+        out = torch.empty_like(xs)
+        start = 0
+        for (_, slot), end in zip(resident, ends, strict=True):
+            gate, up, down = expert_weights(self.pool.layout, self.cache.slots[slot], x.dtype)
+            out[start:end] = expert_forward(xs[start:end], gate, up, down)
+            start = end
+        y[idx_d] = out * w[idx_d]
 
     def _fill(self, fills: list[tuple[int, int]]) -> None:
         """Copy the fills in and time them for the planner (CUDA: with events, read when done)."""
@@ -254,6 +281,37 @@ class ExpertStore:
         t0 = time.perf_counter()
         return self.cpu.start([job(b) for b in batches]), out, t0
 
+    def device_plan_unsupported(self) -> str | None:
+        """Why graph decode cannot plan on the device with this store, or None."""
+        k = self.spec.top_k
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is not installed"
+        if self.pool.layout.dtype == "q8_0" and self.strategy != CPU:
+            return "the grouped GEMV reads float expert slots, not q8_0"
+        if not self.pool.pinned and self.device.type == "cuda":
+            return "the host pool is not page-locked"
+        if self.strategy != CPU and self.cache.capacity < 2 * k:
+            return f"the expert cache holds fewer than {2 * k} slots (2 x top-k)"
+        if self.strategy in (CPU, HYBRID) and self.kernel is None:
+            return "the CPU branch needs the compiled CPU kernel"
+        return None
+
+    def device_plan_for_graphs(self) -> DevicePlan:
+        if self.device_plan is None:
+            from .device_plan import DevicePlan  # imports Triton
+
+            self.device_plan = DevicePlan(self.spec, self.pool, self.cache, self.strategy, self.planner.ratio,
+                                          self.kernel, self.cpu.threads, self.stats)
+            self.stats.pull = self.device_plan.flush_stats
+        return self.device_plan
+
+    def _drop_device_plan(self) -> None:
+        if self.device_plan is not None:
+            self.device_plan.to_host()
+            self.device_plan.close()
+            self.device_plan = None
+            self.stats.pull = None
+
     def rebuild(self, cache_slots: int) -> None:
         """Resize the device cache (call at a safe point: no `run` in flight); the host pool is
         untouched, so refills come from it. A transaction: if the new cache cannot be allocated
@@ -261,6 +319,8 @@ class ExpertStore:
         the error is raised."""
         if self.strategy in (FUSED, CPU):
             raise ValueError(f"strategy {self.strategy} has no resizable cache")
+        self._drop_device_plan()
+        self.version += 1
         rows = self.spec.num_expert_rows
         capacity = cache_capacity(self.strategy, cache_slots, rows)
         old = self.cache.capacity
@@ -277,5 +337,6 @@ class ExpertStore:
             raise MemoryError(f"cannot allocate {capacity} expert slots; kept {old}") from e
 
     def close(self) -> None:
+        self._drop_device_plan()
         self.cpu.close()
 

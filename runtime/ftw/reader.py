@@ -234,7 +234,8 @@ class _Pinner:
         if not buf.numel():
             return
         if not self.copied:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            # portable | mapped: graph decode reads slots straight from here (zero-copy fills)
+            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 3)
             code = int(getattr(err, "value", err))
             if code == 0:
                 self.registered.append(buf.data_ptr())

@@ -26,6 +26,12 @@ class ExpertRunner(Protocol):
         ...
 
 
+class GraphSteps(Protocol):
+    def accepts(self, cache: KVCache) -> bool: ...
+
+    def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor: ...
+
+
 class MoEDecoder:
     # transformers' Qwen/OLMoE routers cast the top-k weights to the hidden dtype; Mixtral's
     # keeps them float32 (its experts then scale in float32 and cast the product).
@@ -42,6 +48,8 @@ class MoEDecoder:
         self.lm_head = weights["embed.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
         # model layer -> (topk_ids, topk_weights) of the last forward, for routing statistics
         self.last_routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Batch-1 decode steps replayed from CUDA graphs (engine/graphs.py), where set up.
+        self.graphs: GraphSteps | None = None
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -49,6 +57,8 @@ class MoEDecoder:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [T, V] for input_ids [T] at positions cache.length.. ; appends to the cache."""
+        if self.graphs is not None and input_ids.shape[0] == 1 and self.graphs.accepts(cache):
+            return self.graphs.step(input_ids, cache)
         s = self.spec
         x = F.embedding(input_ids, self.w["embed.weight"])
         cos, sin = self.rope(cache.length, x.shape[0], x.dtype)
@@ -91,6 +101,19 @@ class MoEDecoder:
         return swiglu(x, *(self.w[f"{prefix}.{n}.weight"] for n in ("gate", "up", "down")))
 
     def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        q, k, v = self.qkv(i, x, cos, sin)
+        offset = cache.length
+        k, v = cache.append(i, k, v)
+        out = attention(q, k, v, offset, self.window(i))
+        return self.linear(f"layers.{i}.attn.o", out.reshape(x.shape[0], -1))
+
+    def window(self, i: int) -> int | None:
+        """The layer's sliding window, None for full attention."""
+        return self.spec.sliding_window if self.spec.layer_kinds[i] == SLIDING_ATTENTION else None
+
+    def qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries [T, heads, D] and keys, values [T, kv_heads, D] of x [T, H]: projections,
+        Q/K norms, clipping and rotary embedding, ready for the cache."""
         s, p, t = self.spec, f"layers.{i}.attn.", x.shape[0]
         q, k, v = (self.linear(p + n, x) for n in "qkv")
         if s.qk_norm == QK_NORM_FULL:  # OLMoE: over the whole projection, before the head split
@@ -105,11 +128,7 @@ class MoEDecoder:
         if s.qk_norm == QK_NORM_HEAD:  # Qwen3: per head, over head_dim
             q = rms_norm(q, self.w[p + "q_norm.weight"], s.rms_norm_eps)
             k = rms_norm(k, self.w[p + "k_norm.weight"], s.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        offset = cache.length
-        k, v = cache.append(i, k, v)
-        window = s.sliding_window if s.layer_kinds[i] == SLIDING_ATTENTION else None
-        return self.linear(p + "o", attention(q, k, v, offset, window).reshape(t, -1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids [T, k], topk_weights [T, k]): softmax over all experts in float32, top-k

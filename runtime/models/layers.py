@@ -7,6 +7,7 @@ runs agree to rounding and bf16 runs to bf16 rounding.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,10 +18,22 @@ from ..spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32; the weight multiplies the cast-back value."""
+    """RMSNorm over the last dim, computed in float32; the weight multiplies the cast-back value.
+    On CUDA one Triton launch does the same (see kernels/triton/norm.py)."""
+    if x.is_cuda and _triton_norm() is not None and x.shape[-1] <= 16384 and weight.shape == x.shape[-1:]:
+        return _triton_norm()(x, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+@functools.cache
+def _triton_norm():
+    try:
+        from ftkit.kernels.triton.norm import rms_norm as triton_rms_norm
+    except ImportError:
+        return None
+    return triton_rms_norm
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -156,3 +169,15 @@ def attention(
             attn_mask=mask, is_causal=causal, scale=q.shape[-1] ** -0.5, enable_gqa=True,
         )
     return out[0].transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query's GQA attention over a fixed-size key range: q [1, H, D]; k, v [S, KvH, D];
+    mask [S] bool (True: attend). Shapes do not depend on the position, so a CUDA graph
+    captured for S serves every position below S. Scores and softmax in float32."""
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    qf = q[0].view(kv_heads, heads // kv_heads, d).float()
+    scores = torch.einsum("hgd,shd->hgs", qf, k.float()) * d**-0.5
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("hgs,shd->hgd", probs, v.float()).to(q.dtype).reshape(1, heads, d)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -54,10 +55,13 @@ def write(
 
 
 def _figures(rt: Runtime, profile: Path | None, pcie: float | None, cpu: float | None) -> run.Figures:
+    pcie_solo, cpu_solo = pcie, cpu
     if profile is not None:
-        bw = load_profile(profile)
-        pcie, cpu = pcie or bw.pcie_gbps, cpu or bw.cpu_gbps
-    return run.Figures(pcie, cpu, run.hbm_gbps(rt.device))
+        threads = rt.store.cpu.threads
+        both, alone = load_profile(profile, threads), load_profile(profile, threads, overlapped=False)
+        pcie, cpu = pcie or both.pcie_gbps, cpu or both.cpu_gbps
+        pcie_solo, cpu_solo = pcie_solo or alone.pcie_gbps, cpu_solo or alone.cpu_gbps
+    return run.Figures(pcie, cpu, run.hbm_gbps(rt.device), pcie_solo, cpu_solo)
 
 
 def _routing(rt: Runtime, routing: str) -> RoutingOverride | None:
@@ -103,33 +107,44 @@ def decode(
     cpu_gbps: float | None = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="write a torch.profiler table per strategy")] = None,
+    graphs: Annotated[str, typer.Option(help="CUDA graph decode: on | off | both (A/B rows)")] = "on",
 ) -> None:
     """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
+    if graphs not in ("on", "off", "both"):
+        raise typer.BadParameter("--graphs takes on, off or both")
+    modes = {"on": [True], "off": [False], "both": [False, True]}[graphs]
+    if (routing != "real" or record) and True in modes:
+        # an override replaces routing on the host; a captured graph would freeze its first answer
+        print("ft-bench: routing overrides run without CUDA graphs", file=sys.stderr)
+        modes = [False]
 
     def body() -> None:
         results = {"machine": _machine(), "model": str(model), "runs": []}
         if trace_dir:
             trace_dir.mkdir(parents=True, exist_ok=True)
         table = Table(title=f"ft-bench decode: {model}")
-        for col in ("strategy", "cache slots", "tok/s", "bound tok/s", "of bound", "miss rate", "prefill"):
+        for col in ("strategy", "graphs", "cache slots", "tok/s", "bound tok/s", "of bound", "overhead ms/tok",
+                    "miss rate", "prefill"):
             table.add_column(col, justify="right")
-        for strategy in strategies.split(","):
+        for strategy, graphs_on in ((s, g) for s in strategies.split(",") for g in modes):
             opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile,
-                                  bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy))
+                                  bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy), graphs=graphs_on)
             rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, prompt + tokens))
             try:
                 figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
                 override = Recorder(rt.decoder) if record else _routing(rt, routing)
-                trace = trace_dir / f"profile-{rt.store.strategy}.txt" if trace_dir else None
+                trace = trace_dir / f"profile-{rt.store.strategy}-graphs-{'on' if graphs_on else 'off'}.txt" if trace_dir else None
                 r = run.decode(rt, tokens, prompt, override, figs, trace)
                 if record:
                     override.save(record)
-                pre = [run.prefill(rt, int(c), figs) for c in chunks.split(",") if c]
+                pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
+                                   if trace_dir else None) for c in chunks.split(",") if c]
                 results["runs"].append({"strategy": rt.store.strategy, "cache_slots": rt.store.cache.capacity,
                                         "threads": rt.store.cpu.threads, "routing": routing,
                                         "figures": vars(figs), "decode": r, "prefill": pre})
-                table.add_row(rt.store.strategy, str(rt.store.cache.capacity), f"{r['tok_s']:.1f}",
-                              _fmt(r["bound_tok_s"]), _pct(r["of_bound"]), f"{r['miss_rate']:.1%}",
+                table.add_row(rt.store.strategy, "on" if r["graphs"] else "off", str(rt.store.cache.capacity),
+                              f"{r['tok_s']:.1f}", _fmt(r["bound_tok_s"]), _pct(r["of_bound"]),
+                              _fmt(r["overhead_ms_per_token"]), f"{r['miss_rate']:.1%}",
                               " ".join(f"{p['chunk']}:{p['tok_s']:.0f}tok/s({_pct(p['of_bound'])})" for p in pre))
             finally:
                 rt.close()

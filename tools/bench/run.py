@@ -24,9 +24,11 @@ from .routing import RoutingOverride
 class Figures:
     """Bandwidths in GB/s the bound uses (from a profile or given)."""
 
-    pcie_gbps: float | None
+    pcie_gbps: float | None  # while the CPU branch runs too (the profile's overlapped figures)
     cpu_gbps: float | None
     hbm_gbps: float | None
+    pcie_solo_gbps: float | None = None  # each path alone: the bound of a layer that uses only one
+    cpu_solo_gbps: float | None = None
 
 
 def sync(rt: Runtime) -> None:
@@ -39,24 +41,34 @@ def dense_bytes(rt: Runtime) -> int:
 
 
 def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | None, figures: Figures,
-           trace_to: Path | None = None) -> dict:
-    """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill; `trace_to` also
-    writes a torch.profiler table of 4 further steps (where the per-token time goes)."""
+           trace_to: Path | None = None, warmup: int = 2) -> dict:
+    """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill and `warmup`
+    untimed steps (kernel compilation, graph capture); `trace_to` also writes a torch.profiler
+    table of 4 further steps (where the per-token time goes).
+
+    Each step feeds a seeded random token rather than the argmax: random weights tend to repeat
+    their greedy token, and a repeated token repeats its routing, which would flatter the cache.
+    Each step still reads its argmax back to the host, as sampling does."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, rt.spec.vocab_size, (prompt,), generator=gen).to(rt.device)
-    kv = rt.new_kv(prompt + tokens + 8)
+    ids = torch.randint(0, rt.spec.vocab_size, (prompt + warmup + tokens + 4,), generator=gen).to(rt.device)
+    kv = rt.new_kv(prompt + warmup + tokens + 8)
+
+    def step(i: int) -> None:
+        if routing:
+            routing.next_step()
+        int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
+
     with torch.inference_mode():
         if routing:
             routing.next_step()
-        logits = rt.decoder.forward(ids, kv)
-        token = logits[-1].argmax().view(1)
+        int(rt.decoder.forward(ids[:prompt], kv)[-1].argmax())
+        for i in range(prompt, prompt + warmup):
+            step(i)
         rt.store.stats.reset()
         sync(rt)
         t0 = time.perf_counter()
-        for _ in range(tokens):
-            if routing:
-                routing.next_step()
-            token = rt.decoder.forward(token, kv)[-1].argmax().view(1)
+        for i in range(prompt + warmup, prompt + warmup + tokens):
+            step(i)
         sync(rt)
         seconds = time.perf_counter() - t0
     stats = rt.store.stats
@@ -64,11 +76,14 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     s = rt.ftw.layout.slot_bytes
     bound = _decode_bound(rt, stats, tokens, figures)
     if trace_to is not None:
-        _profile_steps(rt, token, kv, routing, trace_to)
+        _profile_steps(rt, ids[-4:], kv, routing, trace_to)
     return {
         "tokens": tokens,
+        "graphs": rt.decoder.graphs is not None,
         "tok_s": tokens / seconds,
         "ms_per_token": 1000 * seconds / tokens,
+        "bound_ms_per_token": 1000 * bound if bound else None,
+        "overhead_ms_per_token": 1000 * (seconds / tokens - bound) if bound else None,
         "miss_rate": stats.miss_rate,
         "hits": t.hits, "fills": t.fills, "cpu": t.cpu,
         "fill_gb_per_token": t.fills * s / tokens / 1e9,
@@ -78,15 +93,24 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     }
 
 
-def _profile_steps(rt: Runtime, token: torch.Tensor, kv, routing: RoutingOverride | None, path: Path) -> None:
+def _profile_steps(rt: Runtime, ids: torch.Tensor, kv, routing: RoutingOverride | None, path: Path) -> None:
+    def steps() -> None:
+        for i in range(len(ids)):
+            if routing:
+                routing.next_step()
+            int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
+
+    with torch.inference_mode():
+        _profiled(rt, steps, path)
+
+
+def _profiled(rt: Runtime, fn, path: Path) -> None:
+    """Run fn under torch.profiler; write tables sorted by host time and by device time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
-    with torch.inference_mode(), profile(activities=acts) as prof:
-        for _ in range(4):
-            if routing:
-                routing.next_step()
-            token = rt.decoder.forward(token, kv)[-1].argmax().view(1)
+    with profile(activities=acts) as prof:
+        fn()
         sync(rt)
     sort = "self_cuda_time_total" if rt.device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
@@ -97,11 +121,14 @@ def _profile_steps(rt: Runtime, token: torch.Tensor, kv, routing: RoutingOverrid
 def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
     s = rt.ftw.layout.slot_bytes
     per_layer = 0.0
-    for c in stats.layers.values():
-        fill = c.fills * s / (f.pcie_gbps * 1e9) if c.fills and f.pcie_gbps else 0.0
-        cpu = c.cpu * s / (f.cpu_gbps * 1e9) if c.cpu and f.cpu_gbps else 0.0
+    for c in stats.per_layer().values():
         if (c.fills and not f.pcie_gbps) or (c.cpu and not f.cpu_gbps):
             return None
+        both = c.fills and c.cpu  # a layer whose counts use one path gets that path's solo speed
+        pcie = f.pcie_gbps if both or not f.pcie_solo_gbps else f.pcie_solo_gbps
+        cpu_gbps = f.cpu_gbps if both or not f.cpu_solo_gbps else f.cpu_solo_gbps
+        fill = c.fills * s / (pcie * 1e9) if c.fills else 0.0
+        cpu = c.cpu * s / (cpu_gbps * 1e9) if c.cpu else 0.0
         per_layer += max(fill, cpu)
     gpu = 0.0
     if f.hbm_gbps:
@@ -110,8 +137,9 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
     return total or None
 
 
-def prefill(rt: Runtime, chunk: int, figures: Figures) -> dict:
-    """Seconds to prefill one `chunk`-token prompt from the current cache state (TTFT)."""
+def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None) -> dict:
+    """Seconds to prefill one `chunk`-token prompt from the current cache state (TTFT);
+    `trace_to` also writes a torch.profiler table of a second prefill."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, rt.spec.vocab_size, (chunk,), generator=gen).to(rt.device)
     kv = rt.new_kv(chunk + 1)
@@ -122,14 +150,19 @@ def prefill(rt: Runtime, chunk: int, figures: Figures) -> dict:
         rt.decoder.forward(ids, kv)
         sync(rt)
         seconds = time.perf_counter() - t0
-    t = rt.store.stats.totals()
+    t, miss_rate = rt.store.stats.totals(), rt.store.stats.miss_rate
+    if trace_to is not None:  # counted above: the profiled repeat does not add to the figures
+        kv.truncate(0)
+        with torch.inference_mode():
+            _profiled(rt, lambda: rt.decoder.forward(ids, kv), trace_to)
     moved = t.misses * rt.ftw.layout.slot_bytes
-    bound = moved / (figures.pcie_gbps * 1e9) if figures.pcie_gbps and moved else None
+    pcie = figures.pcie_solo_gbps or figures.pcie_gbps
+    bound = moved / (pcie * 1e9) if pcie and moved else None
     return {
         "chunk": chunk,
         "seconds": seconds,
         "tok_s": chunk / seconds,
-        "miss_rate": rt.store.stats.miss_rate,
+        "miss_rate": miss_rate,
         "missed_gb": moved / 1e9,
         "pcie_bound_s": bound,
         "of_bound": bound / seconds if bound else None,

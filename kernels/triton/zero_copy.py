@@ -1,0 +1,112 @@
+"""Device-driven fills and doorbells over mapped pinned host memory (Triton).
+
+Decode decides hits, fills and the CPU set on the GPU, so nothing on the host can issue the
+copies or start the CPU branch. Instead:
+- `fill_slots` reads each chosen expert straight from the host pool (zero-copy: the host
+  buffers are page-locked and mapped, and a device table holds each row's address) into its
+  victim slot;
+- `ring` writes a doorbell word the CPU worker polls, `wait_done` spins until the worker writes
+  the matching word back. Kernel boundaries order these against the payload written before
+  (and read after) them.
+Every launch has a fixed shape and reads its work from device memory, so a decode step that
+uses them can be captured in a CUDA graph.
+
+With TRITON_INTERPRET=1 the same kernels run on CPU tensors, where a "device pointer" is a host
+address: the tests exercise the whole device-side path without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BELL, DONE = 0, 16  # int32 words of the control block, on separate 64-byte lines
+FILL_BLOCK = 1024  # int64 words per load: 8 KiB in flight per program
+FILL_CHUNK = 1 << 15  # int64 words (256 KiB) per program: 36 programs per qwen3-30b-a3b expert
+
+
+@triton.jit
+def _fill(addr_ptr, row_ptr, flag_ptr, slot_ptr, dst_ptr, words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    if tl.load(flag_ptr + j) == 0:
+        return
+    src = tl.load(addr_ptr + tl.load(row_ptr + j)).to(tl.pointer_type(tl.int64))
+    dst = dst_ptr + tl.load(slot_ptr + j).to(tl.int64) * words
+    lo = tl.program_id(1) * CHUNK
+    for o in range(lo, lo + CHUNK, BLOCK):
+        off = o + tl.arange(0, BLOCK)
+        m = off < words
+        tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
+
+
+@triton.jit
+def _copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    off = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + off, tl.load(src_ptr + off, mask=off < n), mask=off < n)
+
+
+@triton.jit
+def _ring(ctrl_ptr, value):
+    tl.store(ctrl_ptr, value)
+
+
+@triton.jit
+def _wait(ctrl_ptr, value, spins_ptr):
+    n = 0
+    while tl.load(ctrl_ptr, volatile=True) != value:
+        n += 1
+    tl.store(ctrl_ptr, 0)
+    tl.store(spins_ptr, tl.load(spins_ptr) + n)
+
+
+def fill_slots(addr: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor, slot_ids: torch.Tensor,
+               slots: torch.Tensor) -> None:
+    """slots[slot_ids[j]] = host bytes at addr[rows[j]] for every j with flags[j] != 0.
+    addr: int64 device addresses per row; slots [C, slot_bytes] uint8 (slot_bytes % 8 == 0)."""
+    words = slots.shape[1] // 8
+    grid = (rows.numel(), triton.cdiv(words, FILL_CHUNK))
+    _fill[grid](addr, rows, flags, slot_ids, slots.view(torch.int64), words, CHUNK=FILL_CHUNK, BLOCK=FILL_BLOCK)
+
+
+def copy_words(src, dst, n: int) -> None:
+    """dst[:n] = src[:n] (same dtype), either side device memory or mapped host memory."""
+    _copy[(triton.cdiv(n, 1024),)](src, dst, n, BLOCK=1024)
+
+
+def ring(ctrl, value: int) -> None:
+    """Write `value` into the doorbell word (ctrl: the mapped int32 control block)."""
+    _ring[(1,)](ctrl, value)
+
+
+def wait_done(ctrl, value: int, spins) -> None:
+    """Spin until the done word equals `value`, clear it, and add the spin count to spins[0]."""
+    _wait[(1,)](ctrl, value, spins)
+
+
+class Mapped:
+    """A page-locked host tensor as Triton sees it on CUDA: its device address (the same bytes,
+    reached over PCIe) and dtype."""
+
+    def __init__(self, t: torch.Tensor, offset: int = 0):
+        self.dtype, self._ptr = t.dtype, device_pointer(t.data_ptr()) + offset * t.element_size()
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def device_pointer(host_ptr: int) -> int:
+    """The device address of mapped page-locked host memory (raises if it is not mapped)."""
+    out = ctypes.c_uint64()
+    rc = _libcuda().cuPointerGetAttribute(ctypes.byref(out), 3, ctypes.c_uint64(host_ptr))  # ..._DEVICE_POINTER
+    if rc:
+        raise RuntimeError(f"host address {host_ptr:#x} is not mapped for the GPU (CUDA error {rc})")
+    return out.value

@@ -1,0 +1,145 @@
+"""Batch-1 decode steps captured in CUDA graphs and replayed with one launch.
+
+An eager decode step launches some 70 kernels per layer from Python and reads every layer's
+routing back to the host; at a few hundred microseconds of expert traffic per layer the host
+becomes the bottleneck. Here a step has fixed shapes and no host decision:
+- the token and its position live in device tensors; rotary tables are gathered by position;
+- K/V go into static per-layer buffers (a sequence's KVCache is re-pointed at them while it is
+  bound), and attention covers a fixed span with a position mask, so one graph per span bucket
+  (256, 512, ... tokens) serves every position below it;
+- the routed experts go through the store's DevicePlan (hits, fills and the CPU set decided on
+  the GPU, the CPU branch started by a doorbell, not by Python).
+Without CUDA (`capture=False`) the same step runs eagerly: tests check it on CPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from ..experts.store import ExpertStore
+from ..models.decoder import MoEDecoder
+from ..models.kv import KVCache
+from ..models.layers import decode_attention
+
+FIRST_SPAN = 256  # attention span of the smallest graph; each next one doubles it
+
+
+def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
+    """Why this model cannot decode through graphs here, or None."""
+    cls = type(decoder)
+    if cls.mixer is not MoEDecoder.mixer or cls.attention is not MoEDecoder.attention:
+        return f"{decoder.spec.architecture} has its own token mixer"
+    if decoder.rope.dynamic:
+        return "dynamic NTK rope changes with the sequence length"
+    if store.stats.trace:
+        return "per-step expert statistics need the host planner"
+    return store.device_plan_unsupported()
+
+
+class GraphDecode:
+    def __init__(self, decoder: MoEDecoder, store: ExpertStore, capacity: int, capture: bool = True):
+        """`capacity`: tokens of static K/V (sequences longer than this decode eagerly)."""
+        s, dev = decoder.spec, store.device
+        self.decoder, self.store, self.capacity, self.capture = decoder, store, capacity, capture
+        dtype = decoder.lm_head.dtype
+        shape = (capacity, s.num_kv_heads, s.head_dim)
+        layers = [i for i in range(s.num_layers) if i in KVCache(s, 0).k]
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
+        self.cos, self.sin = decoder.rope(0, capacity, dtype)
+        self.token = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.positions = torch.arange(capacity, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None  # one memory pool for every span's graph: they never run at once
+        self.bound: weakref.ref[KVCache] | None = None
+        self.version = store.version
+
+    def accepts(self, cache: KVCache) -> bool:
+        return not cache.states and cache.max_tokens <= self.capacity and cache.length < cache.max_tokens
+
+    def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [1, V] for one token at position cache.length; appends its K/V."""
+        self._bind(cache)
+        plan = self.store.device_plan_for_graphs()
+        if self.store.version != self.version:  # the cache was rebuilt: its slots moved
+            self.graphs.clear()
+            self.logits.clear()
+            self.version = self.store.version
+        plan.to_device()
+        plan.adapt()
+        self.token.copy_(input_ids.reshape(1))
+        self.pos.fill_(cache.length)
+        span = FIRST_SPAN
+        while span <= cache.length:
+            span *= 2
+        span = min(span, self.capacity)
+        if self.capture:
+            graph = self.graphs.get(span) or self._capture(span)
+            graph.replay()
+            logits = self.logits[span].clone()
+        else:
+            logits = self._forward(span)
+        cache.advance(1)
+        return logits
+
+    def _forward(self, span: int) -> torch.Tensor:
+        dec, s = self.decoder, self.decoder.spec
+        x = F.embedding(self.token, dec.w["embed.weight"])
+        cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
+        keys = self.positions[:span]
+        visible = keys <= self.pos
+        self.store.in_graph = True
+        try:
+            for i in range(s.num_layers):
+                p = f"layers.{i}."
+                q, k, v = dec.qkv(i, dec.norm(x, p + "attn_norm.weight"), cos, sin)
+                self.k[i].index_copy_(0, self.pos, k)
+                self.v[i].index_copy_(0, self.pos, v)
+                window = dec.window(i)
+                mask = visible if window is None else visible & (keys > self.pos - window)
+                out = decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
+                x = x + dec.linear(p + "attn.o", out.reshape(1, -1))
+                h = dec.norm(x, p + "mlp_norm.weight")
+                x = x + (dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h))
+        finally:
+            self.store.in_graph = False
+        return F.linear(dec.norm(x, "final_norm.weight"), dec.lm_head)
+
+    def _capture(self, span: int) -> torch.cuda.CUDAGraph:
+        plan = self.store.device_plan_for_graphs()
+        counts = plan.counts.clone()
+        # Warm-up on a side stream (Triton compiles, cuBLAS picks kernels): it runs this very
+        # step, which is idempotent (same K/V row, a valid cache state), minus its counts.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(span)
+        torch.cuda.current_stream().wait_stream(side)
+        plan.counts.copy_(counts)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.logits[span] = self._forward(span)
+        self.pool = graph.pool()
+        self.graphs[span] = graph
+        return graph
+
+    def _bind(self, cache: KVCache) -> None:
+        """Point `cache` at the static K/V buffers (copying its rows in); the previously bound
+        sequence gets its own copy back."""
+        prev = self.bound() if self.bound is not None else None
+        if prev is cache:
+            return
+        if prev is not None:
+            for i in self.k:
+                prev.k[i], prev.v[i] = prev.k[i].clone(), prev.v[i].clone()
+        n = cache.length
+        for i in self.k:
+            self.k[i][:n].copy_(cache.k[i][:n])
+            self.v[i][:n].copy_(cache.v[i][:n])
+            cache.k[i], cache.v[i] = self.k[i][: cache.max_tokens], self.v[i][: cache.max_tokens]
+        self.bound = weakref.ref(cache)

@@ -1,0 +1,162 @@
+"""Device-side planning for batch-1 decode: hits, fills, victims and the CPU set decided on the GPU.
+
+The host planner (`planner.py`) reads each layer's routing back to the host, which costs a
+synchronisation per layer and keeps the host on the critical path. Here every decision is made
+on the device, with fixed shapes, so a whole decode step can be captured in a CUDA graph. State:
+a residency table (row -> slot), each slot's owner row and last-use stamp (LRU), a clock. Per
+MoE layer, five launches:
+- `plan` (one Triton program, kernels/triton/plan.py): hits, q fills, victims, table updates,
+  the device work list and the CPU payload in mapped memory;
+- `ring`: the doorbell the C++ worker polls; it runs the CPU set from the host pool meanwhile;
+- `fill_slots`: zero-copy reads of the mapped host pool into the victim slots;
+- the grouped GEMV over hits and fills;
+- `wait_done`, then `merge`: one row per routed item, summed in top-k order.
+
+The host `SlotCache` stays the state of record between decode runs: `to_device()` loads it
+before graph decode and `to_host()` writes the device state back before the host planner runs
+again (prefill), so the two planners never disagree about what a slot holds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ftkit.kernels.triton import plan, zero_copy
+from ftkit.kernels.triton.experts import grouped_expert_gemv
+
+from ..spec import ModelSpec
+from .cache import SlotCache
+from .planner import CPU, FUSED, HYBRID, OFFLOAD
+from .pool import HostPool
+from .stats import ExpertStats
+
+MODES = {FUSED: plan.OFFLOAD_MODE, OFFLOAD: plan.OFFLOAD_MODE, CPU: plan.CPU_MODE, HYBRID: plan.HYBRID_MODE}
+
+
+class DevicePlan:
+    def __init__(self, spec: ModelSpec, pool: HostPool, cache: SlotCache, strategy: str, ratio: float | None,
+                 kernel, threads: int, stats: ExpertStats):
+        """`kernel`: the loaded CPU kernel (its doorbell worker runs the CPU set)."""
+        if strategy not in (FUSED, OFFLOAD, CPU, HYBRID):
+            raise ValueError(f"device planning needs a resolved strategy, not {strategy}")
+        k, cap = spec.top_k, cache.capacity
+        if strategy != CPU and cap < 2 * k:
+            raise ValueError(f"device planning needs at least {2 * k} cache slots (2 x top-k), got {cap}")
+        self.spec, self.pool, self.cache, self.strategy, self.stats = spec, pool, cache, strategy, stats
+        dev = cache.device
+        self.rows = spec.num_expert_rows
+        # One spare entry each: masked-out scatters write there instead of branching.
+        self.table = torch.full((self.rows + 1,), -1, dtype=torch.int32, device=dev)
+        self.owner = torch.full((cap + 1,), -1, dtype=torch.int32, device=dev)
+        self.stamp = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
+        self.clock = torch.zeros((), dtype=torch.int64, device=dev)
+        self.counts = torch.zeros((spec.num_moe_layers, 3), dtype=torch.int64, device=dev)  # hits, fills, cpu
+        self.fill_fraction = ratio or 1.0  # host copy of `ratio`: adapting it never synchronises
+        self.ratio = torch.tensor(self.fill_fraction, dtype=torch.float32, device=dev)
+        host_addr = torch.tensor([pool.slot(r).data_ptr() for r in range(self.rows)], dtype=torch.int64)
+        mapped = dev.type == "cuda"
+        self.addr = (torch.tensor([zero_copy.device_pointer(a) for a in host_addr.tolist()], dtype=torch.int64)
+                     if mapped else host_addr).to(dev)
+        self.tokens = torch.zeros(k, dtype=torch.int32, device=dev)  # batch 1: every item is token 0
+        self.on_device = False
+        self.worker = None
+        if strategy in (CPU, HYBRID):
+            if kernel is None:
+                raise ValueError("the CPU branch of device planning needs the compiled CPU kernel")
+            h = spec.hidden_size
+            pin = dict(pin_memory=mapped)
+            self.ctrl = torch.zeros(32, dtype=torch.int32, **pin)
+            self.payload = torch.zeros(h + 3 * k, dtype=torch.float32, **pin)
+            self.out = torch.zeros((k, h), dtype=torch.float32, **pin)
+            self.spins = torch.zeros(1, dtype=torch.int32, **pin)
+            self.busy_ns = torch.zeros(1, dtype=torch.int64)
+            view = (lambda t, off=0: zero_copy.Mapped(t, off)) if mapped else (lambda t, off=0: t[off:])
+            self.d_bell, self.d_done = view(self.ctrl, zero_copy.BELL), view(self.ctrl, zero_copy.DONE)
+            self.d_payload, self.d_out, self.d_spins = view(self.payload), view(self.out), view(self.spins)
+            self.worker = kernel.start_worker(pool.layout, host_addr, k, self.ctrl, self.payload, self.out,
+                                              self.busy_ns, threads)
+        self._seen = (0, 0)  # (spins, busy_ns) at the last ratio update
+
+    # ---- host <-> device state ---------------------------------------------------------------
+    @torch.inference_mode()
+    def to_device(self) -> None:
+        """Load the host cache's residency and LRU order (before graph decode)."""
+        if self.on_device:
+            return
+        c, cap = self.cache, self.cache.capacity
+        owner = torch.full((cap + 1,), -1, dtype=torch.int32)
+        stamp = torch.full((cap + 1,), -1, dtype=torch.int64)
+        for age, (row, slot) in enumerate(c.lru.items()):  # least recent first
+            owner[slot], stamp[slot] = row, age
+        self.table[: self.rows].copy_(c.table)
+        self.owner.copy_(owner)
+        self.stamp.copy_(stamp)
+        self.clock.fill_(len(c.lru))
+        self.on_device = True
+
+    @torch.inference_mode()
+    def to_host(self) -> None:
+        """Write the device residency back into the host cache (before the host planner runs)."""
+        if not self.on_device:
+            return
+        self.flush_stats()
+        c, cap = self.cache, self.cache.capacity
+        owner, stamp = self.owner[:cap].cpu(), self.stamp[:cap].cpu()
+        c.table.copy_(self.table[: self.rows].cpu())
+        used = sorted((int(stamp[s]), s) for s in range(cap) if owner[s] >= 0)
+        c.lru = OrderedDict((int(owner[s]), s) for _, s in used)
+        c.free = sorted((s for s in range(cap) if owner[s] < 0), reverse=True)
+        self.on_device = False
+
+    @torch.inference_mode()
+    def flush_stats(self) -> None:
+        """Move the device counters into the store's ExpertStats (synchronises)."""
+        counts = self.counts.to("cpu", copy=True)
+        if counts.any():
+            self.counts.zero_()
+            for moe, (hits, fills, cpu) in enumerate(counts.tolist()):
+                self.stats.add(self.spec.moe_layers[moe], hits, fills, cpu)
+
+    @torch.inference_mode()
+    def adapt(self, step: float = 0.02) -> None:
+        """Between steps, nudge the fill fraction toward balance: the GPU spinning on the done word
+        means the CPU set was too big; no spinning means the CPU sat idle first."""
+        if self.strategy != HYBRID:
+            return
+        spins, busy = int(self.spins[0]), int(self.busy_ns[0])
+        if busy == self._seen[1]:  # no layer ran since the last update
+            return
+        waited = spins - self._seen[0] > self.spec.num_moe_layers
+        self._seen = (spins, busy)
+        self.fill_fraction = min(1.0, max(0.05, self.fill_fraction + (step if waited else -step)))
+        self.ratio.fill_(self.fill_fraction)
+
+    # ---- one MoE layer, graph-safe ------------------------------------------------------------
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Gate-weighted sum of the routed experts for one token x [1, H] (no host sync)."""
+        s, k, cap = self.spec, self.spec.top_k, self.cache.capacity
+        moe = s.moe_index(layer)
+        out = plan.LayerBuffers(k, x.device, weights.dtype)
+        plan.plan(ids.reshape(-1), weights.reshape(-1), x.reshape(-1), moe * s.num_experts, self.table, self.owner,
+                  self.stamp, self.clock, self.ratio, self.counts[moe], out,
+                  self.d_payload if self.worker is not None else None, cap, MODES[self.strategy])
+        if self.worker is not None:  # the CPU set starts first and runs while the GPU computes
+            zero_copy.ring(self.d_bell, moe + 1)
+        dev = None
+        if cap:
+            if self.strategy in (OFFLOAD, HYBRID):
+                zero_copy.fill_slots(self.addr, out.rows, out.fill, out.slot, self.cache.slots)
+            dev = grouped_expert_gemv(x, self.cache.slots, self.pool.layout, out.gslot, self.tokens, out.gw,
+                                      out.gcount)
+        host = None
+        if self.worker is not None:
+            zero_copy.wait_done(self.d_done, moe + 1, self.d_spins)
+            host = self.d_out
+        return plan.merge(dev, host, out.gpos, s.hidden_size, x.dtype)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
