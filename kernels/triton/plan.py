@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 OFFLOAD_MODE, CPU_MODE, HYBRID_MODE = 0, 1, 2
-NEVER = 2**62  # stamp of a slot this layer may not evict
+NEVER = tl.constexpr(2**62)  # stamp of a slot this layer may not evict
 
 
 @triton.jit
