@@ -168,6 +168,10 @@ def load() -> Kernel | None:
     """The compiled kernel, or None (with one warning) when it cannot be built here."""
     if os.environ.get("FTKIT_CPU_KERNEL") == "torch":
         return None
+    # libgomp reads this when the library loads. Its default lets the team fall asleep within a
+    # fraction of a millisecond, and decode calls the kernel once per layer, some layers apart:
+    # waking 15 threads from futexes then cost more than their expert. Spin ~0.1 s, then sleep.
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000000")
     try:
         return Kernel(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
