@@ -45,6 +45,7 @@ class RuntimeOptions:
     prefix_cache_tokens: int | None = None  # radix tree budget in tokens (default: the context)
     anchor_slots: int = 32  # recurrent-state snapshots kept (hybrid families only)
     graphs: bool = True  # CUDA: batch-1 decode through CUDA graphs with device-side expert planning
+    stream_prefill: bool | None = None  # whole-layer double buffering in prefill (None: on CUDA)
 
 
 class Runtime:
@@ -69,7 +70,7 @@ class Runtime:
             ratio = load_profile(opts.profile, opts.threads or CPUExecutor.default_threads()).ratio
         self.store = ExpertStore(
             self.spec, self.pool, opts.strategy, self.cache_slots(_nbytes(weights)), self.device, opts.threads,
-            ratio, self.dtype
+            ratio, self.dtype, opts.stream_prefill,
         )
         self.store.stats.trace = opts.trace_stats
         self.decoder = self.family.decoder(self.spec, weights, self.store)

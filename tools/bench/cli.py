@@ -108,10 +108,14 @@ def decode(
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="write a torch.profiler table per strategy")] = None,
     graphs: Annotated[str, typer.Option(help="CUDA graph decode: on | off | both (A/B rows)")] = "on",
+    stream_prefill: Annotated[str, typer.Option(help="prefill layer double buffering: auto | on | off")] = "auto",
+    extend: Annotated[int, typer.Option(help="after each prefill chunk, time this many more tokens")] = 0,
 ) -> None:
     """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
     if graphs not in ("on", "off", "both"):
         raise typer.BadParameter("--graphs takes on, off or both")
+    if stream_prefill not in ("auto", "on", "off"):
+        raise typer.BadParameter("--stream-prefill takes auto, on or off")
     modes = {"on": [True], "off": [False], "both": [False, True]}[graphs]
     if (routing != "real" or record) and True in modes:
         # an override replaces routing on the host; a captured graph would freeze its first answer
@@ -128,7 +132,8 @@ def decode(
             table.add_column(col, justify="right")
         for strategy, graphs_on in ((s, g) for s in strategies.split(",") for g in modes):
             opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile,
-                                  bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy), graphs=graphs_on)
+                                  bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy), graphs=graphs_on,
+                                  stream_prefill={"on": True, "off": False}.get(stream_prefill))
             rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, prompt + tokens))
             try:
                 figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
@@ -138,7 +143,7 @@ def decode(
                 if record:
                     override.save(record)
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
-                                   if trace_dir else None) for c in chunks.split(",") if c]
+                                   if trace_dir else None, extend) for c in chunks.split(",") if c]
                 results["runs"].append({"strategy": rt.store.strategy, "cache_slots": rt.store.cache.capacity,
                                         "threads": rt.store.cpu.threads, "routing": routing,
                                         "figures": vars(figs), "decode": r, "prefill": pre})

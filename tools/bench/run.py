@@ -137,24 +137,35 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
     return total or None
 
 
-def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None) -> dict:
+def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None, extend: int = 0) -> dict:
     """Seconds to prefill one `chunk`-token prompt from the current cache state (TTFT);
+    `extend`: then time that many more tokens on top (an agent turn after a prefix hit);
     `trace_to` also writes a torch.profiler table of a second prefill."""
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, rt.spec.vocab_size, (chunk,), generator=gen).to(rt.device)
-    kv = rt.new_kv(chunk + 1)
+    ids = torch.randint(0, rt.spec.vocab_size, (chunk + extend,), generator=gen).to(rt.device)
+    kv = rt.new_kv(chunk + extend + 1)
     rt.store.stats.reset()
     with torch.inference_mode():
         sync(rt)
         t0 = time.perf_counter()
-        rt.decoder.forward(ids, kv)
+        rt.decoder.forward(ids[:chunk], kv)
         sync(rt)
         seconds = time.perf_counter() - t0
     t, miss_rate = rt.store.stats.totals(), rt.store.stats.miss_rate
+    ext = {}
+    if extend:
+        rt.store.stats.reset()
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            rt.decoder.forward(ids[chunk:], kv)
+            sync(rt)
+            e = rt.store.stats.totals()
+            ext = {"extend": extend, "extend_seconds": time.perf_counter() - t0, "extend_active": e.active,
+                   "extend_moved_gb": e.misses * rt.ftw.layout.slot_bytes / 1e9}
     if trace_to is not None:  # counted above: the profiled repeat does not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
-            _profiled(rt, lambda: rt.decoder.forward(ids, kv), trace_to)
+            _profiled(rt, lambda: rt.decoder.forward(ids[:chunk], kv), trace_to)
     moved = t.misses * rt.ftw.layout.slot_bytes
     pcie = figures.pcie_solo_gbps or figures.pcie_gbps
     bound = moved / (pcie * 1e9) if pcie and moved else None
@@ -166,6 +177,8 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         "missed_gb": moved / 1e9,
         "pcie_bound_s": bound,
         "of_bound": bound / seconds if bound else None,
+        "streaming": rt.store.prefetcher is not None,
+        **ext,
     }
 
 
