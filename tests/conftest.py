@@ -1,15 +1,21 @@
 """Session-wide fixtures: each tiny checkpoint is built once and shared by every test file.
 
 Shared checkpoints must not be modified; the damage builders in `fixtures` work on copies.
+Without CUDA, Triton kernels run in its interpreter (set before anything imports triton), so
+the device-side decode path is tested on CPU too.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fixtures import make_hf_checkpoint
 

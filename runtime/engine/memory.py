@@ -30,10 +30,15 @@ class MemoryPlan:
     slot_bytes: int
     budget_bytes: int | None  # None: unknown, not checked
     prefix_tokens: int = 0  # K/V rows the prefix cache may hold, on the same device
+    graph_tokens: int = 0  # static K/V rows of CUDA graph decode (engine/graphs.py)
 
     @property
     def prefix_bytes(self) -> int:
         return self.prefix_tokens * self.kv_bytes_per_token
+
+    @property
+    def graph_bytes(self) -> int:
+        return self.graph_tokens * self.kv_bytes_per_token
 
     @property
     def kv_bytes(self) -> int:
@@ -45,7 +50,7 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.dense_bytes + self.kv_bytes + self.expert_bytes + self.prefix_bytes
+        return self.dense_bytes + self.kv_bytes + self.expert_bytes + self.prefix_bytes + self.graph_bytes
 
     @property
     def fits(self) -> bool:
@@ -60,12 +65,14 @@ class MemoryPlan:
         return (f"memory plan: dense {human_bytes(self.dense_bytes)} + KV {self.kv_tokens} tokens "
                 f"({human_bytes(self.kv_bytes)}) + {self.expert_slots} expert slots "
                 f"({human_bytes(self.expert_bytes)}) + prefix cache {self.prefix_tokens} tokens "
-                f"({human_bytes(self.prefix_bytes)}) = {human_bytes(self.total_bytes)} of {budget}")
+                f"({human_bytes(self.prefix_bytes)})"
+                + (f" + graph K/V {self.graph_tokens} tokens ({human_bytes(self.graph_bytes)})" if self.graph_tokens else "")
+                + f" = {human_bytes(self.total_bytes)} of {budget}")
 
     def advice(self) -> str:
         """Why it does not fit and what would: the largest expert cache and KV that do."""
         assert self.budget_bytes is not None
-        room = self.budget_bytes - self.dense_bytes - self.prefix_bytes
+        room = self.budget_bytes - self.dense_bytes - self.prefix_bytes - self.graph_bytes
         if room <= 0 and self.prefix_bytes:
             return (f"dense weights and the prefix cache ({self.prefix_tokens} tokens) exceed the budget "
                     f"of {human_bytes(self.budget_bytes)}; lower --prefix-cache-tokens")
@@ -108,5 +115,6 @@ def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: 
         requested = max(1, left // ftw.layout.slot_bytes)
     slots = cache_capacity(strategy, requested, ftw.spec.num_expert_rows)
     prefix = (opts.prefix_cache_tokens or ftw.spec.max_position_embeddings) if opts.prefix_cache else 0
+    graphs = opts.kv_tokens if opts.graphs and torch.device(opts.device).type == "cuda" else 0
     return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(ftw.spec, dtype), slots,
-                      ftw.layout.slot_bytes, budget_bytes, prefix)
+                      ftw.layout.slot_bytes, budget_bytes, prefix, graphs)

@@ -113,9 +113,10 @@ class DevicePlan:
     @torch.inference_mode()
     def flush_stats(self) -> None:
         """Move the device counters into the store's ExpertStats (synchronises)."""
-        counts = self.counts.to("cpu", copy=True)
+        snap = self.counts.clone()
+        self.counts.sub_(snap)  # stream-ordered: steps queued after the snapshot keep their counts
+        counts = snap.cpu()
         if counts.any():
-            self.counts.zero_()
             for moe, (hits, fills, cpu) in enumerate(counts.tolist()):
                 self.stats.add(self.spec.moe_layers[moe], hits, fills, cpu)
 
