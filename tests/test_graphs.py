@@ -96,3 +96,31 @@ def _check_residency(rt: Runtime) -> None:
         assert int(c.table[row]) == slot
         assert torch.equal(c.slots[slot].cpu(), rt.pool.slot(row))
     assert int((c.table >= 0).sum()) == len(c.lru)
+
+
+@pytest.mark.gpu
+def test_graph_decode_survives_a_cache_rebuild(model):
+    """A rebuild between graph steps hands the residency back to the host, drops the captured
+    graphs (their slots moved) and decoding goes on with the same logits."""
+    device = "cuda" if CUDA else "cpu"
+    ids = PROMPT + DECODE[:6]
+    ref_rt = Runtime(model, RuntimeOptions(threads=2, strategy="fused", dtype="float32"))
+    ref_kv = ref_rt.new_kv(len(ids))
+    rt = Runtime(model, RuntimeOptions(threads=2, device=device, strategy="hybrid", cache_experts=12,
+                                       bandwidth_ratio=0.5, dtype="float32"))
+    if device == "cpu":
+        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+    kv = rt.new_kv(len(ids))
+    with torch.inference_mode():
+        ref = [ref_rt.decoder.forward(torch.tensor(c), ref_kv) for c in [PROMPT] + [[t] for t in DECODE[:6]]]
+        got = [rt.decoder.forward(torch.tensor(PROMPT, device=rt.device), kv)]
+        for n, t in enumerate(DECODE[:6]):
+            if n == 3:
+                rt.store.rebuild(20)
+                assert rt.store.device_plan is None and rt.store.cache.capacity == 20
+            got.append(rt.decoder.forward(torch.tensor([t], device=rt.device), kv))
+    assert rt.store.device_plan is not None and rt.store.version == 1
+    for a, b in zip(got, ref, strict=True):
+        assert torch.allclose(a.float().cpu(), b.float(), rtol=1e-3, atol=1e-3)
+    rt.close()
+    ref_rt.close()

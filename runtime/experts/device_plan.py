@@ -4,12 +4,12 @@ The host planner (`planner.py`) reads each layer's routing back to the host, whi
 synchronisation per layer and keeps the host on the critical path. Here every decision is made
 on the device, with fixed shapes, so a whole decode step can be captured in a CUDA graph. State:
 a residency table (row -> slot), each slot's owner row and last-use stamp (LRU), a clock. Per
-MoE layer, five launches:
+MoE layer, seven launches and no host work:
 - `plan` (one Triton program, kernels/triton/plan.py): hits, q fills, victims, table updates,
   the device work list and the CPU payload in mapped memory;
 - `ring`: the doorbell the C++ worker polls; it runs the CPU set from the host pool meanwhile;
 - `fill_slots`: zero-copy reads of the mapped host pool into the victim slots;
-- the grouped GEMV over hits and fills;
+- the grouped GEMV over hits and fills (two kernels);
 - `wait_done`, then `merge`: one row per routed item, summed in top-k order.
 
 The host `SlotCache` stays the state of record between decode runs: `to_device()` loads it

@@ -11,6 +11,9 @@ call per layer. When the device tier is the CPU too, its hits and fills go throu
 the kernel's result for an assignment does not depend on what shares the call, so every strategy
 stays bitwise equal to `fused`. On CUDA the device tier uses torch, and the two tiers agree to
 float32 rounding, not bitwise. Without a compiler every tier uses the torch path.
+
+During a CUDA graph decode step (engine/graphs.py) `run` hands the layer to `DevicePlan`, which
+makes the same decisions on the GPU; the next host-planned call takes the residency back first.
 """
 
 from __future__ import annotations
