@@ -124,3 +124,72 @@ def test_graph_decode_survives_a_cache_rebuild(model):
         assert torch.allclose(a.float().cpu(), b.float(), rtol=1e-3, atol=1e-3)
     rt.close()
     ref_rt.close()
+
+
+@pytest.mark.gpu
+def test_plan_kernel_decisions():
+    """One layer planned by the Triton program, checked decision by decision: hits from the
+    table, the first q misses filled into the least recently stamped slots no hit holds, the rest
+    on the CPU; table, owner, stamps, work list, payload and counters updated to match."""
+    from ftkit.kernels.triton import plan
+
+    dev = "cuda" if CUDA else "cpu"
+    rows, cap, k, h, base = 64, 10, 4, 8, 16
+    table = torch.full((rows + 1,), -1, dtype=torch.int32)
+    owner = torch.full((cap + 1,), -1, dtype=torch.int32)
+    stamp = torch.full((cap + 1,), -1, dtype=torch.int64)
+    resident = {17: 3, 20: 5, 40: 0, 41: 1, 42: 2, 43: 4, 44: 6}  # row -> slot
+    ages = {3: 9, 5: 1, 0: 2, 1: 7, 2: 8, 4: 3, 6: 6}  # slot -> last use; slots 7, 8, 9 are free (-1)
+    for r, s in resident.items():
+        table[r], owner[s], stamp[s] = s, r, ages[s]
+    ids = torch.tensor([1, 9, 4, 12])  # rows 17 (hit, slot 3), 25 (miss), 20 (hit, slot 5), 28 (miss)
+    w = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    x = torch.arange(h, dtype=torch.float32)
+    counts = torch.zeros(3, dtype=torch.int64)
+    clock = torch.tensor([10])
+    payload = torch.zeros(h + 3 * k)
+    ratio = torch.tensor([0.5])  # hybrid: q = round(2 * 0.5) = 1 fill, 1 on the CPU
+    t = [v.to(dev) for v in (ids, w, x, table, owner, stamp, clock, ratio, counts, payload)]
+    out = plan.LayerBuffers(k, torch.device(dev), w.dtype)
+    plan.plan(t[0], t[1], t[2], base, t[3], t[4], t[5], t[6], t[7], t[8], out, t[9], cap, plan.HYBRID_MODE)
+    ids, w, x, table, owner, stamp, clock, ratio, counts, payload = (v.cpu() for v in t)
+    # the first miss (row 25) takes the oldest free slot: 7, 8, 9 stamped -1 (argmin: the first, 7)
+    assert out.rows.tolist() == [17, 25, 20, 28]
+    assert out.fill.tolist() == [0, 1, 0, 0]
+    assert out.slot.cpu()[:3].tolist() == [3, 7, 5]
+    assert int(table[25]) == 7 and int(owner[7]) == 25 and int(table[28]) == -1
+    assert int(clock) == 11 and [int(stamp[s]) for s in (3, 7, 5)] == [11, 11, 11]
+    assert out.gcount.tolist() == [3] and out.gslot.cpu()[:3].tolist() == [3, 7, 5]
+    assert out.gpos.tolist() == [0, 1, 2, -1]  # item 3 (row 28) runs on the CPU
+    assert counts.tolist() == [2, 1, 1]
+    assert torch.equal(payload[:h], x)
+    assert payload[h : h + k].tolist() == pytest.approx(w.tolist())
+    assert payload[h + k : h + 2 * k].tolist() == [17, 25, 20, 28]
+    assert payload[h + 2 * k :].tolist() == [0, 0, 0, 1]
+
+
+@pytest.mark.gpu
+def test_plan_kernel_evicts_the_oldest_slot_no_hit_holds():
+    """Offload on a full cache: every miss is filled; victims are taken oldest first, skipping
+    the slot of this layer's hit even though it is the oldest; evicted rows leave the table."""
+    from ftkit.kernels.triton import plan
+
+    dev = "cuda" if CUDA else "cpu"
+    rows, cap, k, h = 32, 8, 4, 8
+    table = torch.full((rows + 1,), -1, dtype=torch.int32)
+    owner = torch.arange(cap + 1, dtype=torch.int32)  # slot s holds row s
+    owner[cap] = -1
+    table[:cap] = torch.arange(cap, dtype=torch.int32)
+    stamp = torch.tensor([0, 5, 1, 6, 2, 7, 3, 8, -1])  # oldest: slot 0 (the hit), then 2, 4, 6
+    ids = torch.tensor([0, 20, 21, 22])  # row 0 hits slot 0; rows 20..22 miss
+    t = [v.to(dev) for v in (ids, torch.full((k,), 0.25), torch.zeros(h), table, owner, stamp,
+                             torch.tensor([9]), torch.tensor([1.0]), torch.zeros(3, dtype=torch.int64))]
+    out = plan.LayerBuffers(k, torch.device(dev), torch.float32)
+    plan.plan(*t[:3], 0, *t[3:], out, None, cap, plan.OFFLOAD_MODE)
+    table, owner, counts = t[3].cpu(), t[4].cpu(), t[8].cpu()
+    assert out.slot.tolist() == [0, 2, 4, 6]
+    assert out.fill.tolist() == [0, 1, 1, 1]
+    assert [int(table[r]) for r in (0, 20, 21, 22)] == [0, 2, 4, 6]
+    assert [int(table[r]) for r in (2, 4, 6)] == [-1, -1, -1]  # evicted
+    assert owner[:cap].tolist() == [0, 1, 20, 3, 21, 5, 22, 7]
+    assert counts.tolist() == [1, 3, 0] and out.gcount.tolist() == [4]
