@@ -135,9 +135,9 @@ def test_plan_kernel_decisions():
 
     dev = "cuda" if CUDA else "cpu"
     rows, cap, k, h, base = 64, 10, 4, 8, 16
-    table = torch.full((rows + 1,), -1, dtype=torch.int32)
-    owner = torch.full((cap + 1,), -1, dtype=torch.int32)
-    stamp = torch.full((cap + 1,), -1, dtype=torch.int64)
+    table = torch.full((rows,), -1, dtype=torch.int32)
+    owner = torch.full((cap,), -1, dtype=torch.int32)
+    stamp = torch.full((cap,), -1, dtype=torch.int64)
     resident = {17: 3, 20: 5, 40: 0, 41: 1, 42: 2, 43: 4, 44: 6}  # row -> slot
     ages = {3: 9, 5: 1, 0: 2, 1: 7, 2: 8, 4: 3, 6: 6}  # slot -> last use; slots 7, 8, 9 are free (-1)
     for r, s in resident.items():
@@ -176,11 +176,10 @@ def test_plan_kernel_evicts_the_oldest_slot_no_hit_holds():
 
     dev = "cuda" if CUDA else "cpu"
     rows, cap, k, h = 32, 8, 4, 8
-    table = torch.full((rows + 1,), -1, dtype=torch.int32)
-    owner = torch.arange(cap + 1, dtype=torch.int32)  # slot s holds row s
-    owner[cap] = -1
+    table = torch.full((rows,), -1, dtype=torch.int32)
+    owner = torch.arange(cap, dtype=torch.int32)  # slot s holds row s
     table[:cap] = torch.arange(cap, dtype=torch.int32)
-    stamp = torch.tensor([0, 5, 1, 6, 2, 7, 3, 8, -1])  # oldest: slot 0 (the hit), then 2, 4, 6
+    stamp = torch.tensor([0, 5, 1, 6, 2, 7, 3, 8])  # oldest: slot 0 (the hit), then 2, 4, 6
     ids = torch.tensor([0, 20, 21, 22])  # row 0 hits slot 0; rows 20..22 miss
     t = [v.to(dev) for v in (ids, torch.full((k,), 0.25), torch.zeros(h), table, owner, stamp,
                              torch.tensor([9]), torch.tensor([1.0]), torch.zeros(3, dtype=torch.int64))]

@@ -44,12 +44,6 @@ def _fill(addr_ptr, row_ptr, flag_ptr, slot_ptr, dst_ptr, words, CHUNK: tl.const
 
 
 @triton.jit
-def _copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    off = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(dst_ptr + off, tl.load(src_ptr + off, mask=off < n), mask=off < n)
-
-
-@triton.jit
 def _ring(ctrl_ptr, value):
     tl.store(ctrl_ptr, value)
 
@@ -70,11 +64,6 @@ def fill_slots(addr: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor, slot
     words = slots.shape[1] // 8
     grid = (rows.numel(), triton.cdiv(words, FILL_CHUNK))
     _fill[grid](addr, rows, flags, slot_ids, slots.view(torch.int64), words, CHUNK=FILL_CHUNK, BLOCK=FILL_BLOCK)
-
-
-def copy_words(src, dst, n: int) -> None:
-    """dst[:n] = src[:n] (same dtype), either side device memory or mapped host memory."""
-    _copy[(triton.cdiv(n, 1024),)](src, dst, n, BLOCK=1024)
 
 
 def ring(ctrl, value: int) -> None:

@@ -47,10 +47,9 @@ class DevicePlan:
         self.spec, self.pool, self.cache, self.strategy, self.stats = spec, pool, cache, strategy, stats
         dev = cache.device
         self.rows = spec.num_expert_rows
-        # One spare entry each: masked-out scatters write there instead of branching.
-        self.table = torch.full((self.rows + 1,), -1, dtype=torch.int32, device=dev)
-        self.owner = torch.full((cap + 1,), -1, dtype=torch.int32, device=dev)
-        self.stamp = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
+        self.table = torch.full((self.rows,), -1, dtype=torch.int32, device=dev)  # row -> slot
+        self.owner = torch.full((cap,), -1, dtype=torch.int32, device=dev)  # slot -> row
+        self.stamp = torch.full((cap,), -1, dtype=torch.int64, device=dev)  # slot -> last use (-1: free)
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counts = torch.zeros((spec.num_moe_layers, 3), dtype=torch.int64, device=dev)  # hits, fills, cpu
         self.fill_fraction = ratio or 1.0  # host copy of `ratio`: adapting it never synchronises
@@ -86,13 +85,12 @@ class DevicePlan:
         if self.on_device:
             return
         c, cap = self.cache, self.cache.capacity
-        owner = torch.full((cap + 1,), -1, dtype=torch.int32)
-        stamp = torch.full((cap + 1,), -1, dtype=torch.int64)
+        owner, stamp = [-1] * cap, [-1] * cap
         for age, (row, slot) in enumerate(c.lru.items()):  # least recent first
             owner[slot], stamp[slot] = row, age
-        self.table[: self.rows].copy_(c.table)
-        self.owner.copy_(owner)
-        self.stamp.copy_(stamp)
+        self.table.copy_(c.table)
+        self.owner.copy_(torch.tensor(owner, dtype=torch.int32))
+        self.stamp.copy_(torch.tensor(stamp, dtype=torch.int64))
         self.clock.fill_(len(c.lru))
         self.on_device = True
 
@@ -102,12 +100,12 @@ class DevicePlan:
         if not self.on_device:
             return
         self.flush_stats()
-        c, cap = self.cache, self.cache.capacity
-        owner, stamp = self.owner[:cap].cpu(), self.stamp[:cap].cpu()
-        c.table.copy_(self.table[: self.rows].cpu())
-        used = sorted((int(stamp[s]), s) for s in range(cap) if owner[s] >= 0)
-        c.lru = OrderedDict((int(owner[s]), s) for _, s in used)
-        c.free = sorted((s for s in range(cap) if owner[s] < 0), reverse=True)
+        c = self.cache
+        owner, stamp = self.owner.tolist(), self.stamp.tolist()
+        c.table.copy_(self.table.cpu())
+        used = sorted((s for s, row in enumerate(owner) if row >= 0), key=stamp.__getitem__)  # oldest first
+        c.lru = OrderedDict((owner[s], s) for s in used)
+        c.free = [s for s in reversed(range(len(owner))) if owner[s] < 0]
         self.on_device = False
 
     @torch.inference_mode()

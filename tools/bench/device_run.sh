@@ -43,14 +43,17 @@ fi
 if has read; then
   $PY -m ftkit.tools.bench.ftw_read "$W" --gib 4 --threads 16 --pin 2>&1 | tee "$OUT/ftw_read.txt"
 fi
-if has decode; then
+q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
   [ -f "$W/q12.ftw/manifest.json" ] || $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1
+}
+if has decode; then
+  q12
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
       --tokens ${TOKENS:-32} --strategies ${STRATEGIES:-offload,cpu,hybrid} --graphs ${GRAPHS:-both} \
       --json "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
 fi
 if has prefill; then
-  [ -f "$W/q12.ftw/manifest.json" ] || $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1
+  q12
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
       --tokens 4 --chunks 4096,8192 --strategies offload --graphs on --json "$OUT/prefill.json" --trace-dir "$OUT/prefill-trace" 2>&1 | tee "$OUT/prefill.txt"
 fi

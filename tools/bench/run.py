@@ -75,8 +75,9 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     t = stats.totals()
     s = rt.ftw.layout.slot_bytes
     bound = _decode_bound(rt, stats, tokens, figures)
-    if trace_to is not None:
-        _profile_steps(rt, ids[-4:], kv, routing, trace_to)
+    if trace_to is not None:  # the 4 spare ids past the timed steps
+        with torch.inference_mode():
+            _profiled(rt, lambda: [step(i) for i in range(prompt + warmup + tokens, len(ids))], trace_to)
     return {
         "tokens": tokens,
         "graphs": rt.decoder.graphs is not None,
@@ -91,17 +92,6 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         "bound_tok_s": 1 / bound if bound else None,
         "of_bound": tokens / seconds * bound if bound else None,  # measured tok/s over bound tok/s
     }
-
-
-def _profile_steps(rt: Runtime, ids: torch.Tensor, kv, routing: RoutingOverride | None, path: Path) -> None:
-    def steps() -> None:
-        for i in range(len(ids)):
-            if routing:
-                routing.next_step()
-            int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
-
-    with torch.inference_mode():
-        _profiled(rt, steps, path)
 
 
 def _profiled(rt: Runtime, fn, path: Path) -> None:
