@@ -154,12 +154,12 @@ def test_plan_kernel_decisions():
     plan.plan(t[0], t[1], t[2], base, t[3], t[4], t[5], t[6], t[7], t[8], out, t[9], cap, plan.HYBRID_MODE)
     ids, w, x, table, owner, stamp, clock, ratio, counts, payload = (v.cpu() for v in t)
     # the first miss (row 25) takes the oldest free slot: 7, 8, 9 stamped -1 (argmin: the first, 7)
-    assert out.rows.tolist() == [17, 25, 20, 28]
-    assert out.fill.tolist() == [0, 1, 0, 0]
-    assert out.slot.cpu()[:3].tolist() == [3, 7, 5]
+    assert out.gslot.cpu()[:3].tolist() == [3, 7, 5]
+    assert out.grow.cpu()[:3].tolist() == [17, 25, 20]
+    assert out.gfill.cpu()[:3].tolist() == [0, 1, 0]  # the GEMV copies row 25 into slot 7 as it reads it
     assert int(table[25]) == 7 and int(owner[7]) == 25 and int(table[28]) == -1
     assert int(clock) == 11 and [int(stamp[s]) for s in (3, 7, 5)] == [11, 11, 11]
-    assert out.gcount.tolist() == [3] and out.gslot.cpu()[:3].tolist() == [3, 7, 5]
+    assert out.gcount.tolist() == [3]
     assert out.gpos.tolist() == [0, 1, 2, -1]  # item 3 (row 28) runs on the CPU
     assert counts.tolist() == [2, 1, 1]
     assert torch.equal(payload[:h], x)
@@ -186,8 +186,8 @@ def test_plan_kernel_evicts_the_oldest_slot_no_hit_holds():
     out = plan.LayerBuffers(k, torch.device(dev), torch.float32)
     plan.plan(*t[:3], 0, *t[3:], out, None, cap, plan.OFFLOAD_MODE)
     table, owner, counts = t[3].cpu(), t[4].cpu(), t[8].cpu()
-    assert out.slot.tolist() == [0, 2, 4, 6]
-    assert out.fill.tolist() == [0, 1, 1, 1]
+    assert out.gslot.tolist() == [0, 2, 4, 6] and out.grow.tolist() == [0, 20, 21, 22]
+    assert out.gfill.tolist() == [0, 1, 1, 1]
     assert [int(table[r]) for r in (0, 20, 21, 22)] == [0, 2, 4, 6]
     assert [int(table[r]) for r in (2, 4, 6)] == [-1, -1, -1]  # evicted
     assert owner[:cap].tolist() == [0, 1, 20, 3, 21, 5, 22, 7]

@@ -29,9 +29,13 @@ from ftkit.kernels.triton import experts, norm, plan, zero_copy  # noqa: E402
 PLAN_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "base": "i32", "table_ptr": "*i32",
     "owner_ptr": "*i32", "stamp_ptr": "*i64", "clock_ptr": "*i64", "ratio_ptr": "*fp32", "counts_ptr": "*i64",
-    "rows_ptr": "*i64", "slot_ptr": "*i32", "fill_ptr": "*i32", "gslot_ptr": "*i32", "gw_ptr": "*bf16",
-    "gpos_ptr": "*i32", "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32",
+    "gslot_ptr": "*i32", "gw_ptr": "*bf16", "grow_ptr": "*i64", "gfill_ptr": "*i32", "gpos_ptr": "*i32",
+    "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32",
 }
+GEMV = {"w_ptr": "*bf16", "slot_ptr": "*i32", "count_ptr": "*i32", "fill_ptr": "*i32", "row_ptr": "*i64",
+        "addr_ptr": "*i64", "H": "i32", "I": "i32", "slot_elems": "i32"}
+GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "H": "i32", "I": "i32", "slot_elems": "i32"}
+GEMM_CONSTS = dict(PREC="tf32", UPCAST=False, BLOCK_M=experts.GEMM_M, BLOCK_N=experts.GEMM_N, BLOCK_K=experts.GEMM_K)
 
 KERNELS = [
     (plan._plan, PLAN_SIG, dict(K=8, KP=8, CAP=1024, MODE=plan.HYBRID_MODE, HAS_CPU=True, BLOCK_H=1024)),
@@ -44,9 +48,14 @@ KERNELS = [
                        "dst_ptr": "*i64", "words": "i32"}, dict(CHUNK=zero_copy.FILL_CHUNK, BLOCK=zero_copy.FILL_BLOCK)),
     (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32"}, {}),
     (zero_copy._wait, {"ctrl_ptr": "*i32", "value": "i32", "spins_ptr": "*i32"}, {}),
-    (experts._gate_up, {"x_ptr": "*bf16", "w_ptr": "*bf16", "slot_ptr": "*i32", "tok_ptr": "*i32",
-                        "count_ptr": "*i32", "h_ptr": "*fp32", "H": "i32", "I": "i32", "slot_elems": "i32",
-                        "up_off": "i32"}, dict(BLOCK_N=32, BLOCK_K=128)),
+    *((experts._gate_up, {**GEMV, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32", "up_off": "i32"},
+       dict(FILL=fill, BLOCK_N=32, BLOCK_K=128)) for fill in (True, False)),
+    (experts._down, {**GEMV, "h_ptr": "*fp32", "wt_ptr": "*bf16", "y_ptr": "*bf16", "down_off": "i32"},
+     dict(FILL=True, BLOCK_M=32, BLOCK_K=128)),
+    (experts._gemm_gate_up, {**GEMM, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*bf16", "up_off": "i32"},
+     GEMM_CONSTS),
+    (experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
+                          "down_off": "i32"}, GEMM_CONSTS),
 ]
 
 

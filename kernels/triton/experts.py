@@ -1,14 +1,24 @@
-"""Grouped expert GEMV over cache slots (Triton): every (token, expert) item of a decode step in
-two launches, reading each expert's weights straight from its slot.
+"""Grouped expert kernels over cache slots (Triton), reading each expert's weights straight from
+its slot:
+- decode: a grouped GEMV, every (token, expert) item of a step in two launches;
+- prefill: a grouped GEMM, every resident expert of a layer in two launches, its tokens in tiles.
 
-Decode runs a handful of tokens through a handful of experts per layer; one launch per matrix
-per expert would spend more time launching than reading weights. Item i computes
+Decode runs a handful of tokens through a handful of experts per layer, and prefill runs
+thousands of tokens through every expert: one launch per matrix per expert would spend more
+time launching (and, from Python, more host time) than reading weights. Item i computes
     y[i] = weight[i] * down_s (silu(gate_s x_t) * (up_s x_t)),   s = slot[i], t = token[i]
-with float32 accumulation. The work list has a fixed capacity and a valid count, so the same
-launch shapes serve every step (a prerequisite for capturing decode in a CUDA graph).
+with float32 accumulation.
+
+The GEMV's work list has a fixed capacity and a valid count, so the same launch shapes serve
+every step (a prerequisite for capturing decode in a CUDA graph). It can also fill slots as it
+goes: an item flagged as a fill reads its expert from mapped pinned host memory (zero-copy, by a
+row address table) and writes each tile into the slot as it is read, so a miss crosses PCIe once
+and is never read back from HBM, and the hits' work overlaps the fills' transfer in one launch.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -17,19 +27,32 @@ import triton.language as tl
 from ftkit.runtime.ftw.manifest import SlotLayout
 
 TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GEMM_M, GEMM_N, GEMM_K = 64, 128, 64  # prefill tile: items x output columns x reduction step
 
 
 @triton.jit
-def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, h_ptr, H, I, slot_elems, up_off,  # noqa: E741 (I: the FFN width)
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL: tl.constexpr):
+    """(where item i's expert is read from, its slot, whether to write what is read into the slot)."""
+    dst = w_ptr + tl.load(slot_ptr + i).to(tl.int64) * slot_elems
+    src = dst
+    copy = False
+    if FILL:
+        copy = tl.load(fill_ptr + i) != 0
+        if copy:
+            src = tl.load(addr_ptr + tl.load(row_ptr + i)).to(tl.pointer_type(w_ptr.dtype.element_ty))
+    return src, dst, copy
+
+
+@triton.jit
+def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741 (I: the FFN width)
+             slot_elems, up_off, FILL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
         return
-    s = tl.load(slot_ptr + i).to(tl.int64)
+    src, dst, copy = _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL)
     t = tl.load(tok_ptr + i).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
-    gate = w_ptr + s * slot_elems
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -38,33 +61,47 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, h_ptr, H, I, slot_elems
         xv = tl.load(x_ptr + t * H + k, mask=kmask, other=0.0).to(tl.float32)
         offs = n[:, None] * H + k[None, :]
         m2 = nmask[:, None] & kmask[None, :]
-        g = tl.load(gate + offs, mask=m2, other=0.0).to(tl.float32)
-        u = tl.load(gate + up_off + offs, mask=m2, other=0.0).to(tl.float32)
-        acc_g += tl.sum(g * xv[None, :], axis=1)
-        acc_u += tl.sum(u * xv[None, :], axis=1)
+        g = tl.load(src + offs, mask=m2, other=0.0)
+        u = tl.load(src + up_off + offs, mask=m2, other=0.0)
+        if copy:
+            tl.store(dst + offs, g, mask=m2)
+            tl.store(dst + up_off + offs, u, mask=m2)
+        acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
+        acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + i * I + n, h, mask=nmask)
 
 
 @triton.jit
-def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
-          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, y_ptr, H, I,  # noqa: E741
+          slot_elems, down_off, FILL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
         return
-    s = tl.load(slot_ptr + i).to(tl.int64)
+    src, dst, copy = _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < H
-    down = w_ptr + s * slot_elems + down_off
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < I
         hv = tl.load(h_ptr + i * I + k, mask=kmask, other=0.0)
-        d = tl.load(down + m[:, None] * I + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        offs = down_off + m[:, None] * I + k[None, :]
+        m2 = mmask[:, None] & kmask[None, :]
+        d = tl.load(src + offs, mask=m2, other=0.0)
+        if copy:
+            tl.store(dst + offs, d, mask=m2)
         acc += tl.sum(d.to(tl.float32) * hv[None, :], axis=1)
     w = tl.load(wt_ptr + i).to(tl.float32)
     tl.store(y_ptr + i * H + m, (acc * w).to(y_ptr.dtype.element_ty), mask=mmask)
+
+
+def _slot_view(slots: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, int]:
+    """The slots as the layout's float dtype, and that dtype's element size."""
+    if layout.dtype not in TORCH_FLOAT:
+        raise ValueError(f"grouped expert kernels read float slots, not {layout.dtype}")
+    dt = TORCH_FLOAT[layout.dtype]
+    return slots.view(dt), torch.empty((), dtype=dt).element_size()
 
 
 def grouped_expert_gemv(
@@ -75,28 +112,123 @@ def grouped_expert_gemv(
     token_ids: torch.Tensor,
     weights: torch.Tensor,
     count: torch.Tensor,
+    fills: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Weighted expert outputs [N, H] for work items 0..count-1 (rows past `count` untouched).
 
     x [T, H]; slots [C, slot_bytes] uint8; slot_ids, token_ids int32 [N]; weights [N];
-    count: int32 [1] on the device (the valid number of items).
+    count: int32 [1] on the device (the valid number of items). `fills`: (flags int32 [N],
+    rows int64 [N], addr int64 [rows]): items with a flag read row `rows[i]` from the host
+    address `addr[rows[i]]` and copy it into their slot on the way.
     """
-    if layout.dtype not in TORCH_FLOAT:
-        raise ValueError(f"grouped GEMV reads float slots, not {layout.dtype}")
-    dt = TORCH_FLOAT[layout.dtype]
-    esize = torch.empty((), dtype=dt).element_size()
+    w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts
     i_dim, h_dim = gate.shape
-    w = slots.view(dt)  # [C, slot_bytes / esize]
     n = slot_ids.numel()
     h = torch.empty((n, i_dim), dtype=torch.float32, device=x.device)
     y = torch.empty((n, h_dim), dtype=x.dtype, device=x.device)
     x = x.contiguous()
     slot_elems = layout.slot_bytes // esize
+    flag, rows, addr = fills if fills is not None else (slot_ids, slot_ids, slot_ids)
     grid = (n, triton.cdiv(i_dim, 32))
-    _gate_up[grid](x, w, slot_ids, token_ids, count, h, h_dim, i_dim, slot_elems, up.offset // esize,
-                   BLOCK_N=32, BLOCK_K=128)
+    _gate_up[grid](x, w, slot_ids, token_ids, count, flag, rows, addr, h, h_dim, i_dim, slot_elems,
+                   up.offset // esize, FILL=fills is not None, BLOCK_N=32, BLOCK_K=128)
     grid = (n, triton.cdiv(h_dim, 32))
-    _down[grid](h, w, slot_ids, weights, count, y, h_dim, i_dim, slot_elems, down.offset // esize,
-                BLOCK_M=32, BLOCK_K=128)
+    _down[grid](h, w, slot_ids, weights, count, flag, rows, addr, y, h_dim, i_dim, slot_elems, down.offset // esize,
+                FILL=fills is not None, BLOCK_M=32, BLOCK_K=128)
     return y
+
+
+@triton.jit
+def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, h_ptr, H, I, slot_elems, up_off,  # noqa: E741
+                  PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    tile = tile_ptr + 3 * tl.program_id(0)
+    slot, first, rows = tl.load(tile).to(tl.int64), tl.load(tile + 1), tl.load(tile + 2)
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < rows
+    tok = tl.load(tok_ptr + first + m, mask=mmask, other=0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    gate = w_ptr + slot * slot_elems
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < H
+        xt = tl.load(x_ptr + tok[:, None] * H + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        offs = n[None, :] * H + k[:, None]  # [BLOCK_K, BLOCK_N]: the weight rows, transposed
+        wmask = kmask[:, None] & nmask[None, :]
+        g = tl.load(gate + offs, mask=wmask, other=0.0)
+        u = tl.load(gate + up_off + offs, mask=wmask, other=0.0)
+        if UPCAST:
+            xt, g, u = xt.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(xt, g, acc_g, input_precision=PREC)
+        acc_u = tl.dot(xt, u, acc_u, input_precision=PREC)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out = h_ptr + (first + m)[:, None].to(tl.int64) * I + n[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _gemm_down(h_ptr, w_ptr, tile_ptr, dst_ptr, wt_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
+               PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    tile = tile_ptr + 3 * tl.program_id(0)
+    slot, first, rows = tl.load(tile).to(tl.int64), tl.load(tile + 1), tl.load(tile + 2)
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < rows
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < H
+    down = w_ptr + slot * slot_elems + down_off
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < I
+        ht = tl.load(h_ptr + (first + m)[:, None].to(tl.int64) * I + k[None, :], mask=mmask[:, None] & kmask[None, :],
+                     other=0.0)
+        d = tl.load(down + n[None, :] * I + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            ht, d = ht.to(tl.float32), d.to(tl.float32)
+        acc = tl.dot(ht, d, acc, input_precision=PREC)
+    wt = tl.load(wt_ptr + first + m, mask=mmask, other=0.0).to(tl.float32)
+    dst = tl.load(dst_ptr + first + m, mask=mmask, other=0).to(tl.int64)
+    out = y_ptr + dst[:, None] * H + n[None, :]
+    tl.store(out, (acc * wt[:, None]).to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def gemm_tiles(segments: list[tuple[int, int]]) -> list[int]:
+    """Flat (slot, first item, items) triples covering each (slot, items) segment of a work list
+    sorted by expert, at most GEMM_M items per tile."""
+    out, first = [], 0
+    for slot, n in segments:
+        for m0 in range(0, n, GEMM_M):
+            out += [slot, first + m0, min(GEMM_M, n - m0)]
+        first += n
+    return out
+
+
+def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout, tiles: torch.Tensor,
+                        tokens: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> None:
+    """y[dst[i]] = weights[i] * expert_{slot(i)}(x[tokens[i]]) for every item i of every tile.
+
+    x [T, H]; slots [C, slot_bytes] uint8; tiles int32 [n * 3] from `gemm_tiles` (items sorted
+    by expert); tokens, dst int32 [N] (dst: the row of y, distinct per item); weights [N]; y [R, H].
+    """
+    w, esize = _slot_view(slots, layout)
+    gate, up, down = layout.parts
+    i_dim, h_dim = gate.shape
+    n_tiles = tiles.numel() // 3
+    if not n_tiles:
+        return
+    h = torch.empty((tokens.numel(), i_dim), dtype=x.dtype, device=x.device)
+    slot_elems = layout.slot_bytes // esize
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 must stay exact enough to match the CPU
+    # Triton's interpreter (CPU tests) multiplies 16-bit tiles wrongly in tl.dot (3.9): upcast there.
+    upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    cfg = dict(PREC=prec, UPCAST=upcast, BLOCK_M=GEMM_M, BLOCK_N=GEMM_N, BLOCK_K=GEMM_K, num_warps=4, num_stages=3)
+    x = x.contiguous()
+    _gemm_gate_up[(n_tiles, triton.cdiv(i_dim, GEMM_N))](x, w, tiles, tokens, h, h_dim, i_dim, slot_elems,
+                                                          up.offset // esize, **cfg)
+    _gemm_down[(n_tiles, triton.cdiv(h_dim, GEMM_N))](h, w, tiles, dst, weights, y, h_dim, i_dim, slot_elems,
+                                                      down.offset // esize, **cfg)

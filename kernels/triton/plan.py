@@ -8,8 +8,8 @@ graph each still costs a few microseconds: at 12-48 layers a token that adds up 
   with at least one for hybrid), the others run on the CPU;
 - victims: for each fill in turn, the least recently stamped slot that no hit of this layer
   holds and no earlier fill took; table, owner and stamps are updated in place;
-- it writes the fill list, the device work list (hits and fills first, compacted, with a valid
-  count), the CPU payload (x, weights, rows, CPU flags as float32) and the layer's counters.
+- it writes the device work list (hits and fills, compacted, with a valid count; each entry's
+  slot, router weight, row and fill flag: the grouped GEMV fills as it reads), the CPU payload (x, weights, rows, CPU flags as float32) and the layer's counters.
 `merge` sums the k weighted expert outputs per hidden channel in top-k order, each taken from
 the device GEMV or from the CPU worker's mapped output buffer.
 """
@@ -26,7 +26,7 @@ NEVER = tl.constexpr(2**62)  # stamp of a slot this layer may not evict
 
 @triton.jit
 def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_ptr, ratio_ptr, counts_ptr,
-          rows_ptr, slot_ptr, fill_ptr, gslot_ptr, gw_ptr, gpos_ptr, gcount_ptr, payload_ptr, cap, H,
+          gslot_ptr, gw_ptr, grow_ptr, gfill_ptr, gpos_ptr, gcount_ptr, payload_ptr, cap, H,
           K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, MODE: tl.constexpr, HAS_CPU: tl.constexpr,
           BLOCK_H: tl.constexpr):
     j = tl.arange(0, KP)
@@ -68,13 +68,12 @@ def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_pt
         tl.store(clock_ptr, clock)
         tl.store(stamp_ptr + slot, tl.zeros([KP], tl.int64) + clock, mask=hit | fill)
     w = tl.load(w_ptr + j, mask=valid, other=0.0)
-    tl.store(rows_ptr + j, rows, mask=valid)
-    tl.store(slot_ptr + j, slot, mask=valid)
-    tl.store(fill_ptr + j, fill.to(tl.int32), mask=valid)
     dev = hit | fill
     pos = tl.cumsum(dev.to(tl.int32), axis=0) - 1
     tl.store(gslot_ptr + pos, slot, mask=dev)
     tl.store(gw_ptr + pos, w, mask=dev)
+    tl.store(grow_ptr + pos, rows, mask=dev)
+    tl.store(gfill_ptr + pos, fill.to(tl.int32), mask=dev)
     tl.store(gpos_ptr + j, tl.where(dev, pos, -1), mask=valid)
     tl.store(gcount_ptr, tl.sum(dev.to(tl.int32), axis=0))
     tl.store(counts_ptr, tl.load(counts_ptr) + tl.sum(hit.to(tl.int64), axis=0))
@@ -112,11 +111,10 @@ class LayerBuffers:
     """What `plan` decides for one layer (allocated inside the step, so graph-safe)."""
 
     def __init__(self, k: int, device: torch.device, weight_dtype: torch.dtype):
-        self.rows = torch.empty(k, dtype=torch.int64, device=device)  # expert rows of the k items
-        self.slot = torch.empty(k, dtype=torch.int32, device=device)  # their slots (hits and fills)
-        self.fill = torch.empty(k, dtype=torch.int32, device=device)  # 1: copy the row into its slot
-        self.gslot = torch.empty(k, dtype=torch.int32, device=device)  # device work list: slots...
-        self.gw = torch.empty(k, dtype=weight_dtype, device=device)  # ... and router weights
+        self.gslot = torch.empty(k, dtype=torch.int32, device=device)  # device work list: slots,
+        self.gw = torch.empty(k, dtype=weight_dtype, device=device)  # router weights,
+        self.grow = torch.empty(k, dtype=torch.int64, device=device)  # expert rows,
+        self.gfill = torch.empty(k, dtype=torch.int32, device=device)  # 1: read from the host, fill the slot
         self.gpos = torch.empty(k, dtype=torch.int32, device=device)  # item -> work list index, -1: CPU
         self.gcount = torch.empty(1, dtype=torch.int32, device=device)  # valid work list entries
 
@@ -127,8 +125,8 @@ def plan(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, base: int, t
     """Decide one layer for one token (see the module docstring). ids, weights [k]; x [H];
     counts: this layer's int64 [3] (hits, fills, cpu); payload: float32 [H + 3k] or None."""
     k = ids.numel()
-    _plan[(1,)](ids, weights, x, base, table, owner, stamp, clock, ratio, counts, out.rows, out.slot, out.fill,
-                out.gslot, out.gw, out.gpos, out.gcount, payload if payload is not None else x, cap, x.numel(),
+    _plan[(1,)](ids, weights, x, base, table, owner, stamp, clock, ratio, counts, out.gslot, out.gw, out.grow,
+                out.gfill, out.gpos, out.gcount, payload if payload is not None else x, cap, x.numel(),
                 K=k, KP=triton.next_power_of_2(k), CAP=triton.next_power_of_2(cap) if cap else 0, MODE=mode,
                 HAS_CPU=payload is not None, BLOCK_H=1024)
 

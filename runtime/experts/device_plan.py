@@ -4,12 +4,12 @@ The host planner (`planner.py`) reads each layer's routing back to the host, whi
 synchronisation per layer and keeps the host on the critical path. Here every decision is made
 on the device, with fixed shapes, so a whole decode step can be captured in a CUDA graph. State:
 a residency table (row -> slot), each slot's owner row and last-use stamp (LRU), a clock. Per
-MoE layer, seven launches and no host work:
+MoE layer, six launches and no host work:
 - `plan` (one Triton program, kernels/triton/plan.py): hits, q fills, victims, table updates,
   the device work list and the CPU payload in mapped memory;
 - `ring`: the doorbell the C++ worker polls; it runs the CPU set from the host pool meanwhile;
-- `fill_slots`: zero-copy reads of the mapped host pool into the victim slots;
-- the grouped GEMV over hits and fills (two kernels);
+- the grouped GEMV over hits and fills (two kernels): hits read their slots, fills read the
+  mapped host pool (zero-copy) and write their victim slots as they go;
 - `wait_done`, then `merge`: one row per routed item, summed in top-k order.
 
 The host `SlotCache` stays the state of record between decode runs: `to_device()` loads it
@@ -145,10 +145,9 @@ class DevicePlan:
             zero_copy.ring(self.d_bell, moe + 1)
         dev = None
         if cap:
-            if self.strategy in (OFFLOAD, HYBRID):
-                zero_copy.fill_slots(self.addr, out.rows, out.fill, out.slot, self.cache.slots)
+            fills = (out.gfill, out.grow, self.addr) if self.strategy in (OFFLOAD, HYBRID) else None
             dev = grouped_expert_gemv(x, self.cache.slots, self.pool.layout, out.gslot, self.tokens, out.gw,
-                                      out.gcount)
+                                      out.gcount, fills)
         host = None
         if self.worker is not None:
             zero_copy.wait_done(self.d_done, moe + 1, self.d_spins)

@@ -1,11 +1,12 @@
 """Full-layer double buffering for prefill.
 
 A long prompt chunk routes to nearly every expert of every layer, so prefill streams whole
-layers: while layer l computes, the copy stream moves every expert of the next MoE layer that is
-not already resident, without waiting for that layer's routing. The store starts this when the
-current layer's routing touched most of its experts (a short extend after a prefix hit does not,
-and moves only its misses). The two "layer buffers" are not
-fixed regions: they are slots claimed from the one LRU, protected while their layer is in use,
+layers: while layer l computes, the copy stream moves every expert of layer l+1 that is not
+already resident, without waiting for that layer's routing; as soon as layer l's compute is
+queued, the copy stream is queued to refill its buffer with layer l+2 behind it, so copies run
+back to back. The store starts this when the current layer's routing touched most of its experts
+(a short extend after a prefix hit does not, and moves only its misses). The two "layer buffers"
+are not fixed regions: they are slots claimed from the one LRU, protected while their layer is in use,
 so what prefill leaves behind is the decode cache's initial state, experts already resident are
 used where they are, and the victims are the least recently used slots, never the hottest.
 

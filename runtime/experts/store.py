@@ -45,13 +45,14 @@ STREAM_FRACTION = 0.75  # a layer routed to this share of its experts makes pref
 GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the grouped GEMV
 
 
-def _load_gemv():
-    """The Triton grouped GEMV, or None where Triton is missing (torch per expert then)."""
+def _load_grouped():
+    """The Triton grouped expert kernels module, or None where Triton is missing (torch per
+    expert then)."""
     try:
-        from ftkit.kernels.triton.experts import grouped_expert_gemv
+        from ftkit.kernels.triton import experts
     except ImportError:
         return None
-    return grouped_expert_gemv
+    return experts
 
 
 def resolve_strategy(strategy: str, ratio: float | None, device: torch.device) -> str:
@@ -105,7 +106,7 @@ class ExpertStore:
         self.kernel = load_cpu_kernel()
         self.stats = ExpertStats()
         float_slots = pool.layout.dtype != "q8_0"
-        self.gemv = _load_gemv() if self.device.type == "cuda" and float_slots else None
+        self.grouped = _load_grouped() if self.device.type == "cuda" and float_slots else None
         if stream_prefill is None:
             stream_prefill = self.device.type == "cuda" and self.strategy in (OFFLOAD, HYBRID)
         self.prefetcher = LayerPrefetcher(pool, self.device) if stream_prefill else None
@@ -132,7 +133,8 @@ class ExpertStore:
                 return self.device_plan.run(layer, hidden, topk_ids, topk_weights)
             self.device_plan.to_host()  # the host planner takes over again (prefill, batches)
         t, k = topk_ids.shape
-        base = self.spec.moe_index(layer) * self.spec.num_experts
+        moe = self.spec.moe_index(layer)
+        base = moe * self.spec.num_experts
         flat = topk_ids.reshape(-1).to("cpu", torch.int64)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
@@ -144,7 +146,7 @@ class ExpertStore:
                 start += n
         # Most-used experts first: they are the ones worth filling.
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))
-        streamed = self._stream_layers(self.spec.moe_index(layer), rows)
+        streamed = set(self.prefetcher.wait(moe)) if self.prefetcher else set()
         plan = self.planner.plan(self.cache, rows)
         if streamed:  # copied in ahead for this layer: count them as this layer's fills
             plan.fills += [(r, s) for r, s in plan.hits if r in streamed]
@@ -157,14 +159,18 @@ class ExpertStore:
         cpu_ends: list[float] = []
         futures, host_y, cpu_t0 = self._start_cpu(plan, groups, hidden, weights, y, k, cpu_ends)
         self._fill([(r, s) for r, s in plan.fills if r not in streamed])
+        self._stream_ahead(moe, len(rows), 1)
         resident = plan.hits + plan.fills
         if self.device.type == "cpu":
             self._host_experts([self.cache.slots[s] for _, s in resident], [groups[r] for r, _ in resident],
                                hidden, weights, y, k)
-        elif self.gemv is not None and t * k <= GEMV_MAX_ITEMS and resident:
+        elif self.grouped is not None and t * k <= GEMV_MAX_ITEMS and resident:
             self._device_gemv(resident, groups, hidden, weights, y, k)
+        elif self.grouped is not None and resident:
+            self._device_gemm(resident, groups, hidden, weights, y, k)
         elif resident:
             self._device_segments(resident, groups, hidden, weights, y, k)
+        self._stream_ahead(moe, len(rows), 2)
         CPUExecutor.wait(futures)
         if cpu_ends:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, max(cpu_ends) - cpu_t0)
@@ -172,18 +178,17 @@ class ExpertStore:
             y = y + host_y.to(y.device)
         return y.view(t, k, -1).sum(dim=1)
 
-    def _stream_layers(self, moe_index: int, rows: list[int]) -> set[int]:
-        """Prefill: wait for this layer's copies (started one layer ahead); when this layer's
-        routing touches most of its experts, the next one's will too, so start copying all of it.
-        A short extend after a prefix hit routes to few experts and takes the routing-driven path
-        (only its misses move), but still waits for copies already in flight into its slots."""
-        if self.prefetcher is None:
-            return set()
-        filled = set(self.prefetcher.wait(moe_index))
-        dense = len(rows) >= STREAM_FRACTION * self.spec.num_experts
-        if dense and self.prefetcher.fits(self.cache):
-            self.prefetcher.prefetch(self.cache, moe_index + 1, set(self.prefetcher.rows(moe_index)))
-        return filled
+    def _stream_ahead(self, moe_index: int, active: int, ahead: int) -> None:
+        """Prefill streams whole layers: when this layer's routing touches most of its experts,
+        the next ones' will too, so copy layer `moe_index + ahead` in without waiting for its
+        routing. ahead=1 runs before this layer's compute and only starts anything on a chunk's
+        first layer; ahead=2 runs after it, so the copy stream refills this layer's buffer while
+        the compute stream works on the next layer: the copies run back to back. A short extend
+        after a prefix hit routes to few experts and moves only its misses."""
+        p = self.prefetcher
+        if p is None or active < STREAM_FRACTION * self.spec.num_experts or not p.fits(self.cache):
+            return
+        p.prefetch(self.cache, moe_index + ahead, set(p.rows(moe_index + ahead - 1)))
 
     def _device_gemv(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
                      x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
@@ -193,14 +198,28 @@ class ExpertStore:
         idx_d = idx.to(x.device, non_blocking=True)
         tokens = (idx // k).to(torch.int32).to(x.device, non_blocking=True)
         count = torch.tensor([idx.numel()], dtype=torch.int32).to(x.device, non_blocking=True)
-        out = self.gemv(x, self.cache.slots, self.pool.layout, slots.to(x.device, non_blocking=True), tokens,
-                        w[idx_d, 0].contiguous(), count)
+        out = self.grouped.grouped_expert_gemv(x, self.cache.slots, self.pool.layout,
+                                               slots.to(x.device, non_blocking=True), tokens, w[idx_d, 0].contiguous(),
+                                               count)
         y[idx_d] = out
+
+    def _device_gemm(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
+                     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
+        """Prefill-sized work: every resident expert of the layer in two grouped launches, its
+        assignments sorted by expert and uploaded once with the tile list."""
+        idx = torch.cat([groups[r] for r, _ in resident])
+        tiles = self.grouped.gemm_tiles([(s, len(groups[r])) for r, s in resident])
+        meta = torch.cat([idx // k, idx, torch.tensor(tiles, dtype=torch.int64)]).to(torch.int32)
+        meta = meta.pin_memory().to(x.device, non_blocking=True)
+        n = idx.numel()
+        tokens, dst = meta[:n], meta[n : 2 * n]
+        self.grouped.grouped_expert_gemm(x, self.cache.slots, self.pool.layout, meta[2 * n :], tokens, dst,
+                                         w[dst, 0].contiguous(), y)
 
     def _device_segments(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
                          x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
-        """Prefill-sized work: the assignments sorted by expert, uploaded once, each expert one
-        segment of a gathered batch (no per-expert index uploads or host round trips)."""
+        """Without the grouped kernels (q8_0 slots, no Triton): the assignments sorted by expert,
+        uploaded once, each expert one segment of a gathered batch."""
         idx = torch.cat([groups[r] for r, _ in resident])
         ends = torch.tensor([len(groups[r]) for r, _ in resident]).cumsum(0).tolist()
         idx_d = idx.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else idx

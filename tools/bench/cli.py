@@ -64,14 +64,15 @@ def _figures(rt: Runtime, profile: Path | None, pcie: float | None, cpu: float |
     return run.Figures(pcie, cpu, run.hbm_gbps(rt.device), pcie_solo, cpu_solo)
 
 
-def _routing(rt: Runtime, routing: str) -> RoutingOverride | None:
+def _routing(rt: Runtime, routing: str, tokens: int) -> RoutingOverride | None:
+    """`tokens`: how many tokens the run routes (a synthetic sequence is drawn that long)."""
     kind, _, arg = routing.partition(":")
     if kind == "real":
         return None
     if kind == "trace":
         return Replayer(rt.decoder, Path(arg))
     if kind == "reuse":
-        return Synthetic(rt.decoder, float(arg))
+        return Synthetic(rt.decoder, float(arg), tokens)
     raise ValueError(f"--routing must be real, trace:FILE or reuse:P, got {routing!r}")
 
 
@@ -137,7 +138,8 @@ def decode(
             rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, prompt + tokens))
             try:
                 figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
-                override = Recorder(rt.decoder) if record else _routing(rt, routing)
+                routed = prompt + tokens + 8 + sum(int(c) + extend for c in chunks.split(",") if c)
+                override = Recorder(rt.decoder) if record else _routing(rt, routing, routed)
                 trace = trace_dir / f"profile-{rt.store.strategy}-graphs-{'on' if graphs_on else 'off'}.txt" if trace_dir else None
                 r = run.decode(rt, tokens, prompt, override, figs, trace)
                 if record:
@@ -150,7 +152,7 @@ def decode(
                 table.add_row(rt.store.strategy, "on" if r["graphs"] else "off", str(rt.store.cache.capacity),
                               f"{r['tok_s']:.1f}", _fmt(r["bound_tok_s"]), _pct(r["of_bound"]),
                               _fmt(r["overhead_ms_per_token"]), f"{r['miss_rate']:.1%}",
-                              " ".join(f"{p['chunk']}:{p['tok_s']:.0f}tok/s({_pct(p['of_bound'])})" for p in pre))
+                              " ".join(_prefill_cell(p) for p in pre))
             finally:
                 rt.close()
         console.print(table)
@@ -202,6 +204,11 @@ def _sized(opts: RuntimeOptions, model: Path, gpu_budget: str | None, fraction: 
     elif gpu_budget is not None:
         opts.gpu_budget, opts.kv_tokens = parse_bytes(gpu_budget), kv_tokens
     return opts
+
+
+def _prefill_cell(p: dict) -> str:
+    cell = f"{p['chunk']}: {p['seconds']:.3f}s ({_pct(p['of_bound'])})"
+    return cell + (f" +{p['extend']}: {p['extend_seconds']:.3f}s" if p.get("extend") else "")
 
 
 def _fmt(x: float | None) -> str:

@@ -6,7 +6,10 @@
 # Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile), wrong
 # (wrong-profile convergence), gpu (pytest -m gpu), zerocopy (fill kernel vs DMA), read (FTW
 # read + pin), decode (qwen3-30b-a3b shape cut to 12 layers: decode per strategy, graphs off and
-# on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound).
+# on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound, layer
+# streaming on and off, each with a 32-token extend), extend (the same with concentrated
+# synthetic routing, reuse 0.9). Everything ends up in $OUT/results.tgz (the GPU machine hands
+# back few files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
@@ -34,7 +37,7 @@ if has wrong; then
   $PY -m ftkit.tools.bench.wrong_profile "$W" --profile "$PROFILE" --layers 4 --threads 15 --json "$OUT/wrong_profile.json" 2>&1 | tee "$OUT/wrong_profile.txt"
 fi
 if has gpu; then
-  $PY -m pytest -q --tb=short -m gpu tests/test_gpu.py tests/test_triton_experts.py tests/test_graphs.py > "$OUT/gpu_tests.txt" 2>&1
+  $PY -m pytest -q --tb=short tests/test_gpu.py tests/test_triton_experts.py tests/test_graphs.py > "$OUT/gpu_tests.txt" 2>&1
   tail -15 "$OUT/gpu_tests.txt"
 fi
 if has zerocopy; then
@@ -54,9 +57,17 @@ if has decode; then
 fi
 if has prefill; then
   q12
-  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
-      --tokens 4 --chunks 4096,8192 --strategies offload --graphs on --json "$OUT/prefill.json" --trace-dir "$OUT/prefill-trace" 2>&1 | tee "$OUT/prefill.txt"
+  for sp in on off; do
+    $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
+        --tokens 2 --chunks 4096,8192 --extend 32 --strategies ${PREFILL_STRATEGIES:-offload,hybrid} --stream-prefill $sp \
+        --json "$OUT/prefill-$sp.json" --trace-dir "$OUT/prefill-$sp-trace" 2>&1 | tee "$OUT/prefill-$sp.txt"
+  done
 fi
-# the machine hands back a limited number of files: pack the profiler tables into one
-cd "$OUT" && ls profile-*.txt prefill-trace >/dev/null 2>&1 && tar czf profiles.tgz profile-*.txt prefill-trace 2>/dev/null && rm -rf profile-*.txt prefill-trace
+if has extend; then
+  q12
+  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
+      --tokens 2 --chunks 8192 --extend 32 --strategies offload,hybrid --routing reuse:0.9 \
+      --json "$OUT/extend.json" 2>&1 | tee "$OUT/extend.txt"
+fi
+cd "$OUT" && tar czf /tmp/results.tgz --exclude results.tgz . && mv /tmp/results.tgz . && find . -mindepth 1 ! -name results.tgz -delete
 true

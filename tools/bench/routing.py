@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ftkit.runtime.models.decoder import MoEDecoder
@@ -70,25 +71,33 @@ class Replayer(RoutingOverride):
 
 
 class Synthetic(RoutingOverride):
-    """Each token keeps each of the previous token's experts with probability `reuse`, and
-    draws the rest uniformly from the others."""
+    """Each token keeps each of the previous token's experts in that layer with probability
+    `reuse` and draws the rest uniformly from the others. The sequence is drawn up front,
+    `tokens` per layer (then cycled), so drawing never counts in a timed run and a prefill
+    chunk or an extend gets the same locality as decode steps."""
 
-    def __init__(self, decoder: MoEDecoder, reuse: float, seed: int = 0):
+    def __init__(self, decoder: MoEDecoder, reuse: float, tokens: int = 4096, seed: int = 0):
         super().__init__(decoder)
         if not 0 <= reuse <= 1:
             raise ValueError("reuse must be within 0..1")
-        self.reuse = reuse
-        self.gen = torch.Generator().manual_seed(seed)
-        self.prev: dict[int, list[int]] = {}
+        spec = decoder.spec
+        rng = np.random.default_rng(seed)
+        self.rows = {i: _markov(rng, tokens, spec.num_experts, spec.top_k, reuse) for i in spec.moe_layers}
+        self.cursor = dict.fromkeys(spec.moe_layers, 0)
 
     def _route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        spec = self.decoder.spec
-        rows = []
-        for _ in range(x.shape[0]):
-            prev = self.prev.get(i, [])
-            keep = [e for e in prev if torch.rand((), generator=self.gen) < self.reuse]
-            rest = [e for e in torch.randperm(spec.num_experts, generator=self.gen).tolist() if e not in keep]
-            row = keep + rest[: spec.top_k - len(keep)]
-            self.prev[i] = row
-            rows.append(row)
-        return _uniform(torch.tensor(rows, device=x.device), x.dtype)
+        rows, start = self.rows[i], self.cursor[i]
+        self.cursor[i] = start + x.shape[0]
+        picked = rows[torch.arange(start, start + x.shape[0]) % rows.shape[0]]
+        return _uniform(picked.to(x.device), x.dtype)
+
+
+def _markov(rng: np.random.Generator, tokens: int, experts: int, k: int, reuse: float) -> torch.Tensor:
+    out = np.empty((tokens, k), dtype=np.int64)
+    row = list(rng.choice(experts, k, replace=False))
+    for t in range(tokens):
+        keep = [e for e, r in zip(row, rng.random(k), strict=True) if r < reuse]
+        fresh = [e for e in rng.permutation(experts)[: 2 * k] if e not in keep]  # >= k - len(keep) left
+        row = keep + fresh[: k - len(keep)]
+        out[t] = row
+    return torch.from_numpy(out)

@@ -1,9 +1,13 @@
-"""Device-driven fills against DMA copies: `python -m ftkit.tools.bench.zero_copy --json OUT`.
+"""Decode fills, three ways: `python -m ftkit.tools.bench.zero_copy --json OUT`.
 
-Graph decode fills cache slots with a Triton kernel that reads mapped pinned host memory
-(zero-copy), because no host thread knows which experts to copy. This measures its GB/s next
-to cudaMemcpyAsync of the same slots (the copy engines), for 1..8 slots of a qwen3-30b-a3b
-bf16 expert (9.44 MB) per call, as in one layer's fills. Needs CUDA and Triton.
+Graph decode fills cache slots without the host: no host thread knows which experts to copy.
+For 1..8 misses of a qwen3-30b-a3b bf16 expert (9.44 MB) in one layer, this times the fills
+plus the grouped GEMV over them:
+- `dma`: cudaMemcpyAsync per slot (the copy engines; what a host planner can issue), then GEMV;
+- `fill kernel`: a zero-copy copy kernel over mapped pinned memory, then GEMV;
+- `fill-through GEMV`: the GEMV reads the misses from mapped pinned memory and writes the
+  slots as it goes (what graph decode runs);
+and, as the floor, the GEMV alone over resident slots. GB/s = expert bytes / time. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ftkit.kernels.triton import zero_copy
+from ftkit.kernels.triton.experts import grouped_expert_gemv
+from ftkit.runtime.ftw.manifest import slot_layout
 
-SLOT = 9_437_184  # bytes of one qwen3-30b-a3b bf16 expert (gate, up, down of 768 x 2048)
+from .presets import preset_spec
 
 
 def _gbps(fn, nbytes: int, seconds: float = 1.0) -> float:
@@ -38,37 +44,60 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=128, help="host slots to cycle through (>> GPU L2)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
-    host = torch.empty((args.rows, SLOT), dtype=torch.uint8, pin_memory=True)
-    host.random_(0, 255)
-    dev = torch.empty((8, SLOT), dtype=torch.uint8, device="cuda")
+    spec = preset_spec("qwen3-30b-a3b", 1)
+    layout = slot_layout(spec, "bfloat16")
+    size = layout.slot_bytes
+    host = torch.empty((args.rows, size), dtype=torch.uint8, pin_memory=True)
+    host.view(torch.bfloat16).normal_(0, 0.02)
+    dev = torch.zeros((8, size), dtype=torch.uint8, device="cuda")
     addr = torch.tensor([zero_copy.device_pointer(host[r].data_ptr()) for r in range(args.rows)],
                         dtype=torch.int64, device="cuda")
-    rows_cycle = [0]
+    x = torch.randn((1, spec.hidden_size), dtype=torch.bfloat16, device="cuda")
+    slots = torch.arange(8, dtype=torch.int32, device="cuda")
+    tokens = torch.zeros(8, dtype=torch.int32, device="cuda")
+    weights = torch.full((8,), 0.125, dtype=torch.bfloat16, device="cuda")
+    ones = torch.ones(8, dtype=torch.int32, device="cuda")
+    cursor = [0]
+
+    def next_rows() -> torch.Tensor:
+        r = cursor[0] = (cursor[0] + 8) % (args.rows - 8)
+        return torch.arange(r, r + 8, device="cuda")
+
     results = []
     for n in (1, 2, 4, 8):
-        slots = torch.arange(8, dtype=torch.int32, device="cuda")
-        flags = (torch.arange(8, device="cuda") < n).to(torch.int32)
+        count = torch.tensor([n], dtype=torch.int32, device="cuda")
 
-        def kernel(flags: torch.Tensor = flags, slots: torch.Tensor = slots) -> None:
-            r = rows_cycle[0] = (rows_cycle[0] + 8) % (args.rows - 8)
-            rows = torch.arange(r, r + 8, device="cuda")
-            zero_copy.fill_slots(addr, rows, flags, slots, dev)
+        def gemv(fills=None, count: torch.Tensor = count) -> torch.Tensor:
+            return grouped_expert_gemv(x, dev, layout, slots, tokens, weights, count, fills)
 
         def dma(n: int = n) -> None:
-            r = rows_cycle[0] = (rows_cycle[0] + 8) % (args.rows - 8)
+            r = cursor[0] = (cursor[0] + 8) % (args.rows - 8)
             for i in range(n):
                 dev[i].copy_(host[r + i], non_blocking=True)
+            gemv()
 
-        kernel()
+        def kernel() -> None:
+            zero_copy.fill_slots(addr, next_rows(), ones, slots, dev)
+            gemv()
+
+        def fused() -> None:
+            gemv((ones, next_rows(), addr))
+
+        fused()
         torch.cuda.synchronize()
-        r = rows_cycle[0]
-        assert torch.equal(dev[:n].cpu(), host[r : r + n]), "zero-copy fill copied the wrong bytes"
-        results.append({"slots": n, "zero_copy_gbps": _gbps(kernel, n * SLOT), "dma_gbps": _gbps(dma, n * SLOT)})
-    table = Table(title="fills: zero-copy kernel vs DMA (pinned host -> GPU)")
-    for col in ("slots per call", "zero-copy GB/s", "DMA GB/s"):
+        r = cursor[0]
+        assert torch.equal(dev[:n].cpu(), host[r : r + n]), "the fill-through GEMV filled the wrong bytes"
+        ref = gemv()
+        assert torch.allclose(gemv((ones, torch.arange(r, r + 8, device="cuda"), addr)).float(), ref.float())
+        nbytes = n * size
+        results.append({"slots": n, "dma_gbps": _gbps(dma, nbytes), "fill_kernel_gbps": _gbps(kernel, nbytes),
+                        "fill_through_gbps": _gbps(fused, nbytes), "resident_gbps": _gbps(gemv, nbytes)})
+    table = Table(title="one layer's fills + grouped GEMV (pinned host -> GPU), GB/s of expert bytes")
+    for col in ("misses", "DMA + GEMV", "fill kernel + GEMV", "fill-through GEMV", "GEMV, all resident"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(str(r["slots"]), f"{r['zero_copy_gbps']:.1f}", f"{r['dma_gbps']:.1f}")
+        table.add_row(str(r["slots"]), *(f"{r[k]:.1f}" for k in ("dma_gbps", "fill_kernel_gbps", "fill_through_gbps",
+                                                                  "resident_gbps")))
     Console().print(table)
     if args.json:
         args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=1))
