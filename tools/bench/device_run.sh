@@ -8,7 +8,7 @@
 # read + pin), decode (qwen3-30b-a3b shape cut to 12 layers: decode per strategy, graphs off and
 # on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound, layer
 # streaming on and off, each with a 32-token extend), extend (the same with concentrated
-# synthetic routing, reuse 0.9). Everything ends up in $OUT/results.tgz (the GPU machine hands
+# synthetic routing, reuse 0.9), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
 # back few files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -47,8 +47,11 @@ if has read; then
   $PY -m ftkit.tools.bench.ftw_read "$W" --gib 4 --threads 16 --pin 2>&1 | tee "$OUT/ftw_read.txt"
 fi
 q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
-  [ -f "$W/q12.ftw/manifest.json" ] || $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1
-}
+  [ -f "$W/q12.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1; sync; }
+}  # sync: the kernel's write-back of 14.5 GB would otherwise compete with the CPU branch
+if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (machines differ)
+  $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 4 2>&1 | tail -4
+fi
 if has decode; then
   q12
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
