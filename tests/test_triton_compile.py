@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ftkit.kernels.triton import experts, norm, plan, zero_copy  # noqa: E402
+from ftkit.kernels.triton import decode, experts, norm, plan, zero_copy  # noqa: E402
 
 PLAN_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "base": "i32", "table_ptr": "*i32",
@@ -56,6 +56,11 @@ KERNELS = [
      GEMM_CONSTS),
     (experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
                           "down_off": "i32"}, GEMM_CONSTS),
+    (decode._rope_store, {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
+                                                  "qout_ptr", "kc_ptr", "vc_ptr")}, "pos_ptr": "*i64", "eps": "fp32"},
+     dict(HEADS=32, KV_HEADS=4, D=128, R=128, BLOCK_D=128, NORM=True)),
+    (decode._attention, {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "pos_ptr": "*i64", "out_ptr": "*bf16",
+                         "window": "i32", "scale": "fp32"}, dict(HEADS=32, KV_HEADS=4, D=128, BLOCK_D=128, BLOCK_S=64)),
 ]
 
 

@@ -6,7 +6,9 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
 - the token and its position live in device tensors; rotary tables are gathered by position;
 - K/V go into static per-layer buffers (a sequence's KVCache is re-pointed at them while it is
   bound), and attention covers a fixed span with a position mask, so one graph per span bucket
-  (256, 512, ... tokens) serves every position below it;
+  (256, 512, ... tokens) serves every position below it; where the family's Q/K treatment allows
+  (per-head or no Q/K norm, no clipping), norms, RoPE, the cache writes and attention are two
+  Triton launches per layer (kernels/triton/decode.py) instead of about twenty;
 - the routed experts go through the store's DevicePlan (hits, fills and the CPU set decided on
   the GPU, the CPU branch started by a doorbell, not by Python).
 Without CUDA (`capture=False`) the same step runs eagerly: tests check it on CPU.
@@ -23,6 +25,7 @@ from ..experts.store import ExpertStore
 from ..models.decoder import MoEDecoder
 from ..models.kv import KVCache
 from ..models.layers import decode_attention
+from ..spec import QK_NORM_HEAD, QK_NORM_NONE
 
 FIRST_SPAN = 256  # attention span of the smallest graph; each next one doubles it
 
@@ -37,6 +40,19 @@ def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
     if store.stats.trace:
         return "per-step expert statistics need the host planner"
     return store.device_plan_unsupported()
+
+
+def _fused_attention(decoder: MoEDecoder):
+    """The Triton decode-attention kernels where this family's Q/K treatment is what they do
+    (per-head RMSNorm or none, no clipping), else None (the torch ops run)."""
+    s = decoder.spec
+    if s.qk_norm not in (QK_NORM_HEAD, QK_NORM_NONE) or s.extra.get("clip_qkv"):
+        return None
+    try:
+        from ftkit.kernels.triton import decode
+    except ImportError:
+        return None
+    return decode
 
 
 class GraphDecode:
@@ -58,6 +74,7 @@ class GraphDecode:
         self.pool = None  # one memory pool for every span's graph: they never run at once
         self.bound: weakref.ref[KVCache] | None = None
         self.version = store.version
+        self.fused = _fused_attention(decoder)
 
     def accepts(self, cache: KVCache) -> bool:
         return not cache.states and cache.max_tokens <= self.capacity and cache.length < cache.max_tokens
@@ -77,7 +94,7 @@ class GraphDecode:
         span = FIRST_SPAN
         while span <= cache.length:
             span *= 2
-        span = min(span, self.capacity)
+        span = self.capacity if self.fused else min(span, self.capacity)  # fused attention: one graph
         if self.capture:
             graph = self.graphs.get(span) or self._capture(span)
             graph.replay()
@@ -90,19 +107,28 @@ class GraphDecode:
     def _forward(self, span: int) -> torch.Tensor:
         dec, s = self.decoder, self.decoder.spec
         x = F.embedding(self.token, dec.w["embed.weight"])
-        cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
-        keys = self.positions[:span]
-        visible = keys <= self.pos
+        if not self.fused:
+            cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
+            keys = self.positions[:span]
+            visible = keys <= self.pos
         self.store.in_graph = True
         try:
             for i in range(s.num_layers):
                 p = f"layers.{i}."
-                q, k, v = dec.qkv(i, dec.norm(x, p + "attn_norm.weight"), cos, sin)
-                self.k[i].index_copy_(0, self.pos, k)
-                self.v[i].index_copy_(0, self.pos, v)
+                h = dec.norm(x, p + "attn_norm.weight")
                 window = dec.window(i)
-                mask = visible if window is None else visible & (keys > self.pos - window)
-                out = decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
+                if self.fused:
+                    q, k, v = (dec.linear(p + "attn." + n, h) for n in "qkv")
+                    q = self.fused.rope_store(q, k, v, dec.w.get(p + "attn.q_norm.weight"),
+                                              dec.w.get(p + "attn.k_norm.weight"), s.rms_norm_eps, self.cos, self.sin,
+                                              self.pos, self.k[i], self.v[i])
+                    out = self.fused.attention(q, self.k[i], self.v[i], self.pos, window)
+                else:
+                    q, k, v = dec.qkv(i, h, cos, sin)
+                    self.k[i].index_copy_(0, self.pos, k)
+                    self.v[i].index_copy_(0, self.pos, v)
+                    mask = visible if window is None else visible & (keys > self.pos - window)
+                    out = decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
                 x = x + dec.linear(p + "attn.o", out.reshape(1, -1))
                 h = dec.norm(x, p + "mlp_norm.weight")
                 x = x + (dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h))

@@ -70,7 +70,7 @@ if has extend; then
   q12
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
       --tokens 2 --chunks 8192 --extend 32 --strategies offload,hybrid --routing reuse:0.9 \
-      --json "$OUT/extend.json" 2>&1 | tee "$OUT/extend.txt"
+      --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
 fi
 cd "$OUT" && tar czf /tmp/results.tgz --exclude results.tgz . && mv /tmp/results.tgz . && find . -mindepth 1 ! -name results.tgz -delete
 true

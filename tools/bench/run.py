@@ -130,7 +130,7 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
 def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None, extend: int = 0) -> dict:
     """Seconds to prefill one `chunk`-token prompt from the current cache state (TTFT);
     `extend`: then time that many more tokens on top (an agent turn after a prefix hit);
-    `trace_to` also writes a torch.profiler table of a second prefill."""
+    `trace_to` also writes torch.profiler tables of a second prefill (and extend)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, rt.spec.vocab_size, (chunk + extend,), generator=gen).to(rt.device)
     kv = rt.new_kv(chunk + extend + 1)
@@ -152,10 +152,13 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
             e = rt.store.stats.totals()
             ext = {"extend": extend, "extend_seconds": time.perf_counter() - t0, "extend_active": e.active,
                    "extend_moved_gb": e.misses * rt.ftw.layout.slot_bytes / 1e9}
-    if trace_to is not None:  # counted above: the profiled repeat does not add to the figures
+    if trace_to is not None:  # counted above: the profiled repeats do not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
             _profiled(rt, lambda: rt.decoder.forward(ids[:chunk], kv), trace_to)
+            if extend:
+                _profiled(rt, lambda: rt.decoder.forward(ids[chunk:], kv),
+                          trace_to.with_name(trace_to.stem + "-extend.txt"))
     moved = t.misses * rt.ftw.layout.slot_bytes
     pcie = figures.pcie_solo_gbps or figures.pcie_gbps
     bound = moved / (pcie * 1e9) if pcie and moved else None

@@ -1,0 +1,62 @@
+"""The decode-attention kernels against the torch ops they replace in graph decode: per-head
+RMSNorm + RoPE + cache writes, and masked attention over the cache (full and sliding window,
+GQA, partial rotary, odd head sizes). On CUDA, or on CPU with TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ftkit.runtime.models.layers import apply_rope, decode_attention, rms_norm
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, d, r, norm", [(4, 2, 32, 32, True), (6, 2, 24, 12, False)])
+def test_rope_store_matches_torch(dtype, heads, kv_heads, d, r, norm):
+    from ftkit.kernels.triton.decode import rope_store
+
+    gen = torch.Generator().manual_seed(0)
+    positions, pos = 40, 29
+    q, k, v = (torch.randn((1, n * d), generator=gen).to(dtype) for n in (heads, kv_heads, kv_heads))
+    qw, kw = (torch.randn(d, generator=gen).to(dtype) for _ in range(2))
+    angles = torch.rand((positions, r // 2), generator=gen) * 6
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    kc, vc = (torch.zeros((positions, kv_heads, d), dtype=dtype) for _ in range(2))
+    dev = [t.to(DEV) for t in (q, k, v, qw, kw, cos, sin, torch.tensor([pos]), kc, vc)]
+    got = rope_store(*dev[:3], dev[3] if norm else None, dev[4] if norm else None, 1e-6, *dev[5:])
+    qh, kh = q.view(1, heads, d), k.view(1, kv_heads, d)
+    if norm:
+        qh, kh = rms_norm(qh, qw, 1e-6), rms_norm(kh, kw, 1e-6)
+    ref_q = apply_rope(qh, cos[pos : pos + 1], sin[pos : pos + 1])
+    ref_k = apply_rope(kh, cos[pos : pos + 1], sin[pos : pos + 1])
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got.cpu().float(), ref_q.float(), **tol)
+    kc, vc = dev[8].cpu(), dev[9].cpu()
+    assert torch.allclose(kc[pos].float(), ref_k[0].float(), **tol)
+    assert torch.equal(vc[pos], v.view(kv_heads, d))
+    assert not kc[:pos].any() and not vc[pos + 1 :].any()  # only row `pos` is written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pos, window", [(0, None), (150, None), (150, 37), (63, 64)])
+def test_attention_matches_torch(dtype, pos, window):
+    from ftkit.kernels.triton.decode import attention
+
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, positions = 8, 2, 40, 200
+    q = torch.randn((1, heads, d), generator=gen).to(dtype)
+    kc, vc = (torch.randn((positions, kv_heads, d), generator=gen).to(dtype) for _ in range(2))
+    got = attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor([pos]).to(DEV), window).cpu()
+    keys = torch.arange(positions)
+    mask = (keys <= pos) & ((keys > pos - window) if window else True)
+    ref = decode_attention(q, kc, vc, mask)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got.float(), ref.float(), **tol)
