@@ -159,7 +159,7 @@ def test_plan_kernel_decisions():
     assert out.gfill.cpu()[:3].tolist() == [0, 1, 0]  # the GEMV copies row 25 into slot 7 as it reads it
     assert int(table[25]) == 7 and int(owner[7]) == 25 and int(table[28]) == -1
     assert int(clock) == 11 and [int(stamp[s]) for s in (3, 7, 5)] == [11, 11, 11]
-    assert out.gcount.tolist() == [3]
+    assert out.gcount.tolist() == [3, 1]  # device items, CPU items
     assert out.gpos.tolist() == [0, 1, 2, -1]  # item 3 (row 28) runs on the CPU
     assert counts.tolist() == [2, 1, 1]
     assert torch.equal(payload[:h], x)
@@ -191,4 +191,26 @@ def test_plan_kernel_evicts_the_oldest_slot_no_hit_holds():
     assert [int(table[r]) for r in (0, 20, 21, 22)] == [0, 2, 4, 6]
     assert [int(table[r]) for r in (2, 4, 6)] == [-1, -1, -1]  # evicted
     assert owner[:cap].tolist() == [0, 1, 20, 3, 21, 5, 22, 7]
-    assert counts.tolist() == [1, 3, 0] and out.gcount.tolist() == [4]
+    assert counts.tolist() == [1, 3, 0] and out.gcount.tolist() == [4, 0]
+
+
+@pytest.mark.gpu
+def test_hybrid_split_follows_the_slower_side(model):
+    """Between tokens the fill fraction moves toward balance: a CPU side busier than the GPU's
+    share gets fewer experts, an idle one more; no CPU layers since the last step: step down."""
+    rt = Runtime(model, RuntimeOptions(threads=2, strategy="hybrid", cache_experts=12, bandwidth_ratio=0.5,
+                                       dtype="float32"))
+    plan = rt.store.device_plan_for_graphs()
+    start = plan.fill_fraction
+
+    def after(gpu_ns: int, cpu_ns: int, layers: int) -> float:
+        plan.gpu_ns += torch.tensor([gpu_ns, layers])
+        plan.busy_ns += torch.tensor([cpu_ns, layers])
+        plan.adapt()
+        return plan.fill_fraction
+
+    assert after(1_000_000, 3_000_000, 12) == pytest.approx(start + 0.25)  # CPU 3x slower: fill more
+    assert after(2_000_000, 1_000_000, 12) == pytest.approx(start + 0.25 - 0.5 / 3)  # CPU idle a third
+    assert after(0, 0, 0) == pytest.approx(start + 0.25 - 0.5 / 3 - 0.02)
+    assert float(plan.ratio) == pytest.approx(plan.fill_fraction)
+    rt.close()

@@ -32,6 +32,7 @@ PLAN_SIG = {
     "gslot_ptr": "*i32", "gw_ptr": "*bf16", "grow_ptr": "*i64", "gfill_ptr": "*i32", "gpos_ptr": "*i32",
     "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32",
 }
+WAIT_SIG = {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64", "count_ptr": "*i32", "gpu_ns_ptr": "*i64"}
 GEMV = {"w_ptr": "*bf16", "slot_ptr": "*i32", "count_ptr": "*i32", "fill_ptr": "*i32", "row_ptr": "*i64",
         "addr_ptr": "*i64", "H": "i32", "I": "i32", "slot_elems": "i32"}
 GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "H": "i32", "I": "i32", "slot_elems": "i32"}
@@ -46,8 +47,8 @@ KERNELS = [
      dict(BLOCK=2048)),
     (zero_copy._fill, {"addr_ptr": "*i64", "row_ptr": "*i64", "flag_ptr": "*i32", "slot_ptr": "*i32",
                        "dst_ptr": "*i64", "words": "i32"}, dict(CHUNK=zero_copy.FILL_CHUNK, BLOCK=zero_copy.FILL_BLOCK)),
-    (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32"}, {}),
-    (zero_copy._wait, {"ctrl_ptr": "*i32", "value": "i32", "spins_ptr": "*i32"}, {}),
+    (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64"}, dict(TIMER=True)),
+    (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
     *((experts._gate_up, {**GEMV, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32", "up_off": "i32"},
        dict(FILL=fill, BLOCK_N=32, BLOCK_K=128)) for fill in (True, False)),
     (experts._down, {**GEMV, "h_ptr": "*fp32", "wt_ptr": "*bf16", "y_ptr": "*bf16", "down_off": "i32"},
@@ -64,7 +65,6 @@ KERNELS = [
 ]
 
 
-WAIT_SIG = {"ctrl_ptr": "*i32", "value": "i32", "spins_ptr": "*i32"}
 
 
 def _compile(fn, signature: dict, consts: dict):
@@ -80,7 +80,9 @@ def _child() -> None:
             out[str(i)] = "ok" if compiled.asm["cubin"] else "no cubin"
         except Exception as e:  # reported per kernel by the test
             out[str(i)] = f"{type(e).__name__}: {e}"
-    out["wait_ptx_volatile"] = "ld.volatile" in _compile(zero_copy._wait, WAIT_SIG, {}).asm["ptx"]
+    wait = _compile(zero_copy._wait, {**WAIT_SIG, "TIMER": "constexpr"}, dict(TIMER=True))
+    out["wait_ptx_volatile"] = "ld.volatile" in wait.asm["ptx"]
+    out["wait_reads_the_gpu_clock"] = "%globaltimer" in wait.asm["ptx"]
     print(json.dumps(out))
 
 
@@ -106,8 +108,9 @@ def test_kernel_compiles_for_sm90(compiled, index):
 
 
 def test_wait_spins_on_a_volatile_load(compiled):
-    """The doorbell wait must re-read memory the CPU writes, never a cached value."""
-    assert compiled["wait_ptx_volatile"]
+    """The doorbell wait must re-read memory the CPU writes, never a cached value, and reads
+    the GPU clock (the hybrid split is balanced from it)."""
+    assert compiled["wait_ptx_volatile"] and compiled["wait_reads_the_gpu_clock"]
 
 
 if __name__ == "__main__":

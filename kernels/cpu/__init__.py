@@ -131,9 +131,9 @@ class Kernel:
         """Start the doorbell worker of device-driven decode (see `Worker` in experts.cpp).
         row_ptrs: int64 host address of every expert row; ctrl: int32 control block (bell at
         word 0, done at word 16); payload: float32 [H + 3k]; out: float32 [k, H]; busy_ns: int64
-        [1]. All are host tensors that must outlive the worker."""
+        [2] (compute time and count of the layers that had CPU items). All are host tensors that must outlive the worker."""
         inter, hidden = layout.parts[0].shape
-        if payload.numel() != hidden + 3 * k or out.shape != (k, hidden) or ctrl.numel() < 32:
+        if payload.numel() != hidden + 3 * k or out.shape != (k, hidden) or ctrl.numel() < 32 or busy_ns.numel() < 2:
             raise ValueError("worker buffers do not match the layout")
         offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
         handle = self.lib.ftk_worker_start(

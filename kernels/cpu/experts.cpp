@@ -269,7 +269,7 @@ struct Worker {
   volatile int32_t* done;
   const float* payload;  // [H + 3k]: x, weights, rows, flags
   float* out;            // [k, H]
-  int64_t* busy_ns;      // accumulated compute time, for the planner
+  int64_t* busy_ns;      // [2]: compute time and count of layers that had CPU items (the split's balance)
   std::atomic<bool> stop{false};
   std::thread thread;
 
@@ -309,7 +309,10 @@ struct Worker {
                    threads};
       dispatch(dtype, c);
       const auto t1 = std::chrono::steady_clock::now();
-      *busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+      if (n > 0) {
+        busy_ns[0] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+        busy_ns[1] += 1;
+      }
       std::atomic_thread_fence(std::memory_order_release);
       *done = v;
       idle_since = t1;

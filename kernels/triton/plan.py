@@ -76,6 +76,7 @@ def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_pt
     tl.store(gfill_ptr + pos, fill.to(tl.int32), mask=dev)
     tl.store(gpos_ptr + j, tl.where(dev, pos, -1), mask=valid)
     tl.store(gcount_ptr, tl.sum(dev.to(tl.int32), axis=0))
+    tl.store(gcount_ptr + 1, tl.sum(on_cpu.to(tl.int32), axis=0))
     tl.store(counts_ptr, tl.load(counts_ptr) + tl.sum(hit.to(tl.int64), axis=0))
     tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + tl.sum(fill.to(tl.int64), axis=0))
     tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + tl.sum(on_cpu.to(tl.int64), axis=0))
@@ -116,7 +117,7 @@ class LayerBuffers:
         self.grow = torch.empty(k, dtype=torch.int64, device=device)  # expert rows,
         self.gfill = torch.empty(k, dtype=torch.int32, device=device)  # 1: read from the host, fill the slot
         self.gpos = torch.empty(k, dtype=torch.int32, device=device)  # item -> work list index, -1: CPU
-        self.gcount = torch.empty(1, dtype=torch.int32, device=device)  # valid work list entries
+        self.gcount = torch.empty(2, dtype=torch.int32, device=device)  # valid work list entries, CPU items
 
 
 def plan(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, base: int, table: torch.Tensor,

@@ -7,7 +7,10 @@ copies or start the CPU branch. Instead:
   victim slot;
 - `ring` writes a doorbell word the CPU worker polls, `wait_done` spins until the worker writes
   the matching word back. Kernel boundaries order these against the payload written before
-  (and read after) them.
+  (and read after) them. Between the two the GPU runs the layer's device work; on CUDA both
+  read the GPU clock, so `wait_done` can add that time (for layers that gave the CPU work) to a
+  mapped counter the host reads without a sync: with the worker's own busy time it says which
+  side of the split finished last.
 Every launch has a fixed shape and reads its work from device memory, so a decode step that
 uses them can be captured in a CUDA graph.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 import triton
@@ -44,17 +48,28 @@ def _fill(addr_ptr, row_ptr, flag_ptr, slot_ptr, dst_ptr, words, CHUNK: tl.const
 
 
 @triton.jit
-def _ring(ctrl_ptr, value):
+def _now(TIMER: tl.constexpr):
+    t = tl.zeros([], tl.int64)
+    if TIMER:  # the interpreter has no GPU clock
+        t = tl.extra.cuda.globaltimer()
+    return t
+
+
+@triton.jit
+def _ring(ctrl_ptr, value, stamp_ptr, TIMER: tl.constexpr):
+    tl.store(stamp_ptr, _now(TIMER))
     tl.store(ctrl_ptr, value)
 
 
 @triton.jit
-def _wait(ctrl_ptr, value, spins_ptr):
-    n = 0
+def _wait(ctrl_ptr, value, stamp_ptr, count_ptr, gpu_ns_ptr, TIMER: tl.constexpr):
+    gpu = _now(TIMER) - tl.load(stamp_ptr)
     while tl.load(ctrl_ptr, volatile=True) != value:
-        n += 1
+        pass
     tl.store(ctrl_ptr, 0)
-    tl.store(spins_ptr, tl.load(spins_ptr) + n)
+    if tl.load(count_ptr + 1) > 0:  # the CPU had work: time the device side against it
+        tl.store(gpu_ns_ptr, tl.load(gpu_ns_ptr) + gpu)
+        tl.store(gpu_ns_ptr + 1, tl.load(gpu_ns_ptr + 1) + 1)
 
 
 def fill_slots(addr: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor, slot_ids: torch.Tensor,
@@ -66,14 +81,20 @@ def fill_slots(addr: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor, slot
     _fill[grid](addr, rows, flags, slot_ids, slots.view(torch.int64), words, CHUNK=FILL_CHUNK, BLOCK=FILL_BLOCK)
 
 
-def ring(ctrl, value: int) -> None:
-    """Write `value` into the doorbell word (ctrl: the mapped int32 control block)."""
-    _ring[(1,)](ctrl, value)
+def _timer() -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def wait_done(ctrl, value: int, spins) -> None:
-    """Spin until the done word equals `value`, clear it, and add the spin count to spins[0]."""
-    _wait[(1,)](ctrl, value, spins)
+def ring(ctrl, value: int, stamp: torch.Tensor) -> None:
+    """Write `value` into the doorbell word (ctrl: the mapped int32 control block); note the
+    GPU clock in stamp (int64 [1], device)."""
+    _ring[(1,)](ctrl, value, stamp, TIMER=_timer())
+
+
+def wait_done(ctrl, value: int, stamp: torch.Tensor, count: torch.Tensor, gpu_ns) -> None:
+    """Spin until the done word equals `value` and clear it; if count[1] (the layer's CPU items)
+    > 0, add the GPU time since `ring` to gpu_ns[0] and 1 to gpu_ns[1] (mapped int64 [2])."""
+    _wait[(1,)](ctrl, value, stamp, count, gpu_ns, TIMER=_timer())
 
 
 class Mapped:

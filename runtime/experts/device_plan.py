@@ -69,14 +69,15 @@ class DevicePlan:
             self.ctrl = torch.zeros(32, dtype=torch.int32, **pin)
             self.payload = torch.zeros(h + 3 * k, dtype=torch.float32, **pin)
             self.out = torch.zeros((k, h), dtype=torch.float32, **pin)
-            self.spins = torch.zeros(1, dtype=torch.int32, **pin)
-            self.busy_ns = torch.zeros(1, dtype=torch.int64)
+            self.gpu_ns = torch.zeros(2, dtype=torch.int64, **pin)  # device time, layers (those with CPU items)
+            self.busy_ns = torch.zeros(2, dtype=torch.int64)  # the worker's compute time, layers (same)
+            self.rung = torch.zeros(1, dtype=torch.int64, device=dev)  # GPU clock at the ring
             view = (lambda t, off=0: zero_copy.Mapped(t, off)) if mapped else (lambda t, off=0: t[off:])
             self.d_bell, self.d_done = view(self.ctrl, zero_copy.BELL), view(self.ctrl, zero_copy.DONE)
-            self.d_payload, self.d_out, self.d_spins = view(self.payload), view(self.out), view(self.spins)
+            self.d_payload, self.d_out, self.d_gpu_ns = view(self.payload), view(self.out), view(self.gpu_ns)
             self.worker = kernel.start_worker(pool.layout, host_addr, k, self.ctrl, self.payload, self.out,
                                               self.busy_ns, threads)
-        self._seen = (0, 0)  # (spins, busy_ns) at the last ratio update
+        self._seen = (0, 0, 0)  # (gpu ns, cpu ns, layers) at the last ratio update
 
     # ---- host <-> device state ---------------------------------------------------------------
     @torch.inference_mode()
@@ -119,17 +120,21 @@ class DevicePlan:
                 self.stats.add(self.spec.moe_layers[moe], hits, fills, cpu)
 
     @torch.inference_mode()
-    def adapt(self, step: float = 0.02) -> None:
-        """Between steps, nudge the fill fraction toward balance: the GPU spinning on the done word
-        means the CPU set was too big; no spinning means the CPU sat idle first."""
+    def adapt(self, step: float = 0.02, gain: float = 0.5) -> None:
+        """Between steps, move the fill fraction toward balance. Over the layers that gave the
+        CPU work since the last call, the GPU's time for its share (ring to wait, GPU clock)
+        against the worker's busy time: the fraction moves by `gain` times their relative
+        difference (a slower CPU side gets fewer experts). When no layer gave the CPU work, it
+        steps down to offer some again. Without a GPU clock (the interpreter) it stays put."""
         if self.strategy != HYBRID:
             return
-        spins, busy = int(self.spins[0]), int(self.busy_ns[0])
-        if busy == self._seen[1]:  # no layer ran since the last update
+        gpu, cpu, layers = int(self.gpu_ns[0]), int(self.busy_ns[0]), int(self.busy_ns[1])
+        d_gpu, d_cpu, d_layers = gpu - self._seen[0], cpu - self._seen[1], layers - self._seen[2]
+        self._seen = (gpu, cpu, layers)
+        if d_layers and not d_gpu:
             return
-        waited = spins - self._seen[0] > self.spec.num_moe_layers
-        self._seen = (spins, busy)
-        self.fill_fraction = min(1.0, max(0.05, self.fill_fraction + (step if waited else -step)))
+        change = gain * (d_cpu - d_gpu) / (d_cpu + d_gpu) if d_layers else -step
+        self.fill_fraction = min(1.0, max(0.05, self.fill_fraction + change))
         self.ratio.fill_(self.fill_fraction)
 
     # ---- one MoE layer, graph-safe ------------------------------------------------------------
@@ -142,7 +147,7 @@ class DevicePlan:
                   self.stamp, self.clock, self.ratio, self.counts[moe], out,
                   self.d_payload if self.worker is not None else None, cap, MODES[self.strategy])
         if self.worker is not None:  # the CPU set starts first and runs while the GPU computes
-            zero_copy.ring(self.d_bell, moe + 1)
+            zero_copy.ring(self.d_bell, moe + 1, self.rung)
         dev = None
         if cap:
             fills = (out.gfill, out.grow, self.addr) if self.strategy in (OFFLOAD, HYBRID) else None
@@ -150,7 +155,7 @@ class DevicePlan:
                                       out.gcount, fills)
         host = None
         if self.worker is not None:
-            zero_copy.wait_done(self.d_done, moe + 1, self.d_spins)
+            zero_copy.wait_done(self.d_done, moe + 1, self.rung, out.gcount, self.d_gpu_ns)
             host = self.d_out
         return plan.merge(dev, host, out.gpos, s.hidden_size, x.dtype)
 

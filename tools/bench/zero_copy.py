@@ -89,7 +89,7 @@ def main() -> None:
         assert torch.equal(dev[:n].cpu(), host[r : r + n]), "the fill-through GEMV filled the wrong bytes"
         ref = gemv()
         again = gemv((ones, torch.arange(r, r + 8, device="cuda"), addr))  # another specialization: rounding differs
-        assert torch.allclose(again.float(), ref.float(), rtol=1e-2, atol=1e-3), "fill-through GEMV results differ"
+        assert torch.allclose(again[:n].float(), ref[:n].float(), rtol=1e-2, atol=1e-3), "fill-through GEMV results differ"
         nbytes = n * size
         results.append({"slots": n, "dma_gbps": _gbps(dma, nbytes), "fill_kernel_gbps": _gbps(kernel, nbytes),
                         "fill_through_gbps": _gbps(fused, nbytes), "resident_gbps": _gbps(gemv, nbytes)})
