@@ -139,6 +139,15 @@ def test_planner_protects_this_steps_experts():
     assert cache.table[11] == -1 and cache.table[12] >= 0
 
 
+def test_hybrid_fills_every_miss_of_a_prefill_sized_batch():
+    cache = SlotCache(8, 4096, 100, torch.device("cpu"))
+    p = Planner("hybrid", ratio=0.25)
+    split = p.plan(cache, [1, 2, 3, 4])
+    assert len(split.fills) == 1 and len(split.cpu) == 3
+    whole = p.plan(cache, [5, 6, 7, 8], fill_all=True)
+    assert len(whole.fills) == 4 and not whole.cpu
+
+
 def test_profile_ratio():
     assert Bandwidths(52.7, 77.3, overlapped=False).ratio == pytest.approx(0.68, abs=0.01)
     assert Bandwidths(40.0, 40.0, overlapped=True).ratio == pytest.approx(0.5)

@@ -73,8 +73,10 @@ class Planner:
             return misses
         return 0 if self.strategy == CPU else hybrid_fill_count(misses, self.ratio)
 
-    def plan(self, cache: SlotCache, rows: list[int]) -> LayerPlan:
-        """`rows`: the layer's distinct active experts, most-used first (they are filled first)."""
+    def plan(self, cache: SlotCache, rows: list[int], fill_all: bool = False) -> LayerPlan:
+        """`rows`: the layer's distinct active experts, most-used first (they are filled first);
+        `fill_all`: hybrid fills every miss (prefill-sized batches: the CPU branch is
+        compute-bound there, a copy costs the same for one token or thousands)."""
         plan = LayerPlan()
         if self.strategy == CPU:
             plan.cpu = list(rows)
@@ -86,7 +88,7 @@ class Planner:
                 misses.append(row)
             else:
                 plan.hits.append((row, slot))
-        q = self.fill_count(len(misses))
+        q = len(misses) if fill_all else self.fill_count(len(misses))
         protected = {r for r, _ in plan.hits}
         for i, row in enumerate(misses):
             slot = cache.claim(row, protected) if i < q else None

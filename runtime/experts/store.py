@@ -43,6 +43,7 @@ __all__ = ["STRATEGIES", "ExpertStore", "cache_capacity", "resolve_strategy"]
 
 STREAM_FRACTION = 0.75  # a layer routed to this share of its experts makes prefill stream whole layers
 GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the grouped GEMV
+CPU_MAX_TOKENS = 16  # routed tokens per active expert above which hybrid fills every miss
 
 
 def _load_grouped():
@@ -147,7 +148,7 @@ class ExpertStore:
         # Most-used experts first: they are the ones worth filling.
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))
         streamed = set(self.prefetcher.wait(moe)) if self.prefetcher else set()
-        plan = self.planner.plan(self.cache, rows)
+        plan = self.planner.plan(self.cache, rows, fill_all=t * k > CPU_MAX_TOKENS * len(rows))
         if streamed:  # copied in ahead for this layer: count them as this layer's fills
             plan.fills += [(r, s) for r, s in plan.hits if r in streamed]
             plan.hits = [(r, s) for r, s in plan.hits if r not in streamed]
