@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ftkit.kernels.triton import decode, experts, norm, plan, zero_copy  # noqa: E402
+from ftkit.kernels.triton import decode, experts, norm, plan, router, zero_copy  # noqa: E402
 
 PLAN_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "base": "i32", "table_ptr": "*i32",
@@ -45,8 +45,6 @@ KERNELS = [
      dict(K=8, HAS_DEV=True, HAS_CPU=True, BLOCK=256)),
     (norm._rms_norm, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "eps": "fp32"},
      dict(BLOCK=2048)),
-    (zero_copy._fill, {"addr_ptr": "*i64", "row_ptr": "*i64", "flag_ptr": "*i32", "slot_ptr": "*i32",
-                       "dst_ptr": "*i64", "words": "i32"}, dict(CHUNK=zero_copy.FILL_CHUNK, BLOCK=zero_copy.FILL_BLOCK)),
     (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64"}, dict(TIMER=True)),
     (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
     *((experts._gate_up, {**GEMV, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32", "up_off": "i32"},
@@ -57,6 +55,8 @@ KERNELS = [
      GEMM_CONSTS),
     (experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
                           "down_off": "i32"}, GEMM_CONSTS),
+    (router._softmax_topk, {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32"},
+     dict(K=8, KP=8, RENORM=True, BLOCK=128)),
     (decode._rope_store, {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
                                                   "qout_ptr", "kc_ptr", "vc_ptr")}, "pos_ptr": "*i64", "eps": "fp32"},
      dict(HEADS=32, KV_HEADS=4, D=128, R=128, BLOCK_D=128, NORM=True)),

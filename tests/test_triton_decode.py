@@ -1,4 +1,4 @@
-"""The decode-attention kernels against the torch ops they replace in graph decode: per-head
+"""The decode kernels against the torch ops they replace: per-head
 RMSNorm + RoPE + cache writes, and masked attention over the cache (full and sliding window,
 GQA, partial rotary, odd head sizes). On CUDA, or on CPU with TRITON_INTERPRET=1."""
 
@@ -60,3 +60,18 @@ def test_attention_matches_torch(dtype, pos, window):
     ref = decode_attention(q, kc, vc, mask)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     assert torch.allclose(got.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_topk_matches_torch(renorm, dtype):
+    from ftkit.kernels.triton.router import softmax_topk as triton_softmax_topk
+    from ftkit.runtime.models.layers import softmax_topk
+
+    gen = torch.Generator().manual_seed(2)
+    # 60 experts (a masked tail); distinct even in bf16: the order of ties is not specified
+    logits = torch.stack([torch.randperm(60, generator=gen) * 0.1 - 3 for _ in range(5)]).to(dtype)
+    ids, w = triton_softmax_topk(logits.to(DEV), 6, renorm, dtype)
+    ref_ids, ref_w = softmax_topk(logits, 6, renorm, dtype)  # torch on CPU
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert w.dtype == dtype and torch.allclose(w.cpu().float(), ref_w.float(), rtol=1e-2 if dtype != torch.float32 else 1e-6)

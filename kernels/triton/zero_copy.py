@@ -2,9 +2,9 @@
 
 Decode decides hits, fills and the CPU set on the GPU, so nothing on the host can issue the
 copies or start the CPU branch. Instead:
-- `fill_slots` reads each chosen expert straight from the host pool (zero-copy: the host
-  buffers are page-locked and mapped, and a device table holds each row's address) into its
-  victim slot;
+- fills are zero-copy reads of the host pool: its buffers are page-locked and mapped, a device
+  table holds each row's address (`device_pointer`), and the grouped GEMV (experts.py) reads a
+  missed expert from there and writes it into its victim slot on the way;
 - `ring` writes a doorbell word the CPU worker polls, `wait_done` spins until the worker writes
   the matching word back. Kernel boundaries order these against the payload written before
   (and read after) them. Between the two the GPU runs the layer's device work; on CUDA both
@@ -29,24 +29,6 @@ import triton
 import triton.language as tl
 
 BELL, DONE = 0, 16  # int32 words of the control block, on separate 64-byte lines
-FILL_BLOCK = 1024  # int64 words per load: 8 KiB in flight per program
-FILL_CHUNK = 1 << 15  # int64 words (256 KiB) per program: 36 programs per qwen3-30b-a3b expert
-
-
-@triton.jit
-def _fill(addr_ptr, row_ptr, flag_ptr, slot_ptr, dst_ptr, words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    j = tl.program_id(0)
-    if tl.load(flag_ptr + j) == 0:
-        return
-    src = tl.load(addr_ptr + tl.load(row_ptr + j)).to(tl.pointer_type(tl.int64))
-    dst = dst_ptr + tl.load(slot_ptr + j).to(tl.int64) * words
-    lo = tl.program_id(1) * CHUNK
-    for o in range(lo, lo + CHUNK, BLOCK):
-        off = o + tl.arange(0, BLOCK)
-        m = off < words
-        tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
-
-
 @triton.jit
 def _now(TIMER: tl.constexpr):
     t = tl.zeros([], tl.int64)
@@ -70,15 +52,6 @@ def _wait(ctrl_ptr, value, stamp_ptr, count_ptr, gpu_ns_ptr, TIMER: tl.constexpr
     if tl.load(count_ptr + 1) > 0:  # the CPU had work: time the device side against it
         tl.store(gpu_ns_ptr, tl.load(gpu_ns_ptr) + gpu)
         tl.store(gpu_ns_ptr + 1, tl.load(gpu_ns_ptr + 1) + 1)
-
-
-def fill_slots(addr: torch.Tensor, rows: torch.Tensor, flags: torch.Tensor, slot_ids: torch.Tensor,
-               slots: torch.Tensor) -> None:
-    """slots[slot_ids[j]] = host bytes at addr[rows[j]] for every j with flags[j] != 0.
-    addr: int64 device addresses per row; slots [C, slot_bytes] uint8 (slot_bytes % 8 == 0)."""
-    words = slots.shape[1] // 8
-    grid = (rows.numel(), triton.cdiv(words, FILL_CHUNK))
-    _fill[grid](addr, rows, flags, slot_ids, slots.view(torch.int64), words, CHUNK=FILL_CHUNK, BLOCK=FILL_BLOCK)
 
 
 def _timer() -> bool:

@@ -10,7 +10,9 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
   (per-head or no Q/K norm, no clipping), norms, RoPE, the cache writes and attention are two
   Triton launches per layer (kernels/triton/decode.py) instead of about twenty;
 - the routed experts go through the store's DevicePlan (hits, fills and the CPU set decided on
-  the GPU, the CPU branch started by a doorbell, not by Python).
+  the GPU, the CPU branch started by a doorbell, not by Python);
+- a step is a few graphs of two layers each, replayed back to back, so the GPU need not wait
+  for the host to launch the whole step.
 Without CUDA (`capture=False`) the same step runs eagerly: tests check it on CPU.
 """
 
@@ -28,6 +30,10 @@ from ..models.layers import decode_attention
 from ..spec import QK_NORM_HEAD, QK_NORM_NONE
 
 FIRST_SPAN = 256  # attention span of the smallest graph; each next one doubles it
+# A step is captured as several graphs of this many layers: launching a graph costs host time
+# in proportion to its nodes (~0.5 ms for a whole 12-layer step), and the GPU starts on the
+# first piece while the host launches the next.
+LAYERS_PER_GRAPH = 2
 
 
 def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
@@ -69,7 +75,9 @@ class GraphDecode:
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
         self.positions = torch.arange(capacity, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # span -> the step's pieces, in order
+        n = s.num_layers
+        self.pieces = [range(i, min(i + LAYERS_PER_GRAPH, n)) for i in range(0, n, LAYERS_PER_GRAPH)]
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None  # one memory pool for every span's graph: they never run at once
         self.bound: weakref.ref[KVCache] | None = None
@@ -96,8 +104,8 @@ class GraphDecode:
             span *= 2
         span = self.capacity if self.fused else min(span, self.capacity)  # fused attention: one graph
         if self.capture:
-            graph = self.graphs.get(span) or self._capture(span)
-            graph.replay()
+            for graph in self.graphs.get(span) or self._capture(span):
+                graph.replay()
             logits = self.logits[span].clone()
         else:
             logits = self._forward(span)
@@ -105,15 +113,24 @@ class GraphDecode:
         return logits
 
     def _forward(self, span: int) -> torch.Tensor:
+        x = None
+        for layers in self.pieces:
+            x = self._piece(x, layers, span)
+        return x
+
+    def _piece(self, x: torch.Tensor | None, layers: range, span: int) -> torch.Tensor:
+        """The step's `layers`: from the token's embedding when x is None; the logits after the
+        model's last layer, else the hidden state."""
         dec, s = self.decoder, self.decoder.spec
-        x = F.embedding(self.token, dec.w["embed.weight"])
+        if x is None:
+            x = F.embedding(self.token, dec.w["embed.weight"])
         if not self.fused:
             cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
             keys = self.positions[:span]
             visible = keys <= self.pos
         self.store.in_graph = True
         try:
-            for i in range(s.num_layers):
+            for i in layers:
                 p = f"layers.{i}."
                 h = dec.norm(x, p + "attn_norm.weight")
                 window = dec.window(i)
@@ -134,9 +151,11 @@ class GraphDecode:
                 x = x + (dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h))
         finally:
             self.store.in_graph = False
+        if layers.stop < s.num_layers:
+            return x
         return F.linear(dec.norm(x, "final_norm.weight"), dec.lm_head)
 
-    def _capture(self, span: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, span: int) -> list[torch.cuda.CUDAGraph]:
         plan = self.store.device_plan_for_graphs()
         counts = plan.counts.clone()
         # Warm-up on a side stream (Triton compiles, cuBLAS picks kernels): it runs this very
@@ -147,12 +166,15 @@ class GraphDecode:
             self._forward(span)
         torch.cuda.current_stream().wait_stream(side)
         plan.counts.copy_(counts)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.logits[span] = self._forward(span)
-        self.pool = graph.pool()
-        self.graphs[span] = graph
-        return graph
+        graphs, x = [], None
+        for layers in self.pieces:  # replayed in capture order, so sharing one pool is safe
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                x = self._piece(x, layers, span)
+            self.pool = graph.pool()
+            graphs.append(graph)
+        self.logits[span], self.graphs[span] = x, graphs
+        return graphs
 
     def _bind(self, cache: KVCache) -> None:
         """Point `cache` at the static K/V buffers (copying its rows in); the previously bound

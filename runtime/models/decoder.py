@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, SLIDING_ATTENTION, ModelSpec
 from .kv import KVCache
-from .layers import Rope, apply_rope, attention, rms_norm, swiglu
+from .layers import Rope, apply_rope, attention, rms_norm, softmax_topk, swiglu
 
 
 class ExpertRunner(Protocol):
@@ -134,11 +134,8 @@ class MoEDecoder:
         """(topk_ids [T, k], topk_weights [T, k]): softmax over all experts in float32, top-k
         (sorted, as torch.topk), optionally renormalised."""
         logits = F.linear(x, self.w[f"layers.{i}.router.weight"])
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
-        if self.spec.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(logits.dtype) if self.cast_router_weights else weights
+        dtype = logits.dtype if self.cast_router_weights else torch.float32
+        return softmax_topk(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
 
     def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         s, p = self.spec, f"layers.{i}."

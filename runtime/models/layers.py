@@ -27,6 +27,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, k], weights [T, k] as `dtype`): softmax over all experts in float32, the k
+    largest (descending, as torch.topk), optionally renormalised to sum to one. On CUDA one
+    Triton launch does the same (kernels/triton/router.py)."""
+    if logits.is_cuda and _triton_router() is not None and logits.shape[-1] <= 4096:
+        return _triton_router()(logits, k, renorm, dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(dtype)
+
+
+@functools.cache
+def _triton_router():
+    try:
+        from ftkit.kernels.triton.router import softmax_topk as triton_softmax_topk
+    except ImportError:
+        return None
+    return triton_softmax_topk
+
+
 @functools.cache
 def _triton_norm():
     try:

@@ -18,6 +18,12 @@ PARTS=${PARTS:-kernels calibrate gpu read decode}
 W=${WORK:-${TMPDIR:-/tmp}/ftkit-bench}
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1
+pack() {  # also when stopped by a timeout: what was measured so far comes back
+  trap - EXIT TERM
+  cd "$OUT" && tar czf /tmp/results.tgz --exclude results.tgz . && mv /tmp/results.tgz . && find . -mindepth 1 ! -name results.tgz -delete
+}
+trap pack EXIT
+trap 'exit 143' TERM
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if ! $PY -c "import ftkit.kernels.cpu" 2>/dev/null; then
   $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .
@@ -72,5 +78,4 @@ if has extend; then
       --tokens 2 --chunks 8192 --extend 32 --strategies offload,hybrid --routing reuse:0.9 \
       --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
 fi
-cd "$OUT" && tar czf /tmp/results.tgz --exclude results.tgz . && mv /tmp/results.tgz . && find . -mindepth 1 ! -name results.tgz -delete
 true

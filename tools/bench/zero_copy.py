@@ -1,13 +1,14 @@
-"""Decode fills, three ways: `python -m ftkit.tools.bench.zero_copy --json OUT`.
+"""Decode fills, two ways: `python -m ftkit.tools.bench.zero_copy --json OUT`.
 
 Graph decode fills cache slots without the host: no host thread knows which experts to copy.
 For 1..8 misses of a qwen3-30b-a3b bf16 expert (9.44 MB) in one layer, this times the fills
 plus the grouped GEMV over them:
 - `dma`: cudaMemcpyAsync per slot (the copy engines; what a host planner can issue), then GEMV;
-- `fill kernel`: a zero-copy copy kernel over mapped pinned memory, then GEMV;
 - `fill-through GEMV`: the GEMV reads the misses from mapped pinned memory and writes the
   slots as it goes (what graph decode runs);
 and, as the floor, the GEMV alone over resident slots. GB/s = expert bytes / time. Needs CUDA.
+(A separate zero-copy copy kernel before the GEMV was measured too and dropped: no faster than
+DMA, and slower than the fill-through GEMV for one or two misses.)
 """
 
 from __future__ import annotations
@@ -76,10 +77,6 @@ def main() -> None:
                 dev[i].copy_(host[r + i], non_blocking=True)
             gemv()
 
-        def kernel() -> None:
-            zero_copy.fill_slots(addr, next_rows(), ones, slots, dev)
-            gemv()
-
         def fused() -> None:
             gemv((ones, next_rows(), addr))
 
@@ -91,14 +88,12 @@ def main() -> None:
         again = gemv((ones, torch.arange(r, r + 8, device="cuda"), addr))  # another specialization: rounding differs
         assert torch.allclose(again[:n].float(), ref[:n].float(), rtol=1e-2, atol=1e-3), "fill-through GEMV results differ"
         nbytes = n * size
-        results.append({"slots": n, "dma_gbps": _gbps(dma, nbytes), "fill_kernel_gbps": _gbps(kernel, nbytes),
-                        "fill_through_gbps": _gbps(fused, nbytes), "resident_gbps": _gbps(gemv, nbytes)})
+        results.append({"slots": n, "dma_gbps": _gbps(dma, nbytes), "fill_through_gbps": _gbps(fused, nbytes), "resident_gbps": _gbps(gemv, nbytes)})
     table = Table(title="one layer's fills + grouped GEMV (pinned host -> GPU), GB/s of expert bytes")
-    for col in ("misses", "DMA + GEMV", "fill kernel + GEMV", "fill-through GEMV", "GEMV, all resident"):
+    for col in ("misses", "DMA + GEMV", "fill-through GEMV", "GEMV, all resident"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(str(r["slots"]), *(f"{r[k]:.1f}" for k in ("dma_gbps", "fill_kernel_gbps", "fill_through_gbps",
-                                                                  "resident_gbps")))
+        table.add_row(str(r["slots"]), *(f"{r[k]:.1f}" for k in ("dma_gbps", "fill_through_gbps", "resident_gbps")))
     Console().print(table)
     if args.json:
         args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=1))
