@@ -140,17 +140,22 @@ def grouped_expert_gemv(
 
 
 @triton.jit
+def _tile(w_ptr, tile_ptr, slot_elems, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile: (its expert's slot, first item, item lanes, their mask, output
+    columns, their mask)."""
+    tile = tile_ptr + 3 * tl.program_id(0)
+    first, rows = tl.load(tile + 1), tl.load(tile + 2)
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return w_ptr + tl.load(tile).to(tl.int64) * slot_elems, first, m, m < rows, n, n < N
+
+
+@triton.jit
 def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, h_ptr, H, I, slot_elems, up_off,  # noqa: E741
                   PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
-    tile = tile_ptr + 3 * tl.program_id(0)
-    slot, first, rows = tl.load(tile).to(tl.int64), tl.load(tile + 1), tl.load(tile + 2)
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < rows
+    gate, first, m, mmask, n, nmask = _tile(w_ptr, tile_ptr, slot_elems, I, BLOCK_M, BLOCK_N)
     tok = tl.load(tok_ptr + first + m, mask=mmask, other=0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < I
-    gate = w_ptr + slot * slot_elems
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -174,13 +179,8 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, h_ptr, H, I, slot_elems, up_o
 def _gemm_down(h_ptr, w_ptr, tile_ptr, dst_ptr, wt_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
                PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr):
-    tile = tile_ptr + 3 * tl.program_id(0)
-    slot, first, rows = tl.load(tile).to(tl.int64), tl.load(tile + 1), tl.load(tile + 2)
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < rows
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < H
-    down = w_ptr + slot * slot_elems + down_off
+    slot, first, m, mmask, n, nmask = _tile(w_ptr, tile_ptr, slot_elems, H, BLOCK_M, BLOCK_N)
+    down = slot + down_off
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
