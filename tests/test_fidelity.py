@@ -193,6 +193,9 @@ def test_chunked_prefill_and_truncate_reuse_the_cache(tmp_path: Path):
     assert _rel_err(torch.cat((first, rest)), whole) <= 1e-5
     cache.truncate(8)  # keep a prefix, then recompute the tail over it
     assert _rel_err(ours.forward(PROMPT[8:], cache), whole[8:]) <= 1e-5
+    cache.truncate(8)  # prefill asks for the last position only
+    last = ours.forward(PROMPT[8:], cache, last_only=True)
+    assert last.shape[0] == 1 and _rel_err(last, whole[-1:]) <= 1e-5
     assert set(ours.last_routing) == set(ours.spec.moe_layers)
 
 

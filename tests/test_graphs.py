@@ -214,3 +214,35 @@ def test_hybrid_split_follows_the_slower_side(model):
     assert after(0, 0, 0) == pytest.approx(start + 0.25 - 0.5 / 3 - 0.02)
     assert float(plan.ratio) == pytest.approx(plan.fill_fraction)
     rt.close()
+
+
+@pytest.mark.gpu
+def test_sequences_past_the_graph_capacity_decode_eagerly_and_say_so(model, capsys):
+    rt = Runtime(model, RuntimeOptions(threads=2, strategy="offload", cache_experts=20, dtype="float32"))
+    graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+    assert graphs.accepts(rt.new_kv(64))
+    assert not graphs.accepts(rt.new_kv(65)) and not graphs.accepts(rt.new_kv(65))
+    assert capsys.readouterr().err.count("longer than 64 tokens") == 1
+    rt.close()
+
+
+@pytest.mark.gpu
+def test_resident_count_follows_graph_decode(model):
+    """While graph decode owns the residency, `resident()` (what /v1/stats reports) counts the
+    device table, which the host cache only matches once it takes the residency back."""
+    rt = Runtime(model, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", strategy="offload",
+                                       cache_experts=40, dtype="float32"))
+    if not CUDA:
+        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+    kv = rt.new_kv(len(PROMPT) + 4)
+    with torch.inference_mode():
+        rt.decoder.forward(torch.tensor(PROMPT[:2], device=rt.device), kv)
+        before = len(rt.store.cache)
+        for t in DECODE[:4]:
+            rt.decoder.forward(torch.tensor([t], device=rt.device), kv)
+    assert rt.store.device_plan.on_device and len(rt.store.cache) == before  # the host copy is stale
+    during = rt.store.resident()
+    assert during > before
+    rt.store.device_plan.to_host()
+    assert len(rt.store.cache) == during == rt.store.resident()
+    rt.close()

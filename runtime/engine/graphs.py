@@ -18,6 +18,7 @@ Without CUDA (`capture=False`) the same step runs eagerly: tests check it on CPU
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -83,8 +84,13 @@ class GraphDecode:
         self.bound: weakref.ref[KVCache] | None = None
         self.version = store.version
         self.fused = _fused_attention(decoder)
+        self.said_too_long = False  # the eager fallback for long sequences is announced once
 
     def accepts(self, cache: KVCache) -> bool:
+        if cache.max_tokens > self.capacity and not self.said_too_long:
+            print(f"ftkit: sequences longer than {self.capacity} tokens (the graph K/V capacity) decode "
+                  "without CUDA graphs", file=sys.stderr)
+            self.said_too_long = True
         return not cache.states and cache.max_tokens <= self.capacity and cache.length < cache.max_tokens
 
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:

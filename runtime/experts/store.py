@@ -304,6 +304,14 @@ class ExpertStore:
         t0 = time.perf_counter()
         return self.cpu.start([job(b) for b in batches]), out, t0
 
+    def resident(self) -> int:
+        """Experts resident in the device cache: from the device table while graph decode owns
+        the residency (the host cache catches up only when the host planner takes over)."""
+        p = self.device_plan
+        if p is not None and p.on_device:
+            return int((p.owner >= 0).sum())
+        return len(self.cache)
+
     def device_plan_unsupported(self) -> str | None:
         """Why graph decode cannot plan on the device with this store, or None."""
         k = self.spec.top_k

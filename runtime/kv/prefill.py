@@ -26,7 +26,7 @@ def prefill(decoder: MoEDecoder, tokens: list[int], kv: KVCache, cuts: Iterable[
     snaps: dict[int, CacheSnapshot] = {}
     logits = None
     for end in [*sorted(p for p in cuts if start < p < n), n]:
-        logits = decoder.forward(torch.tensor(tokens[kv.length:end], device=device), kv)
+        logits = decoder.forward(torch.tensor(tokens[kv.length:end], device=device), kv, last_only=True)
         if end in snapshot_at:
             snaps[end] = kv.snapshot()
     return logits[-1], snaps

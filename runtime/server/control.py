@@ -36,7 +36,7 @@ def router(state: ServerState) -> APIRouter:
         e = store.stats.totals()
         return {"model": state.model_name, "requests": state.scheduler.stats(),
                 "experts": {"strategy": store.strategy, "cache_slots": store.cache.capacity,
-                            "resident": len(store.cache), "active": e.active, "hits": e.hits,
+                            "resident": store.resident(), "active": e.active, "hits": e.hits,
                             "misses": e.misses, "fills": e.fills, "cpu": e.cpu,
                             "miss_rate": round(store.stats.miss_rate, 4)},
                 "memory": memory(state),

@@ -61,7 +61,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     with torch.inference_mode():
         if routing:
             routing.next_step()
-        int(rt.decoder.forward(ids[:prompt], kv)[-1].argmax())
+        int(rt.decoder.forward(ids[:prompt], kv, last_only=True)[-1].argmax())
         for i in range(prompt, prompt + warmup):
             step(i)
         rt.store.stats.reset()
@@ -140,11 +140,11 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         if extend:  # behind one token, as the extend is behind the chunk (attention's masked path)
             scratch = rt.new_kv(extend + 1)
             rt.decoder.forward(ids[:1], scratch)
-            rt.decoder.forward(ids[chunk:], scratch)
+            rt.decoder.forward(ids[chunk:], scratch, last_only=True)
         rt.store.stats.reset()
         sync(rt)
         t0 = time.perf_counter()
-        rt.decoder.forward(ids[:chunk], kv)
+        rt.decoder.forward(ids[:chunk], kv, last_only=True)
         sync(rt)
         seconds = time.perf_counter() - t0
     t, miss_rate = rt.store.stats.totals(), rt.store.stats.miss_rate
@@ -153,7 +153,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         rt.store.stats.reset()
         with torch.inference_mode():
             t0 = time.perf_counter()
-            rt.decoder.forward(ids[chunk:], kv)
+            rt.decoder.forward(ids[chunk:], kv, last_only=True)
             sync(rt)
             e = rt.store.stats.totals()
             ext = {"extend": extend, "extend_seconds": time.perf_counter() - t0, "extend_active": e.active,
@@ -161,9 +161,9 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
     if trace_to is not None:  # counted above: the profiled repeats do not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
-            _profiled(rt, lambda: rt.decoder.forward(ids[:chunk], kv), trace_to)
+            _profiled(rt, lambda: rt.decoder.forward(ids[:chunk], kv, last_only=True), trace_to)
             if extend:
-                _profiled(rt, lambda: rt.decoder.forward(ids[chunk:], kv),
+                _profiled(rt, lambda: rt.decoder.forward(ids[chunk:], kv, last_only=True),
                           trace_to.with_name(trace_to.stem + "-extend.txt"))
     moved = t.misses * rt.ftw.layout.slot_bytes
     pcie = figures.pcie_solo_gbps or figures.pcie_gbps
