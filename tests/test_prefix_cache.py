@@ -48,8 +48,8 @@ def run(rt: Runtime, ids: list[int], n: int = 3):
     seen = []
     real = rt.decoder.forward
 
-    def record(x, kv):
-        out = real(x, kv)
+    def record(x, kv, **kwargs):
+        out = real(x, kv, **kwargs)
         seen.append(out[-1].clone())
         return out
 
