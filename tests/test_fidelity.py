@@ -112,18 +112,25 @@ def greedy(dec: MoEDecoder, prompt: torch.Tensor = PROMPT, n: int = NEW_TOKENS) 
     return tokens, logits
 
 
+def assert_greedy_matches(dec: MoEDecoder, ref, prompt: torch.Tensor = PROMPT, n: int = NEW_TOKENS) -> None:
+    """Greedy decoding through our KV cache gives transformers' tokens, and each step's logits
+    agree within 1e-4 (float32)."""
+    with torch.no_grad():
+        gen = ref.generate(prompt[None], max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
+                           output_logits=True, return_dict_in_generate=True)
+    tokens, logits = greedy(dec, prompt, n)
+    assert tokens == gen.sequences[0, len(prompt):].tolist()
+    step_err = max(_rel_err(a, b[0]) for a, b in zip(logits, gen.logits, strict=True))
+    assert step_err <= 1e-4, f"decode-step logits relative error {step_err:.2e}"
+
+
 def _check_f32(hf_dir: Path, tmp: Path) -> None:
     ours, ref = _load(hf_dir, tmp / "ftw", torch.float32)
     with torch.no_grad():
         want = ref(PROMPT[None]).logits[0]
-        gen = ref.generate(PROMPT[None], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                           output_logits=True, return_dict_in_generate=True)
     err = _rel_err(ours.forward(PROMPT, KVCache(ours.spec, len(PROMPT))), want)
     assert err <= 1e-4, f"prefill logits relative error {err:.2e}"
-    tokens, logits = greedy(ours)
-    assert tokens == gen.sequences[0, len(PROMPT):].tolist()
-    step_err = max(_rel_err(a, b[0]) for a, b in zip(logits, gen.logits, strict=True))
-    assert step_err <= 1e-4, f"decode-step logits relative error {step_err:.2e}"
+    assert_greedy_matches(ours, ref)
 
 
 @pytest.mark.parametrize("model_type", FAMILY_NAMES)

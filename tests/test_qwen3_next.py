@@ -17,7 +17,13 @@ import gguf
 import pytest
 import torch
 from safetensors import safe_open
-from test_fidelity import _eager_attention, _rel_err, ftw_decoder, greedy, new_cache
+from test_fidelity import (
+    _eager_attention,
+    _rel_err,
+    assert_greedy_matches,
+    ftw_decoder,
+    new_cache,
+)
 from transformers import AutoConfig
 
 import fixtures as fx
@@ -92,13 +98,7 @@ def test_float32_logits_and_greedy_match_transformers(ftw, reference):
             want = ref(prompt[None]).logits[0]
         err = _rel_err(dec.forward(prompt, new_cache(dec, len(prompt))), want)
         assert err <= 1e-4, f"prefill of {len(prompt)}: logits relative error {err:.2e}"
-    with torch.no_grad():
-        gen = ref.generate(PROMPT[None], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                           eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-    tokens, logits = greedy(dec, PROMPT)
-    assert tokens == gen.sequences[0, len(PROMPT):].tolist()
-    step_err = max(_rel_err(a, b[0]) for a, b in zip(logits, gen.logits, strict=True))
-    assert step_err <= 1e-4, f"decode-step logits relative error {step_err:.2e}"
+    assert_greedy_matches(dec, ref, PROMPT, NEW_TOKENS)
 
 
 def test_bfloat16_logits_close_to_transformers(ftw, reference, monkeypatch):
