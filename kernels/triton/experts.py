@@ -18,12 +18,11 @@ and is never read back from HBM, and the hits' work overlaps the fills' transfer
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ftkit.kernels.triton import interpreting
 from ftkit.runtime.ftw.manifest import SlotLayout
 
 TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -225,7 +224,7 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     slot_elems = layout.slot_bytes // esize
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 must stay exact enough to match the CPU
     # Triton's interpreter (CPU tests) multiplies 16-bit tiles wrongly in tl.dot (3.9): upcast there.
-    upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    upcast = interpreting() and x.dtype != torch.float32
     cfg = dict(PREC=prec, UPCAST=upcast, BLOCK_M=GEMM_M, BLOCK_N=GEMM_N, BLOCK_K=GEMM_K, num_warps=4, num_stages=3)
     x = x.contiguous()
     _gemm_gate_up[(n_tiles, triton.cdiv(i_dim, GEMM_N))](x, w, tiles, tokens, h, h_dim, i_dim, slot_elems,

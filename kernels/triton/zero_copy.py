@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ftkit.kernels.triton import interpreting
 
 BELL, DONE = 0, 16  # int32 words of the control block, on separate 64-byte lines
 @triton.jit
@@ -54,20 +55,16 @@ def _wait(ctrl_ptr, value, stamp_ptr, count_ptr, gpu_ns_ptr, TIMER: tl.constexpr
         tl.store(gpu_ns_ptr + 1, tl.load(gpu_ns_ptr + 1) + 1)
 
 
-def _timer() -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def ring(ctrl, value: int, stamp: torch.Tensor) -> None:
     """Write `value` into the doorbell word (ctrl: the mapped int32 control block); note the
     GPU clock in stamp (int64 [1], device)."""
-    _ring[(1,)](ctrl, value, stamp, TIMER=_timer())
+    _ring[(1,)](ctrl, value, stamp, TIMER=not interpreting())
 
 
 def wait_done(ctrl, value: int, stamp: torch.Tensor, count: torch.Tensor, gpu_ns) -> None:
     """Spin until the done word equals `value` and clear it; if count[1] (the layer's CPU items)
     > 0, add the GPU time since `ring` to gpu_ns[0] and 1 to gpu_ns[1] (mapped int64 [2])."""
-    _wait[(1,)](ctrl, value, stamp, count, gpu_ns, TIMER=_timer())
+    _wait[(1,)](ctrl, value, stamp, count, gpu_ns, TIMER=not interpreting())
 
 
 class Mapped:
