@@ -151,3 +151,36 @@ def test_hybrid_fills_every_miss_of_a_prefill_sized_batch():
 def test_profile_ratio():
     assert Bandwidths(52.7, 77.3, overlapped=False).ratio == pytest.approx(0.68, abs=0.01)
     assert Bandwidths(40.0, 40.0, overlapped=True).ratio == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream):
+    """A chunk that routes to every expert of every layer takes only staging room (two layers
+    when streaming, one for on-demand fills); the most recently used rest stays resident."""
+    path = tmp_path / "m.ftw"
+    convert(make_plan(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts: 32 rows
+    capacity = 24 if stream else 12
+    rt = Runtime(path, RuntimeOptions(strategy="offload", cache_experts=capacity, threads=2))
+    if stream:
+        rt.store.prefetcher = LayerPrefetcher(rt.pool, rt.device)
+    store, spec = rt.store, rt.spec
+    e, k = spec.num_experts, spec.top_k
+    staging = (2 if stream else 1) * e
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(ids: torch.Tensor) -> None:
+        x = torch.randn((ids.shape[0], spec.hidden_size), generator=gen)
+        for layer in spec.moe_layers:
+            store.run(layer, x, ids, torch.full(ids.shape, 1 / k))
+
+    with torch.inference_mode():
+        for _ in range(3):  # decode: two experts per layer
+            forward(torch.tensor([[0, 3]]))
+        hot = list(store.cache.lru)[-(capacity - staging):]
+        store.stats.reset()
+        forward(torch.arange(2 * e).remainder(e).view(e, 2))  # every expert of every layer
+    fills = store.stats.totals().fills
+    assert fills > capacity - len(hot)  # plain LRU would have evicted the hot rows for these
+    assert set(hot) <= set(store.cache.lru)
+    assert not store.holding and not store.cache.kept
+    rt.close()

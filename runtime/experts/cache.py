@@ -21,6 +21,7 @@ class SlotCache:
         self.table = torch.full((num_rows,), -1, dtype=torch.int32)
         self.lru: OrderedDict[int, int] = OrderedDict()  # row -> slot, least recent first
         self.free = list(range(self.capacity - 1, -1, -1))
+        self.kept: frozenset[int] = frozenset()  # rows no claim may evict (see `hold`)
 
     def __len__(self) -> int:
         return len(self.lru)
@@ -36,7 +37,7 @@ class SlotCache:
         if self.free:
             slot = self.free.pop()
         else:
-            victim = next((r for r in self.lru if r not in protected), None)
+            victim = next((r for r in self.lru if r not in protected and r not in self.kept), None)
             if victim is None:
                 return None
             slot = self.lru.pop(victim)
@@ -45,11 +46,21 @@ class SlotCache:
         self.table[row] = slot
         return slot
 
+    def hold(self, n: int) -> None:
+        """Keep the `n` most recently used rows resident until `release` (a long prefill chunk
+        streams every expert through the cache; without this it would evict the decode's
+        hottest experts, which the next turn needs again)."""
+        self.kept = frozenset(list(self.lru)[max(0, len(self.lru) - n):]) if n > 0 else frozenset()
+
+    def release(self) -> None:
+        self.kept = frozenset()
+
     def fill(self, slot: int, src: torch.Tensor) -> None:
         """Copy one expert's bytes in (asynchronously from pinned memory on CUDA)."""
         self.slots[slot].copy_(src, non_blocking=True)
 
     def clear(self) -> None:
         self.lru.clear()
+        self.kept = frozenset()
         self.table.fill_(-1)
         self.free = list(range(self.capacity - 1, -1, -1))

@@ -7,8 +7,9 @@ queued, the copy stream is queued to refill its buffer with layer l+2 behind it,
 back to back. The store starts this when the current layer's routing touched most of its experts
 (a short extend after a prefix hit does not, and moves only its misses). The two "layer buffers"
 are not fixed regions: they are slots claimed from the one LRU, protected while their layer is in use,
-so what prefill leaves behind is the decode cache's initial state, experts already resident are
-used where they are, and the victims are the least recently used slots, never the hottest.
+so what prefill leaves behind is the decode cache's initial state and experts already resident are
+used where they are. The chunk gets only those two layers of room: the store holds the rest of
+the cache, the most recently used rows, for the decode that follows (`ExpertStore._hold_hottest`).
 
 Needs room for two whole layers (2E slots); with less, the store falls back to on-demand fills
 and says so once.

@@ -119,6 +119,7 @@ class ExpertStore:
         self.device_plan: DevicePlan | None = None  # device-side planning of graph decode steps
         self.in_graph = False  # set while a graph decode step is being recorded or run eagerly
         self.version = 0  # bumped when the cache is rebuilt (captured graphs point at its slots)
+        self.holding = False  # a chunk-sized forward holds the hottest rows (`_hold_hottest`)
         if self.strategy == FUSED:
             for row in range(rows):
                 self.cache.fill(self.cache.claim(row, set()), pool.slot(row))
@@ -147,6 +148,7 @@ class ExpertStore:
                 start += n
         # Most-used experts first: they are the ones worth filling.
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))
+        self._hold_hottest(moe, len(rows))
         streamed = set(self.prefetcher.wait(moe)) if self.prefetcher else set()
         plan = self.planner.plan(self.cache, rows, fill_all=t * k > CPU_MAX_TOKENS * len(rows))
         if streamed:  # copied in ahead for this layer: count them as this layer's fills
@@ -172,12 +174,33 @@ class ExpertStore:
         elif resident:
             self._device_segments(resident, groups, hidden, weights, y, k)
         self._stream_ahead(moe, len(rows), 2)
+        if moe == self.spec.num_moe_layers - 1:
+            self._release()
         CPUExecutor.wait(futures)
         if cpu_ends:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, max(cpu_ends) - cpu_t0)
         if host_y is not y:  # rows are disjoint and zero elsewhere, so adding is exact
             y = y + host_y.to(y.device)
         return y.view(t, k, -1).sum(dim=1)
+
+    def _hold_hottest(self, moe_index: int, active: int) -> None:
+        """A chunk-sized batch (one that routes to most of a layer's experts) sends every expert
+        of every layer through the cache. Only what that needs is given to it: the staging room
+        for two layers while streaming (one for on-demand fills), and the rest of the cache, the
+        most recently used rows, stays resident for the decode that follows. Held from the
+        forward's first chunk-sized layer to its last MoE layer."""
+        if moe_index == 0:
+            self._release()  # a new forward
+        if self.holding or active < STREAM_FRACTION * self.spec.num_experts:
+            return
+        p = self.prefetcher
+        staging = (2 if p is not None and p.fits(self.cache) else 1) * self.spec.num_experts
+        self.cache.hold(self.cache.capacity - staging)
+        self.holding = True
+
+    def _release(self) -> None:
+        self.cache.release()
+        self.holding = False
 
     def _stream_ahead(self, moe_index: int, active: int, ahead: int) -> None:
         """Prefill streams whole layers: when this layer's routing touches most of its experts,
@@ -304,6 +327,13 @@ class ExpertStore:
         t0 = time.perf_counter()
         return self.cpu.start([job(b) for b in batches]), out, t0
 
+    def resident_rows(self) -> list[int]:
+        """The resident rows, least recently used first (takes the residency back from graph
+        decode: a synchronisation)."""
+        if self.device_plan is not None:
+            self.device_plan.to_host()
+        return list(self.cache.lru)
+
     def resident(self) -> int:
         """Experts resident in the device cache: from the device table while graph decode owns
         the residency (the host cache catches up only when the host planner takes over)."""
@@ -352,6 +382,7 @@ class ExpertStore:
             raise ValueError(f"strategy {self.strategy} has no resizable cache")
         self._drop_device_plan()
         self.version += 1
+        self.holding = False
         rows = self.spec.num_expert_rows
         capacity = cache_capacity(self.strategy, cache_slots, rows)
         old = self.cache.capacity
