@@ -110,7 +110,9 @@ def decode(
     trace_dir: Annotated[Path | None, typer.Option(help="write a torch.profiler table per strategy")] = None,
     graphs: Annotated[str, typer.Option(help="CUDA graph decode: on | off | both (A/B rows)")] = "on",
     stream_prefill: Annotated[str, typer.Option(help="prefill layer double buffering: auto | on | off")] = "auto",
-    extend: Annotated[int, typer.Option(help="after each prefill chunk, time this many more tokens")] = 0,
+    extend: Annotated[int, typer.Option(help="after each prefill chunk and its answer, time this many more "
+                                        "tokens (the next agent turn after a prefix hit)")] = 0,
+    answer: Annotated[int, typer.Option(help="tokens decoded between a chunk and its extend")] = 32,
 ) -> None:
     """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
     if graphs not in ("on", "off", "both"):
@@ -138,14 +140,14 @@ def decode(
             rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, prompt + tokens))
             try:
                 figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
-                routed = prompt + tokens + 8 + sum(int(c) + extend for c in chunks.split(",") if c)
+                routed = prompt + tokens + 8 + sum(int(c) + 2 * extend + answer + 1 for c in chunks.split(",") if c)
                 override = Recorder(rt.decoder) if record else _routing(rt, routing, routed)
                 trace = trace_dir / f"profile-{rt.store.strategy}-graphs-{'on' if graphs_on else 'off'}.txt" if trace_dir else None
                 r = run.decode(rt, tokens, prompt, override, figs, trace)
                 if record:
                     override.save(record)
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
-                                   if trace_dir else None, extend) for c in chunks.split(",") if c]
+                                   if trace_dir else None, extend, answer) for c in chunks.split(",") if c]
                 results["runs"].append({"strategy": rt.store.strategy, "cache_slots": rt.store.cache.capacity,
                                         "threads": rt.store.cpu.threads, "routing": routing,
                                         "figures": vars(figs), "decode": r, "prefill": pre})

@@ -7,8 +7,9 @@
 # (wrong-profile convergence), gpu (the CUDA tests), zerocopy (decode fills vs DMA), read (FTW
 # read + pin), decode (qwen3-30b-a3b shape cut to 12 layers: decode per strategy, graphs off and
 # on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound, layer
-# streaming on and off, each with a 32-token extend), extend (the same with concentrated
-# synthetic routing, reuse 0.9), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
+# streaming on and off, each followed by a 32-token answer and a 32-token extend), extend (an
+# agent turn with concentrated synthetic routing, reuse 0.9: 32 decode steps, an 8192-token
+# chunk, a 32-token answer, the 32-token extend), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
 # back few files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -75,7 +76,7 @@ fi
 if has extend; then
   q12
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
-      --tokens 2 --chunks 8192 --extend 32 --strategies offload,hybrid --routing reuse:0.9 \
+      --tokens 32 --chunks 8192 --answer 32 --extend 32 --strategies offload,hybrid --routing reuse:0.9 \
       --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
 fi
 true

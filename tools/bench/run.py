@@ -127,20 +127,25 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
     return total or None
 
 
-def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None, extend: int = 0) -> dict:
-    """Seconds to prefill one `chunk`-token prompt from the current cache state (TTFT);
-    `extend`: then time that many more tokens on top (an agent turn after a prefix hit), after
-    an untimed forward of that many tokens before the chunk: a server has long seen such
-    shapes, and first calls (cuBLAS heuristics, attention paths) cost more than the extend;
-    `trace_to` also writes torch.profiler tables of a second prefill (and extend)."""
+def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None, extend: int = 0,
+            answer: int = 32) -> dict:
+    """Seconds to prefill one `chunk`-token prompt from the current cache state (TTFT), and how
+    many of the experts resident before it still are after it. `extend`: then an agent turn:
+    `answer` tokens decoded (untimed: the turn's reply, which leaves its experts in the cache),
+    then that many more tokens timed on top (the next turn after a prefix hit), after an
+    untimed forward of that many tokens before the chunk: a server has long seen such shapes,
+    and first calls (cuBLAS heuristics, attention paths) cost more than the extend. `trace_to`
+    also writes torch.profiler tables of a second prefill (and extend)."""
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, rt.spec.vocab_size, (chunk + extend,), generator=gen).to(rt.device)
-    kv = rt.new_kv(chunk + extend + 1)
+    n = chunk + (answer + extend if extend else 0)
+    ids = torch.randint(0, rt.spec.vocab_size, (n,), generator=gen).to(rt.device)
+    kv = rt.new_kv(n + 1)
     with torch.inference_mode():
         if extend:  # behind one token, as the extend is behind the chunk (attention's masked path)
             scratch = rt.new_kv(extend + 1)
             rt.decoder.forward(ids[:1], scratch)
-            rt.decoder.forward(ids[chunk:], scratch, last_only=True)
+            rt.decoder.forward(ids[n - extend:], scratch, last_only=True)
+        before = set(rt.store.resident_rows())
         rt.store.stats.reset()
         sync(rt)
         t0 = time.perf_counter()
@@ -148,22 +153,27 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         sync(rt)
         seconds = time.perf_counter() - t0
     t, miss_rate = rt.store.stats.totals(), rt.store.stats.miss_rate
+    kept = len(before & set(rt.store.resident_rows())) / len(before) if before else None
     ext = {}
     if extend:
-        rt.store.stats.reset()
         with torch.inference_mode():
+            for i in range(chunk, chunk + answer):
+                int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
+            rt.store.stats.reset()
+            sync(rt)
             t0 = time.perf_counter()
-            rt.decoder.forward(ids[chunk:], kv, last_only=True)
+            rt.decoder.forward(ids[n - extend:], kv, last_only=True)
             sync(rt)
             e = rt.store.stats.totals()
-            ext = {"extend": extend, "extend_seconds": time.perf_counter() - t0, "extend_active": e.active,
-                   "extend_moved_gb": e.misses * rt.ftw.layout.slot_bytes / 1e9}
+            ext = {"extend": extend, "answer": answer, "extend_seconds": time.perf_counter() - t0,
+                   "extend_active": e.active, "extend_moved_gb": e.misses * rt.ftw.layout.slot_bytes / 1e9,
+                   "extend_cpu_gb": e.cpu * rt.ftw.layout.slot_bytes / 1e9}
     if trace_to is not None:  # counted above: the profiled repeats do not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
             _profiled(rt, lambda: rt.decoder.forward(ids[:chunk], kv, last_only=True), trace_to)
             if extend:
-                _profiled(rt, lambda: rt.decoder.forward(ids[chunk:], kv, last_only=True),
+                _profiled(rt, lambda: rt.decoder.forward(ids[n - extend:], kv, last_only=True),
                           trace_to.with_name(trace_to.stem + "-extend.txt"))
     moved = t.misses * rt.ftw.layout.slot_bytes
     pcie = figures.pcie_solo_gbps or figures.pcie_gbps
@@ -177,6 +187,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         "pcie_bound_s": bound,
         "of_bound": bound / seconds if bound else None,
         "streaming": rt.store.prefetcher is not None,
+        "resident_kept": kept,
         **ext,
     }
 
