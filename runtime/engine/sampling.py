@@ -40,9 +40,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         p = self.params
-        logits = logits.float().cpu()
-        if p.temperature == 0:
+        if p.temperature == 0:  # where the logits are: one index crosses, not the vocabulary
             return int(torch.argmax(logits))
+        logits = logits.float().cpu()
         logits = logits / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
