@@ -16,6 +16,7 @@ import torch
 from ftkit.runtime.engine.graphs import GraphDecode, unsupported
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.tools.convert.pipeline import convert, make_plan
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -84,6 +85,33 @@ def test_graph_decode_matches_fused(model, cfg):
         assert fills  # at least one fill per layer with a miss
         assert cpu or cfg["cache_experts"] > 8  # a small cache leaves the CPU a share
     _check_residency(rt)
+    rt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "qwen3_moe_sparse"])
+def test_graph_decode_matches_fused_across_families(hf_checkpoint, tmp_path, family):
+    """Q/K/V biases and no Q/K norm (Qwen2-MoE: the fused path with a concatenated biased QKV),
+    a whole-projection Q/K norm (OLMoE: the torch attention path), dense layers between MoE
+    ones (sparse Qwen3-MoE)."""
+    path = tmp_path / "m.ftw"
+    convert(make_plan(hf_checkpoint(family)), path)
+    ref, ref_rt, _ = run(path, graphs=False, device="cpu", strategy="fused")
+    ref_rt.close()
+    got, rt, _ = run(path, graphs=True, device="cuda" if CUDA else "cpu", strategy="offload", cache_experts=6)
+    assert rt.store.device_plan is not None, "the graph path did not run"
+    graphs, w = rt.decoder.graphs, rt.decoder.w
+    assert bool(graphs.qkv) == (family != "olmoe")
+    for i, (weight, bias) in graphs.qkv.items():
+        assert (bias is not None) == (family == "qwen2_moe")
+        for kind, cat in (("weight", weight), ("bias", bias)):
+            if cat is not None:  # the decoder's entries are views of it, not copies
+                parts = [w[f"layers.{i}.attn.{n}.{kind}"] for n in "qkv"]
+                assert all(p.untyped_storage().data_ptr() == cat.untyped_storage().data_ptr() for p in parts)
+                assert torch.equal(torch.cat(parts), cat)
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 1e-3, rel
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
     rt.close()
 
 

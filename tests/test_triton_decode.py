@@ -1,6 +1,7 @@
 """The decode kernels against the torch ops they replace: per-head
-RMSNorm + RoPE + cache writes, and masked attention over the cache (full and sliding window,
-GQA, partial rotary, odd head sizes). On CUDA, or on CPU with TRITON_INTERPRET=1."""
+RMSNorm + RoPE + cache writes, masked attention over the cache (full and sliding window,
+GQA, partial rotary, odd head sizes), RMSNorm with and without the residual add before it, and
+the router's softmax top-k. On CUDA, or on CPU with TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -75,3 +76,22 @@ def test_softmax_topk_matches_torch(renorm, dtype):
     ref_ids, ref_w = softmax_topk(logits, 6, renorm, dtype)  # torch on CPU
     assert torch.equal(ids.cpu(), ref_ids)
     assert w.dtype == dtype and torch.allclose(w.cpu().float(), ref_w.float(), rtol=1e-2 if dtype != torch.float32 else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_match_torch(dtype):
+    from ftkit.kernels.triton.norm import add_rms_norm
+    from ftkit.kernels.triton.norm import rms_norm as triton_rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    x, delta = (torch.randn((3, 100), generator=gen).to(dtype) for _ in range(2))  # a masked tail
+    w = (1 + 0.1 * torch.randn(100, generator=gen)).to(dtype)
+    s, h = add_rms_norm(x.to(DEV), delta.to(DEV), w.to(DEV), 1e-6)
+    assert s.dtype == h.dtype == dtype and s.shape == h.shape == x.shape
+    # bf16: the interpreter truncates where the GPU rounds to nearest, so a few ulps of slack
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(s.cpu().float(), (x + delta).float(), **tol)
+    if dtype == torch.float32 or CUDA:
+        assert torch.equal(s.cpu(), x + delta)
+    assert torch.allclose(h.cpu().float(), rms_norm(x + delta, w, 1e-6).float(), **tol)
+    assert torch.allclose(triton_rms_norm(x.to(DEV), w.to(DEV), 1e-6).cpu().float(), rms_norm(x, w, 1e-6).float(), **tol)

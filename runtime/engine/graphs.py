@@ -7,8 +7,12 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
 - K/V go into static per-layer buffers (a sequence's KVCache is re-pointed at them while it is
   bound), and attention covers a fixed span with a position mask, so one graph per span bucket
   (256, 512, ... tokens) serves every position below it; where the family's Q/K treatment allows
-  (per-head or no Q/K norm, no clipping), norms, RoPE, the cache writes and attention are two
-  Triton launches per layer (kernels/triton/decode.py) instead of about twenty;
+  (per-head or no Q/K norm, no clipping), Q, K and V come from one projection (the three
+  weights concatenated once, the decoder's entries left as views of it), and norms, RoPE, the
+  cache writes and attention are two Triton launches per layer (kernels/triton/decode.py)
+  instead of about twenty;
+- each residual add and the RMSNorm after it are one Triton launch (kernels/triton/norm.py), so
+  a piece hands the next one the residual stream and its normed value;
 - the routed experts go through the store's DevicePlan (hits, fills and the CPU set decided on
   the GPU, the CPU branch started by a doorbell, not by Python);
 - a step is a few graphs of two layers each, replayed back to back, so the GPU need not wait
@@ -62,6 +66,24 @@ def _fused_attention(decoder: MoEDecoder):
     return decode
 
 
+def _concat_qkv(w: dict[str, torch.Tensor], i: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Layer i's Q, K and V projections as one weight [q+k+v, H] (and bias), or None where they
+    do not all live on `device`. The entries of `w` become row views of the new tensors, so the
+    old ones are freed and the eager path reads the same values."""
+    p = f"layers.{i}.attn."
+    groups = [[p + n + ".weight" for n in "qkv"]]
+    if p + "q.bias" in w:
+        groups.append([p + n + ".bias" for n in "qkv"])
+    if any(w[n].device != device for g in groups for n in g):
+        return None
+    fused = []
+    for g in groups:
+        fused.append(torch.cat([w[n] for n in g]))
+        w.update(zip(g, fused[-1].split([w[n].shape[0] for n in g]), strict=True))
+    return fused[0], fused[1] if len(fused) > 1 else None
+
+
 class GraphDecode:
     def __init__(self, decoder: MoEDecoder, store: ExpertStore, capacity: int, capture: bool = True):
         """`capacity`: tokens of static K/V (sequences longer than this decode eagerly)."""
@@ -84,6 +106,18 @@ class GraphDecode:
         self.bound: weakref.ref[KVCache] | None = None
         self.version = store.version
         self.fused = _fused_attention(decoder)
+        # layer -> its concatenated Q/K/V projection (weight, bias), on the fused path
+        self.qkv: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if self.fused:
+            here = self.token.device  # with its index, as the weights' devices have it
+            self.qkv = {i: qkv for i in layers if (qkv := _concat_qkv(decoder.w, i, here)) is not None}
+            self.qkv_split = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim)
+            if dev.type == "cuda":  # the old tensors' segments back to the driver, not held in reserve
+                torch.cuda.empty_cache()
+        # Triton is there: `unsupported` checked (and the device planner needs it anyway)
+        from ftkit.kernels.triton.norm import add_rms_norm
+
+        self.add_rms_norm = add_rms_norm
         self.said_too_long = False  # the eager fallback for long sequences is announced once
 
     def accepts(self, cache: KVCache) -> bool:
@@ -119,17 +153,21 @@ class GraphDecode:
         return logits
 
     def _forward(self, span: int) -> torch.Tensor:
-        x = None
+        state = None
         for layers in self.pieces:
-            x = self._piece(x, layers, span)
-        return x
+            state = self._piece(state, layers, span)
+        return state
 
-    def _piece(self, x: torch.Tensor | None, layers: range, span: int) -> torch.Tensor:
-        """The step's `layers`: from the token's embedding when x is None; the logits after the
-        model's last layer, else the hidden state."""
+    def _piece(self, state: tuple[torch.Tensor, torch.Tensor] | None, layers: range,
+               span: int) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """The step's `layers`. `state`: the residual stream and its RMSNorm by the first layer's
+        attn_norm (None: from the token's embedding). Returns the same for the next piece, or
+        the logits after the model's last layer."""
         dec, s = self.decoder, self.decoder.spec
-        if x is None:
+        if state is None:
             x = F.embedding(self.token, dec.w["embed.weight"])
+            state = x, dec.norm(x, "layers.0.attn_norm.weight")
+        x, h = state
         if not self.fused:
             cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
             keys = self.positions[:span]
@@ -138,10 +176,9 @@ class GraphDecode:
         try:
             for i in layers:
                 p = f"layers.{i}."
-                h = dec.norm(x, p + "attn_norm.weight")
                 window = dec.window(i)
                 if self.fused:
-                    q, k, v = (dec.linear(p + "attn." + n, h) for n in "qkv")
+                    q, k, v = self._qkv(i, h)
                     q = self.fused.rope_store(q, k, v, dec.w.get(p + "attn.q_norm.weight"),
                                               dec.w.get(p + "attn.k_norm.weight"), s.rms_norm_eps, self.cos, self.sin,
                                               self.pos, self.k[i], self.v[i])
@@ -152,14 +189,26 @@ class GraphDecode:
                     self.v[i].index_copy_(0, self.pos, v)
                     mask = visible if window is None else visible & (keys > self.pos - window)
                     out = decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
-                x = x + dec.linear(p + "attn.o", out.reshape(1, -1))
-                h = dec.norm(x, p + "mlp_norm.weight")
-                x = x + (dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h))
+                x, h = self._add_norm(x, dec.linear(p + "attn.o", out.reshape(1, -1)), p + "mlp_norm.weight")
+                delta = dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h)
+                nxt = f"layers.{i + 1}.attn_norm.weight" if i + 1 < s.num_layers else "final_norm.weight"
+                x, h = self._add_norm(x, delta, nxt)
         finally:
             self.store.in_graph = False
         if layers.stop < s.num_layers:
-            return x
-        return F.linear(dec.norm(x, "final_norm.weight"), dec.lm_head)
+            return x, h
+        return F.linear(h, dec.lm_head)
+
+    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Layer i's Q, K and V projections of h [1, H]: one GEMV where the weights were
+        concatenated (rope_store reads each as one contiguous row)."""
+        if i in self.qkv:
+            return F.linear(h, *self.qkv[i]).split(self.qkv_split, dim=-1)
+        return tuple(self.decoder.linear(f"layers.{i}.attn.{n}", h) for n in "qkv")
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + delta and its RMSNorm by the weight `name`, in one launch."""
+        return self.add_rms_norm(x, delta, self.decoder.w[name], self.decoder.spec.rms_norm_eps)
 
     def _capture(self, span: int) -> list[torch.cuda.CUDAGraph]:
         plan = self.store.device_plan_for_graphs()
@@ -172,14 +221,14 @@ class GraphDecode:
             self._forward(span)
         torch.cuda.current_stream().wait_stream(side)
         plan.counts.copy_(counts)
-        graphs, x = [], None
+        graphs, state = [], None
         for layers in self.pieces:  # replayed in capture order, so sharing one pool is safe
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                x = self._piece(x, layers, span)
+                state = self._piece(state, layers, span)
             self.pool = graph.pool()
             graphs.append(graph)
-        self.logits[span], self.graphs[span] = x, graphs
+        self.logits[span], self.graphs[span] = state, graphs
         return graphs
 
     def _bind(self, cache: KVCache) -> None:
