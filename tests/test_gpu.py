@@ -13,7 +13,9 @@ from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8]
+# 24 tokens x top-4: more items than the decode GEMV takes (the prefill GEMM, the device-side
+# sort) and most of each layer's 16 experts (layer streaming where the cache holds two layers).
+PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 120, 33, 281, 14, 77, 190, 2, 56, 203, 9, 141, 62, 230, 18]
 DECODE = [33, 120, 7, 7, 201, 15, 80, 2]
 
 
@@ -38,6 +40,8 @@ def logits(path, **opts) -> torch.Tensor:
     dict(strategy="offload", cache_experts=5),
     dict(strategy="cpu"),
     dict(strategy="hybrid", cache_experts=9, bandwidth_ratio=0.5),
+    dict(strategy="offload", cache_experts=40, stream_prefill=True),
+    dict(strategy="hybrid", cache_experts=40, bandwidth_ratio=0.5, stream_prefill=True),
 ])
 def test_cuda_tier_matches_cpu_fused(model, cfg):
     ref = logits(model, strategy="fused", dtype="float32")
