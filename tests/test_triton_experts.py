@@ -95,9 +95,10 @@ def test_gemv_fills_slots_as_it_reads():
     assert _rel(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype, x_dtype", [("bfloat16", "bfloat16"), ("float32", "float32"),
+                                            ("bfloat16", "float32")])  # a float32 runtime over bf16 slots
 @pytest.mark.parametrize("hidden, inter", [(128, 64), (96, 40)])
-def test_grouped_gemm_matches_reference(dtype, hidden, inter):
+def test_grouped_gemm_matches_reference(dtype, x_dtype, hidden, inter):
     """Prefill's grouped GEMM: items sorted by expert, several tiles per expert (one has more
     than a tile's worth of tokens), results scattered to their rows of y."""
     from ftkit.kernels.triton.experts import GEMM_M, gemm_tiles, grouped_expert_gemm
@@ -106,7 +107,7 @@ def test_grouped_gemm_matches_reference(dtype, hidden, inter):
     gen = torch.Generator().manual_seed(2)
     cap, t, k = 3, 110, 2
     slots, parts = _random_slots(layout, cap, gen)
-    x = torch.randn((t, hidden), generator=gen).to(getattr(torch, dtype))
+    x = torch.randn((t, hidden), generator=gen).to(getattr(torch, x_dtype))
     ids = torch.stack([torch.randperm(cap, generator=gen)[:k] for _ in range(t)])  # [t, k] distinct per token
     wt = torch.rand(t * k, generator=gen)
     flat = ids.reshape(-1)
@@ -118,7 +119,7 @@ def test_grouped_gemm_matches_reference(dtype, hidden, inter):
     grouped_expert_gemm(x.to(DEV), slots.to(DEV), layout, tiles.to(DEV), (order // k).to(torch.int32).to(DEV),
                         order.to(torch.int32).to(DEV), wt[order].to(DEV), y)
     ref = torch.stack([_expert(parts[int(flat[i])], x[i // k], float(wt[i])) for i in range(t * k)])
-    assert _rel(y.cpu(), ref) < (2e-2 if dtype == "bfloat16" else 1e-5)
+    assert _rel(y.cpu(), ref) < (2e-2 if x_dtype == "bfloat16" else 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -223,8 +223,9 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     h = torch.empty((tokens.numel(), i_dim), dtype=x.dtype, device=x.device)
     slot_elems = layout.slot_bytes // esize
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 must stay exact enough to match the CPU
-    # Triton's interpreter (CPU tests) multiplies 16-bit tiles wrongly in tl.dot (3.9): upcast there.
-    upcast = interpreting() and x.dtype != torch.float32
+    # tl.dot takes one dtype: a float32 runtime over 16-bit slots multiplies in float32. Triton's
+    # interpreter (CPU tests) multiplies 16-bit tiles wrongly in tl.dot (3.9): upcast there too.
+    upcast = x.dtype != w.dtype or (interpreting() and x.dtype != torch.float32)
     cfg = dict(PREC=prec, UPCAST=upcast, BLOCK_M=GEMM_M, BLOCK_N=GEMM_N, BLOCK_K=GEMM_K, num_warps=4, num_stages=3)
     x = x.contiguous()
     _gemm_gate_up[(n_tiles, triton.cdiv(i_dim, GEMM_N))](x, w, tiles, tokens, h, h_dim, i_dim, slot_elems,
