@@ -43,7 +43,7 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
         assert d["hits"] + d["fills"] + d["cpu"] > 0 and x["prefill"][0]["chunk"] == 64
         p = x["prefill"][0]
         assert p["extend"] == 8 and p["answer"] == 4 and p["extend_seconds"] > 0 and 0 < p["extend_active"]
-        assert 0 <= p["resident_kept"] <= 1
+        assert 0 <= p["resident_kept"] <= 1 and p["first_seconds"] > 0
 
 
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):

@@ -17,7 +17,7 @@ and says so once.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 
 import torch
 
@@ -30,11 +30,7 @@ class LayerPrefetcher:
         self.pool, self.device = pool, device
         self.num_experts = pool.spec.num_experts
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # cudaMemcpyAsync blocks its caller once the copy queue is deep, and two layers of some
-        # hundred 9 MB copies are: a thread of its own issues them, so the host goes on with
-        # routing and launching the layers in between.
-        self.issuer = ThreadPoolExecutor(1, thread_name_prefix="ftkit-prefetch") if self.stream else None
-        self.pending: dict[int, tuple[list[int], Future | None]] = {}  # moe index -> (rows filled, copies issued)
+        self.pending: dict[int, tuple[list[int], object]] = {}  # moe index -> (rows filled, event)
 
     def fits(self, cache: SlotCache) -> bool:
         return cache.capacity >= 2 * self.num_experts
@@ -50,45 +46,30 @@ class LayerPrefetcher:
             return
         want = list(self.rows(moe_index))
         protected = set(in_use) | {r for r in want if cache.lookup(r) is not None}
-        pairs = []  # (slot, row)
-        for row in want:
-            if row in protected:
-                continue
-            slot = cache.claim(row, protected)
-            if slot is None:
-                break
-            protected.add(row)
-            pairs.append((slot, row))
-        filled = [row for _, row in pairs]
-        if self.issuer is None:
-            self._copy(cache, pairs)
-            self.pending[moe_index] = (filled, None)
-            return
-        ready = torch.cuda.Event()  # the copies must not start before the slots' last readers
-        ready.record(torch.cuda.current_stream(self.device))
-        self.pending[moe_index] = (filled, self.issuer.submit(self._issue, cache, pairs, ready))
-
-    def _copy(self, cache: SlotCache, pairs: list[tuple[int, int]]) -> None:
-        for slot, row in pairs:
-            cache.fill(slot, self.pool.slot(row))
-
-    def _issue(self, cache: SlotCache, pairs: list[tuple[int, int]], ready: torch.cuda.Event) -> torch.cuda.Event:
-        """On the issuer thread: the copies on the copy stream behind `ready`; returns their end."""
-        with torch.inference_mode(), torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            self._copy(cache, pairs)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
+        filled = []
+        if self.stream is not None:  # the copies must not start before the slots' last readers
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            for row in want:
+                if row in protected:
+                    continue
+                slot = cache.claim(row, protected)
+                if slot is None:
+                    break
+                cache.fill(slot, self.pool.slot(row))
+                protected.add(row)
+                filled.append(row)
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.pending[moe_index] = (filled, event)
 
     def wait(self, moe_index: int) -> list[int]:
         """Make the compute stream wait for layer `moe_index`'s copies; returns the rows they
         filled (reported as that layer's fills)."""
-        filled, issued = self.pending.pop(moe_index, ([], None))
-        if issued is not None:
-            torch.cuda.current_stream(self.device).wait_event(issued.result())
+        filled, event = self.pending.pop(moe_index, ([], None))
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
         return filled
 
-    def close(self) -> None:
-        if self.issuer is not None:
-            self.issuer.shutdown(wait=True)

@@ -410,7 +410,5 @@ class ExpertStore:
 
     def close(self) -> None:
         self._drop_device_plan()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
         self.cpu.close()
 

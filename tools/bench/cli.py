@@ -112,7 +112,8 @@ def decode(
     stream_prefill: Annotated[str, typer.Option(help="prefill layer double buffering: auto | on | off")] = "auto",
     extend: Annotated[int, typer.Option(help="after each prefill chunk and its answer, time this many more "
                                         "tokens (the next agent turn after a prefix hit)")] = 0,
-    answer: Annotated[int, typer.Option(help="tokens decoded between a chunk and its extend")] = 32,
+    answer: Annotated[int, typer.Option(help="decode steps before each timed chunk and between it and its "
+                                        "extend (a turn's reply)")] = 32,
 ) -> None:
     """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
     if graphs not in ("on", "off", "both"):
@@ -140,7 +141,7 @@ def decode(
             rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, prompt + tokens))
             try:
                 figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
-                routed = prompt + tokens + 8 + sum(int(c) + 2 * extend + answer + 1 for c in chunks.split(",") if c)
+                routed = prompt + tokens + 8 + sum(2 * (int(c) + extend + answer) + 1 for c in chunks.split(",") if c)
                 override = Recorder(rt.decoder) if record else _routing(rt, routing, routed)
                 trace = trace_dir / f"profile-{rt.store.strategy}-graphs-{'on' if graphs_on else 'off'}.txt" if trace_dir else None
                 r = run.decode(rt, tokens, prompt, override, figs, trace)

@@ -129,22 +129,34 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
 
 def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None, extend: int = 0,
             answer: int = 32) -> dict:
-    """Seconds to prefill one `chunk`-token prompt from the current cache state (TTFT), and how
-    many of the experts resident before it still are after it. `extend`: then an agent turn:
-    `answer` tokens decoded (untimed: the turn's reply, which leaves its experts in the cache),
-    then that many more tokens timed on top (the next turn after a prefix hit), after an
-    untimed forward of that many tokens before the chunk: a server has long seen such shapes,
-    and first calls (cuBLAS heuristics, attention paths) cost more than the extend. `trace_to`
-    also writes torch.profiler tables of a second prefill (and extend)."""
+    """Seconds to prefill one `chunk`-token prompt (TTFT) and how many of the experts resident
+    before it still are after it. Timed warm: an untimed chunk of the same size runs first
+    (`first_seconds`: its time; a new shape's first call pays allocations and kernel choices
+    once), then `answer` untimed decode steps put a decode's experts back on top of the cache,
+    as a server's previous turn leaves them. `extend`: then an agent turn: `answer` tokens
+    decoded (the turn's reply), then that many more tokens timed on top (the next turn after a
+    prefix hit); its shape also runs once untimed before. `trace_to` also writes
+    torch.profiler tables of a second prefill (and extend)."""
     gen = torch.Generator().manual_seed(1)
-    n = chunk + (answer + extend if extend else 0)
+    n = chunk + answer + extend
     ids = torch.randint(0, rt.spec.vocab_size, (n,), generator=gen).to(rt.device)
     kv = rt.new_kv(n + 1)
     with torch.inference_mode():
+        scratch = rt.new_kv(chunk + 1)
+        sync(rt)
+        t0 = time.perf_counter()
+        rt.decoder.forward(ids[:chunk], scratch, last_only=True)
+        sync(rt)
+        first = time.perf_counter() - t0
+        del scratch
         if extend:  # behind one token, as the extend is behind the chunk (attention's masked path)
             scratch = rt.new_kv(extend + 1)
             rt.decoder.forward(ids[:1], scratch)
             rt.decoder.forward(ids[n - extend:], scratch, last_only=True)
+        scratch = rt.new_kv(answer + 1)
+        for i in range(chunk, chunk + answer):
+            int(rt.decoder.forward(ids[i : i + 1], scratch)[-1].argmax())
+        del scratch
         before = set(rt.store.resident_rows())
         rt.store.stats.reset()
         sync(rt)
@@ -181,6 +193,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
     return {
         "chunk": chunk,
         "seconds": seconds,
+        "first_seconds": first,
         "tok_s": chunk / seconds,
         "miss_rate": miss_rate,
         "missed_gb": moved / 1e9,
