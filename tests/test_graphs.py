@@ -9,12 +9,17 @@ triton is imported), which exercises every decision and the C++ doorbell worker 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
 
+from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.graphs import GraphDecode, unsupported
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.memory import plan_memory
+from ftkit.runtime.engine.sampling import SamplingParams
+from ftkit.runtime.engine.scheduler import Request, Scheduler
 from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
 from ftkit.tools.convert.pipeline import convert, make_plan
 
@@ -274,3 +279,106 @@ def test_resident_count_follows_graph_decode(model):
     rt.store.device_plan.to_host()
     assert len(rt.store.cache) == during == rt.store.resident()
     rt.close()
+
+
+def _graph_runtime(path, **opts) -> Runtime:
+    """A runtime decoding through GraphDecode: captured on CUDA, eager on CPU."""
+    opts = RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32", **opts)
+    rt = Runtime(path, opts)
+    if not CUDA:
+        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+    return rt
+
+
+def _prefilled(path, cfg, prompt=PROMPT) -> tuple[Runtime, object, int]:
+    rt = _graph_runtime(path, **cfg)
+    kv = rt.new_kv(len(prompt) + 12)
+    with torch.inference_mode():
+        first = int(rt.decoder.forward(torch.tensor(prompt, device=rt.device), kv)[-1].argmax())
+    return rt, kv, first
+
+
+def _greedy_steps(rt: Runtime, kv, token: int, n: int) -> list[int]:
+    out = []
+    with torch.inference_mode():
+        for _ in range(n):
+            token = int(rt.decoder.forward(torch.tensor([token], device=rt.device), kv)[-1].argmax())
+            out.append(token)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(strategy="offload", cache_experts=8),
+                                 dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)],
+                         ids=["offload", "hybrid"])
+def test_greedy_pipeline_matches_step_by_step(model, cfg):
+    """GraphDecode.greedy (each step queued before the previous token is read) gives the tokens
+    and K/V rows of greedy decoding one step at a time, also when stopped early and continued
+    step by step; with fed inputs (the benchmark) it reads back the argmax of each fed step."""
+    rt, kv, first = _prefilled(model, cfg)
+    ref = _greedy_steps(rt, kv, first, 8)
+    ref_k = {i: kv.k[i][: kv.length].clone() for i in kv.k}
+    rt.close()
+
+    rt = _graph_runtime(model, **cfg)  # generation takes the pipelined path when greedy
+    assert generate(rt, PROMPT, SamplingParams(max_tokens=9, ignore_eos=True)).token_ids == [first, *ref]
+    rt.close()
+
+    rt, kv, first = _prefilled(model, cfg)
+    with torch.inference_mode():
+        steps = rt.decoder.graphs.greedy(first, kv, 8)
+        got = [next(steps) for _ in range(3)]
+        steps.close()  # the fourth step was in flight: dropped
+    assert kv.length == len(PROMPT) + 3
+    got += _greedy_steps(rt, kv, got[-1], 5)
+    assert got == ref
+    assert all(torch.allclose(kv.k[i][: kv.length], ref_k[i], rtol=1e-4, atol=1e-5) for i in ref_k)
+    rt.close()
+
+    fed, outs = DECODE[:6], []
+    for pipelined in (False, True):
+        rt, kv, _ = _prefilled(model, cfg)
+        with torch.inference_mode():
+            if pipelined:
+                feed = torch.tensor(fed, device=rt.device)
+                outs.append(list(rt.decoder.graphs.greedy(fed[0], kv, len(fed), feed=feed)))
+            else:
+                outs.append([int(rt.decoder.forward(torch.tensor([t], device=rt.device), kv)[-1].argmax())
+                             for t in fed])
+        rt.close()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+def test_a_lone_greedy_request_bursts_and_yields_to_a_new_one(model):
+    """The scheduler runs a lone greedy request as a pipelined burst and stops it at the next
+    token when another request arrives; both get the tokens they get alone."""
+    cfg = dict(strategy="offload", cache_experts=8)
+    prompts = [PROMPT, MORE + PROMPT[:4]]
+    alone = []
+    for p in prompts:
+        rt, kv, first = _prefilled(model, cfg, p)
+        alone.append([first, *_greedy_steps(rt, kv, first, 7)])
+        rt.close()
+
+    rt = _graph_runtime(model, **cfg)
+    sched = Scheduler(rt, plan_memory(model, rt.opts, 256, None), max_running=2)
+    seen = [threading.Event(), threading.Event()]
+    done = [threading.Event(), threading.Event()]
+    reqs = []
+    for n, p in enumerate(prompts):
+        def sink(e, n=n):
+            if e.done:
+                done[n].set()
+            elif len(e.gen.token_ids) >= 3:
+                seen[n].set()
+        reqs.append(Request(p, SamplingParams(max_tokens=8, ignore_eos=True), sink))
+    sched.submit(reqs[0])
+    assert seen[0].wait(120)  # the first is bursting
+    sched.submit(reqs[1])
+    assert done[0].wait(120) and done[1].wait(120)
+    stats = sched.stats()
+    sched.close()
+    rt.close()
+    assert [r.gen.token_ids for r in reqs] == alone
+    assert stats["decode_batched_tokens"] > stats["decode_forwards"]  # the two shared steps at the end

@@ -77,10 +77,12 @@ class Decoding:
         gen.prefill_seconds = time.perf_counter() - t0
         self.decode_started = time.perf_counter()
 
-    def emit(self) -> tuple[int, str, Generation]:
-        """Sample the next token from the current logits: (token, text delta, generation)."""
+    def emit(self, token: int | None = None) -> tuple[int, str, Generation]:
+        """Sample the next token from the current logits, or take `token` (chosen on the
+        device): (token, text delta, generation)."""
         gen, params, detok = self.gen, self.params, self.detok
-        token = self.sampler(self.logits)
+        if token is None:
+            token = self.sampler(self.logits)
         gen.token_ids.append(token)
         last = token in self.stops or len(gen.token_ids) == self.max_new or self.should_stop()
         if token in self.stops:
@@ -105,6 +107,24 @@ class Decoding:
     def next_input(self) -> int:
         return self.gen.token_ids[-1]
 
+    def pipelined(self) -> bool:
+        """Greedy decoding through CUDA graphs: the next step can be queued before a token is read."""
+        graphs = self.rt.decoder.graphs
+        return self.params.temperature == 0 and not self.done and graphs is not None and graphs.accepts(self.kv)
+
+    def burst(self, interrupt: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str, Generation]]:
+        """`emit` each greedy token as GraphDecode.greedy produces it (the GPU never waits for the
+        host between tokens), until done or `interrupt()`; decoding can go on step by step after."""
+        steps = self.rt.decoder.graphs.greedy(self.next_input, self.kv, self.max_new - len(self.gen.token_ids))
+        try:
+            for token in steps:
+                self.rt.store.stats.new_step()
+                yield self.emit(token)
+                if self.done or interrupt():
+                    return
+        finally:
+            steps.close()
+
     def accept(self, logits: torch.Tensor) -> None:
         self.logits = logits
 
@@ -121,6 +141,9 @@ def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
     while True:
         yield d.emit()
         if d.done:
+            return
+        if d.pipelined():
+            yield from d.burst()
             return
         rt.store.stats.new_step()
         with torch.inference_mode():

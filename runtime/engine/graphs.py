@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,60 @@ class GraphDecode:
 
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [1, V] for one token at position cache.length; appends its K/V."""
+        span = self._prepare(cache, cache.length + 1)
+        self.token.copy_(input_ids.reshape(1))
+        self.pos.fill_(cache.length)
+        logits = self._launch(span)
+        cache.advance(1)
+        return logits.clone() if self.capture else logits  # the graph's buffer is reused next step
+
+    def greedy(self, first: int, cache: KVCache, limit: int, feed: torch.Tensor | None = None) -> Iterator[int]:
+        """Up to `limit` greedy tokens after `first` (the token at position cache.length), with
+        the next step always queued on the GPU while the host reads a token: each step's
+        graphs end by writing their argmax as the next step's input and advancing the position,
+        so launching a step needs nothing from the one before. Each yielded token's step has
+        appended its input's K/V. When the caller stops early, the step in flight is waited
+        for and dropped (its expert counts stay in the stats); running it again writes the same
+        K/V row. `feed` (benchmarks): the inputs after `first` are these device token ids
+        instead of the argmaxes, which are still read back, as sampling would."""
+        if limit <= 0:
+            return
+        limit = min(limit, cache.max_tokens - cache.length)
+        span = self._prepare(cache, cache.length + limit)
+        self.token.fill_(first)
+        self.pos.fill_(cache.length)
+        cuda = self.token.is_cuda
+        out = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)  # the argmaxes, two steps in turn
+        done = [torch.cuda.Event() for _ in range(2)] if cuda else []
+
+        def launch(i: int) -> None:
+            self.store.device_plan.adapt()
+            self._launch(span)
+            out[i % 2].copy_(self.token[0], non_blocking=True)
+            if cuda:
+                done[i % 2].record()
+            if feed is not None and i + 1 < feed.numel():
+                self.token.copy_(feed[i + 1 : i + 2])
+
+        launch(0)
+        in_flight = False
+        try:
+            for i in range(limit):
+                in_flight = i + 1 < limit
+                if in_flight:
+                    launch(i + 1)
+                if cuda:
+                    done[i % 2].synchronize()
+                cache.advance(1)
+                yield int(out[i % 2])
+            in_flight = False
+        finally:
+            if in_flight and cuda:  # nothing may touch the cache or its slots under a running step
+                done[(i + 1) % 2].synchronize()
+
+    def _prepare(self, cache: KVCache, end: int) -> int:
+        """Bind `cache`, hand the residency to the device planner; the attention span that
+        covers positions below `end`."""
         self._bind(cache)
         plan = self.store.device_plan_for_graphs()
         if self.store.version != self.version:  # the cache was rebuilt: its slots moved
@@ -137,20 +192,21 @@ class GraphDecode:
             self.version = self.store.version
         plan.to_device()
         plan.adapt()
-        self.token.copy_(input_ids.reshape(1))
-        self.pos.fill_(cache.length)
+        if self.fused:  # fused attention loops to the position: one graph serves every span
+            return self.capacity
         span = FIRST_SPAN
-        while span <= cache.length:
+        while span < end:
             span *= 2
-        span = self.capacity if self.fused else min(span, self.capacity)  # fused attention: one graph
-        if self.capture:
-            for graph in self.graphs.get(span) or self._capture(span):
-                graph.replay()
-            logits = self.logits[span].clone()
-        else:
-            logits = self._forward(span)
-        cache.advance(1)
-        return logits
+        return min(span, self.capacity)
+
+    def _launch(self, span: int) -> torch.Tensor:
+        """Run one step at the device's token and position: replay its graphs (captured on first
+        use) or, without capture, run it eagerly. Returns the logits (the graph's own buffer)."""
+        if not self.capture:
+            return self._forward(span)
+        for graph in self.graphs.get(span) or self._capture(span):
+            graph.replay()
+        return self.logits[span]
 
     def _forward(self, span: int) -> torch.Tensor:
         state = None
@@ -197,7 +253,10 @@ class GraphDecode:
             self.store.in_graph = False
         if layers.stop < s.num_layers:
             return x, h
-        return F.linear(h, dec.lm_head)
+        logits = F.linear(h, dec.lm_head)
+        self.token.copy_(logits.argmax(-1))  # the next step's input when decoding greedily
+        self.pos.add_(1)
+        return logits
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer i's Q, K and V projections of h [1, H]: one GEMV where the weights were
@@ -212,15 +271,17 @@ class GraphDecode:
 
     def _capture(self, span: int) -> list[torch.cuda.CUDAGraph]:
         plan = self.store.device_plan_for_graphs()
-        counts = plan.counts.clone()
+        saved = [t.clone() for t in (plan.counts, self.token, self.pos)]
         # Warm-up on a side stream (Triton compiles, cuBLAS picks kernels): it runs this very
-        # step, which is idempotent (same K/V row, a valid cache state), minus its counts.
+        # step, which is idempotent (same K/V row, a valid cache state), minus its counts and
+        # its move to the next token and position.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._forward(span)
         torch.cuda.current_stream().wait_stream(side)
-        plan.counts.copy_(counts)
+        for t, old in zip((plan.counts, self.token, self.pos), saved, strict=True):
+            t.copy_(old)
         graphs, state = [], None
         for layers in self.pieces:  # replayed in capture order, so sharing one pool is safe
             graph = torch.cuda.CUDAGraph()

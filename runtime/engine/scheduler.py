@@ -181,6 +181,9 @@ class Scheduler:
                 live.append(req)
         if not live:
             return
+        if len(batch) == 1 and live and live[0].decoding.pipelined():  # alone: nobody waits on its steps
+            self._burst(live[0])
+            return
         try:
             self.rt.store.stats.new_step()
             tokens = torch.tensor([r.decoding.next_input for r in live], device=self.rt.device)
@@ -195,6 +198,21 @@ class Scheduler:
             req.decoding.accept(row)
             self._emit(req)
 
+    def _burst(self, req: Request) -> None:
+        """A lone greedy request decodes with the next step always queued (Decoding.burst) until
+        it ends or a waiting request, a cancel or a rebuild needs the loop's safe point."""
+        def interrupt() -> bool:
+            return req.cancelled.is_set() or bool(self.waiting or self.rebuilds)
+
+        def run() -> None:
+            for out in req.decoding.burst(interrupt):
+                self.counts["decode_forwards"] += 1
+                self.counts["decode_batched_tokens"] += 1
+                self._send(req, out)
+
+        if self._run(req, run) and req.decoding.done:
+            self._finish(req, "completed")
+
     def _run(self, req: Request, fn: Callable[[], None]) -> bool:
         try:
             fn()
@@ -204,13 +222,13 @@ class Scheduler:
             return False
 
     def _emit(self, req: Request) -> None:
-        def emit() -> None:
-            token, delta, req.gen = req.decoding.emit()
-            self.counts["generated_tokens"] += 1
-            req.sink(Event(req.gen, token, delta))
-
-        if self._run(req, emit) and req.decoding.done:
+        if self._run(req, lambda: self._send(req, req.decoding.emit())) and req.decoding.done:
             self._finish(req, "completed")
+
+    def _send(self, req: Request, out: tuple[int, str, Generation]) -> None:
+        token, delta, req.gen = out
+        self.counts["generated_tokens"] += 1
+        req.sink(Event(req.gen, token, delta))
 
     def _cache_reply(self, ids: list[int]) -> None:
         """Prefill a finished conversation (prompt + reply) through the prefix cache."""
