@@ -131,6 +131,7 @@ class GraphDecode:
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [1, V] for one token at position cache.length; appends its K/V."""
         span = self._prepare(cache, cache.length + 1)
+        self.store.device_plan.adapt()
         self.token.copy_(input_ids.reshape(1))
         self.pos.fill_(cache.length)
         logits = self._launch(span)
@@ -157,7 +158,7 @@ class GraphDecode:
         done = [torch.cuda.Event() for _ in range(2)] if cuda else []
 
         def launch(i: int) -> None:
-            self.store.device_plan.adapt()
+            self.store.device_plan.adapt()  # between steps, from the counters of those finished
             self._launch(span)
             out[i % 2].copy_(self.token[0], non_blocking=True)
             if cuda:
@@ -191,7 +192,6 @@ class GraphDecode:
             self.logits.clear()
             self.version = self.store.version
         plan.to_device()
-        plan.adapt()
         if self.fused:  # fused attention loops to the position: one graph serves every span
             return self.capacity
         span = FIRST_SPAN
