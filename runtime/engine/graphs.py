@@ -147,9 +147,9 @@ class GraphDecode:
         for and dropped (its expert counts stay in the stats); running it again writes the same
         K/V row. `feed` (benchmarks): the inputs after `first` are these device token ids
         instead of the argmaxes, which are still read back, as sampling would."""
+        limit = min(limit, cache.max_tokens - cache.length)
         if limit <= 0:
             return
-        limit = min(limit, cache.max_tokens - cache.length)
         span = self._prepare(cache, cache.length + limit)
         self.token.fill_(first)
         self.pos.fill_(cache.length)
