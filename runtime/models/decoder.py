@@ -7,6 +7,7 @@ the expert weights wherever they live (device cache, host pool).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -30,6 +31,9 @@ class GraphSteps(Protocol):
     def accepts(self, cache: KVCache) -> bool: ...
 
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor: ...
+
+    def greedy(self, first: int, cache: KVCache, limit: int,
+               feed: torch.Tensor | None = None) -> Iterator[int]: ...
 
 
 class MoEDecoder:
