@@ -1,0 +1,119 @@
+"""Attention of a few queries behind a long cache (Triton): an agent turn's extend after a prefix
+hit, or an eager decode step of a sliding-window layer.
+
+SDPA has no kernel for this shape on CUDA: a causal mask with an offset rules out flash
+attention, the memory-efficient kernel takes no GQA (the K/V heads must be repeated first), and
+both give each (head, 64 queries) tile one program that walks every key, so 32 queries behind 8k
+keys ran 32 programs on a 132-SM GPU (0.55 ms per layer). Here the keys are split as in
+flash-decoding: one program per (K/V head, block of queries, key chunk) computes the rows of every
+query head sharing that K/V head against its chunk with an online softmax, and a second launch
+combines the chunks by their log-sum-exp. K/V are read once per chunk and query block, in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ftkit.kernels.triton import interpreting
+
+MAX_QUERIES = 64  # beyond this the split buffers grow and SDPA has enough tiles of its own
+MAX_SPLITS = 32
+
+
+@triton.jit(do_not_specialize=["T", "S", "offset", "window", "chunk"])  # one compile for every position
+def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, T, S, offset, window, scale, chunk,
+             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
+    kh, tb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    G: tl.constexpr = HEADS // KV_HEADS
+    r = tl.arange(0, BLOCK_M)
+    t = tb * BT + r // G
+    head = kh * G + r % G
+    rmask = (r < BT * G) & (t < T)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    qoffs = (t[:, None].to(tl.int64) * HEADS + head[:, None]) * D + d[None, :]
+    q = tl.load(q_ptr + qoffs, mask=rmask[:, None] & dm[None, :], other=0.0)
+    pos = offset + t  # each query's own position: it sees keys lo..pos
+    lo = tl.zeros([BLOCK_M], tl.int32)
+    if window > 0:
+        lo = tl.maximum(pos - window + 1, 0)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    start = sp * chunk
+    stop = tl.minimum(start + chunk, tl.minimum(S, offset + tb * BT + BT))  # no key past the block's last query
+    for s0 in range(start, stop, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        koffs = (s[:, None].to(tl.int64) * KV_HEADS + kh) * D + d[None, :]
+        kmask = (s < S)[:, None] & dm[None, :]
+        k = tl.load(k_ptr + koffs, mask=kmask, other=0.0)
+        v = tl.load(v_ptr + koffs, mask=kmask, other=0.0)
+        if IEEE:
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        seen = (s[None, :] <= pos[:, None]) & (s[None, :] >= lo[:, None]) & rmask[:, None]
+        sc = tl.where(seen, sc * scale, -1e30)
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(seen, tl.exp(sc - m_new[:, None]), 0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    row = (sp * T + t.to(tl.int64)) * HEADS + head  # [splits, T, heads] order
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
+    tl.store(ml_ptr + 2 * row, m_i, mask=rmask)
+    tl.store(ml_ptr + 2 * row + 1, l_i, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["T", "splits"])
+def _combine(acc_ptr, ml_ptr, out_ptr, T, splits, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_P: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    pm = p < splits
+    row = (p.to(tl.int64) * T + t) * HEADS + h
+    m = tl.load(ml_ptr + 2 * row, mask=pm, other=-1e30)
+    l_s = tl.load(ml_ptr + 2 * row + 1, mask=pm, other=0.0)
+    w = tl.where(pm & (l_s > 0), tl.exp(m - tl.max(m, axis=0)), 0.0)  # chunks the query saw nothing of weigh 0
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=(pm & (l_s > 0))[:, None] & dm[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + (t * HEADS + h) * D + d, o.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
+                        window: int | None = None) -> torch.Tensor:
+    """Causal GQA attention as `layers.attention`: q [T, H, D] at positions offset..offset+T;
+    k, v [S, KvH, D] (rows may be strided views of a cache: the inner two dims contiguous) with
+    S = offset + T. T <= MAX_QUERIES. Returns [T, H, D] in q's dtype."""
+    t, heads, d = q.shape
+    s, kv_heads = k.shape[0], k.shape[1]
+    if t > MAX_QUERIES or heads % kv_heads:
+        raise ValueError(f"few_query_attention takes at most {MAX_QUERIES} queries and whole GQA groups")
+    q = q.contiguous()
+    k, v = (a if a.stride(2) == 1 and a.stride(1) == d and a.stride(0) == kv_heads * d else a.contiguous() for a in (k, v))
+    group = heads // kv_heads
+    bt = max(1, 32 // group)  # queries per program: at least 16 rows of the tile are real
+    block_m = max(16, triton.next_power_of_2(bt * group))
+    block_s = 64
+    chunk = max(512, triton.cdiv(triton.cdiv(s, MAX_SPLITS), block_s) * block_s)
+    splits = triton.cdiv(s, chunk)
+    acc = torch.empty((splits, t, heads, d), dtype=torch.float32, device=q.device)
+    ml = torch.empty((splits, t, heads, 2), dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    ieee = q.dtype == torch.float32 or interpreting()  # the interpreter's 16-bit dot is wrong (Triton 3.x)
+    _partial[(kv_heads, triton.cdiv(t, bt), splits)](
+        q, k, v, acc, ml, t, s, offset, window or 0, d**-0.5, chunk, HEADS=heads, KV_HEADS=kv_heads, D=d,
+        BLOCK_D=block_d, BT=bt, BLOCK_M=block_m, BLOCK_S=block_s, IEEE=ieee)
+    out = torch.empty_like(q)
+    _combine[(t, heads)](acc, ml, out, t, splits, HEADS=heads, D=d, BLOCK_D=block_d,
+                         BLOCK_P=max(2, triton.next_power_of_2(splits)))
+    return out
