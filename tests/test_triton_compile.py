@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ftkit.kernels.triton import decode, experts, norm, plan, router, zero_copy  # noqa: E402
+from ftkit.kernels.triton import attention, decode, experts, norm, plan, router, zero_copy  # noqa: E402
 
 PLAN_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "base": "i32", "table_ptr": "*i32",
@@ -49,10 +49,12 @@ KERNELS = [
                       "eps": "fp32"}, dict(BLOCK=2048, ADD=True)),
     (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64"}, dict(TIMER=True)),
     (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
-    *((experts._gate_up, {**GEMV, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32", "up_off": "i32"},
-       dict(FILL=fill, BLOCK_N=32, BLOCK_K=128)) for fill in (True, False)),
-    (experts._down, {**GEMV, "h_ptr": "*fp32", "wt_ptr": "*bf16", "y_ptr": "*bf16", "down_off": "i32"},
-     dict(FILL=True, BLOCK_M=32, BLOCK_K=128)),
+    *((experts._gate_up, {**GEMV, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32", "up_off": "i32",
+                          "down_off": "i32", "n_gu": "i32"},
+       dict(FILL=fill, BLOCK_N=32, BLOCK_K=128, COPY_PROGS=24, COPY_BLOCK=2048)) for fill in (True, False)),
+    (experts._down, {"h_ptr": "*fp32", "w_ptr": "*bf16", "slot_ptr": "*i32", "wt_ptr": "*bf16", "count_ptr": "*i32",
+                     "y_ptr": "*bf16", "H": "i32", "I": "i32", "slot_elems": "i32", "down_off": "i32"},
+     dict(BLOCK_M=32, BLOCK_K=128)),
     (experts._gemm_gate_up, {**GEMM, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*bf16", "up_off": "i32"},
      GEMM_CONSTS),
     (experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
@@ -64,6 +66,11 @@ KERNELS = [
      dict(HEADS=32, KV_HEADS=4, D=128, R=128, BLOCK_D=128, NORM=True)),
     (decode._attention, {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "pos_ptr": "*i64", "out_ptr": "*bf16",
                          "window": "i32", "scale": "fp32"}, dict(HEADS=32, KV_HEADS=4, D=128, BLOCK_D=128, BLOCK_S=64)),
+    *((attention._partial, {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}, "acc_ptr": "*fp32", "ml_ptr": "*fp32",
+                            "T": "i32", "S": "i32", "offset": "i32", "window": "i32", "scale": "fp32", "chunk": "i32"},
+       dict(HEADS=32, KV_HEADS=4, D=128, BLOCK_D=128, BT=4, BLOCK_M=32, BLOCK_S=64, IEEE=ieee)) for ieee in (False, True)),
+    (attention._combine, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "T": "i32", "splits": "i32"},
+     dict(HEADS=32, D=128, BLOCK_D=128, BLOCK_P=32)),
 ]
 
 

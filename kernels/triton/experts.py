@@ -11,9 +11,11 @@ with float32 accumulation.
 
 The GEMV's work list has a fixed capacity and a valid count, so the same launch shapes serve
 every step (a prerequisite for capturing decode in a CUDA graph). It can also fill slots as it
-goes: an item flagged as a fill reads its expert from mapped pinned host memory (zero-copy, by a
-row address table) and writes each tile into the slot as it is read, so a miss crosses PCIe once
-and is never read back from HBM, and the hits' work overlaps the fills' transfer in one launch.
+goes: an item flagged as a fill reads its gate and up matrices from mapped pinned host memory
+(zero-copy, by a row address table) and writes each tile into the slot as it is read, while
+extra programs of the same launch copy its down matrix across; the second launch reads down
+from the slot. So a miss crosses PCIe once, the whole expert in one launch (two launches with
+a gap between them reached ~42 GB/s), and the hits' work overlaps the transfer.
 """
 
 from __future__ import annotations
@@ -44,11 +46,23 @@ def _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL: t
 
 @triton.jit
 def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741 (I: the FFN width)
-             slot_elems, up_off, FILL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             slot_elems, up_off, down_off, n_gu, FILL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
         return
     src, dst, copy = _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL)
+    if FILL and tl.program_id(1) >= n_gu:
+        # The programs past the gate/up tiles copy a fill's down matrix into its slot meanwhile,
+        # so PCIe streams the whole expert in this one launch; `_down` then reads the slot.
+        if copy:
+            total = H * I
+            chunk = tl.cdiv(tl.cdiv(total, COPY_PROGS), COPY_BLOCK) * COPY_BLOCK
+            lo = (tl.program_id(1) - n_gu) * chunk
+            for o in range(0, chunk, COPY_BLOCK):
+                e = lo + o + tl.arange(0, COPY_BLOCK)
+                tl.store(dst + down_off + e, tl.load(src + down_off + e, mask=e < total), mask=e < total)
+        return
     t = tl.load(tok_ptr + i).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
@@ -72,12 +86,12 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr
 
 
 @triton.jit
-def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, y_ptr, H, I,  # noqa: E741
-          slot_elems, down_off, FILL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I,  # noqa: E741
+          slot_elems, down_off, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
         return
-    src, dst, copy = _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL)
+    src = w_ptr + tl.load(slot_ptr + i).to(tl.int64) * slot_elems  # fills are in their slots by now
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < H
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -88,8 +102,6 @@ def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr
         offs = down_off + m[:, None] * I + k[None, :]
         m2 = mmask[:, None] & kmask[None, :]
         d = tl.load(src + offs, mask=m2, other=0.0)
-        if copy:
-            tl.store(dst + offs, d, mask=m2)
         acc += tl.sum(d.to(tl.float32) * hv[None, :], axis=1)
     w = tl.load(wt_ptr + i).to(tl.float32)
     tl.store(y_ptr + i * H + m, (acc * w).to(y_ptr.dtype.element_ty), mask=mmask)
@@ -129,12 +141,15 @@ def grouped_expert_gemv(
     x = x.contiguous()
     slot_elems = layout.slot_bytes // esize
     flag, rows, addr = fills if fills is not None else (slot_ids, slot_ids, slot_ids)
-    grid = (n, triton.cdiv(i_dim, 32))
-    _gate_up[grid](x, w, slot_ids, token_ids, count, flag, rows, addr, h, h_dim, i_dim, slot_elems,
-                   up.offset // esize, FILL=fills is not None, BLOCK_N=32, BLOCK_K=128)
+    n_gu = triton.cdiv(i_dim, 32)
+    copy_progs = n_gu if fills is not None else 0  # as many as read gate/up: the down third in step
+    _gate_up[(n, n_gu + copy_progs)](x, w, slot_ids, token_ids, count, flag, rows, addr, h, h_dim, i_dim,
+                                      slot_elems, up.offset // esize, down.offset // esize, n_gu,
+                                      FILL=fills is not None, BLOCK_N=32, BLOCK_K=128,
+                                      COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048)
     grid = (n, triton.cdiv(h_dim, 32))
-    _down[grid](h, w, slot_ids, weights, count, flag, rows, addr, y, h_dim, i_dim, slot_elems, down.offset // esize,
-                FILL=fills is not None, BLOCK_M=32, BLOCK_K=128)
+    _down[grid](h, w, slot_ids, weights, count, y, h_dim, i_dim, slot_elems, down.offset // esize,
+                BLOCK_M=32, BLOCK_K=128)
     return y
 
 

@@ -52,11 +52,9 @@ def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_pt
     if CAP > 0:
         c = tl.arange(0, CAP)
         stamps = tl.load(stamp_ptr + c, mask=c < cap, other=NEVER)
-        for i in tl.static_range(K):  # protect the slots this layer's hits use
-            s_i = tl.sum(tl.where((j == i) & hit, slot, 0), axis=0)
-            h_i = tl.sum(tl.where((j == i) & hit, 1, 0), axis=0)
-            stamps = tl.where((c == s_i) & (h_i > 0), NEVER, stamps)
-        for r in tl.static_range(K):  # the r-th fill takes the oldest slot still free to take
+        held = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1)
+        stamps = tl.where(held > 0, NEVER, stamps)  # the slots this layer's hits use
+        for r in range(0, q):  # the r-th fill takes the oldest slot still free to take (q passes, not k)
             v = tl.argmin(stamps, axis=0).to(tl.int32)
             stamps = tl.where(c == v, NEVER, stamps)
             slot = tl.where(fill & (rank == r), v, slot)
