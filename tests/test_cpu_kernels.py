@@ -88,6 +88,27 @@ def test_untouched_rows_and_empty_experts():
     kernel.experts(layout, [], [], x, w, out, 1, 2)  # nothing to do is not an error
 
 
+def test_runner_thread_gives_the_same_bits_into_compact_rows():
+    """The store's CPU branch: the call on the runner's native thread, its rows packed in order."""
+    kernel = _kernel()
+    layout, slots = make_slots("bfloat16", 131, 200, 3, seed=8)
+    x, w, k = torch.randn(11, 131), torch.rand(22), 2
+    groups = [torch.arange(0, 22, 2), torch.tensor([1, 5, 9]), torch.tensor([3])]
+    direct = torch.zeros(22, 131)
+    kernel.experts(layout, slots, groups, x, w, direct, k, 2)
+    runner = kernel.runner()
+    try:
+        for _ in range(3):  # the thread is reused call after call
+            compact = torch.full((15, 131), float("nan"))
+            kernel.start_experts(runner, layout, slots, groups, x, w, compact, k, 2, torch.arange(15))
+            busy = runner.wait()
+            assert busy is not None and busy >= 0
+            assert torch.equal(compact, direct[torch.cat(groups)])
+        assert runner.wait() is None  # nothing submitted
+    finally:
+        runner.close()
+
+
 def test_result_does_not_depend_on_batching_or_threads():
     """The store relies on it: an assignment's bits must not depend on what shares the call."""
     kernel = _kernel()

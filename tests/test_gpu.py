@@ -17,6 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # sort) and most of each layer's 16 experts (layer streaming where the cache holds two layers).
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 120, 33, 281, 14, 77, 190, 2, 56, 203, 9, 141, 62, 230, 18]
 DECODE = [33, 120, 7, 7, 201, 15, 80, 2]
+# Then 20 tokens behind the prompt, as an agent turn after a prefix hit: attention under a mask,
+# 80 items (the GEMM, the CPU branch's inputs staged with the routing).
+EXTEND = [71, 4, 188, 26, 93, 140, 5, 61, 222, 39, 17, 250, 8, 133, 47, 99, 12, 205, 66, 31]
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +31,9 @@ def model(tmp_path_factory):
 
 def logits(path, **opts) -> torch.Tensor:
     rt = Runtime(path, RuntimeOptions(threads=4, **opts))
-    kv = rt.new_kv(len(PROMPT) + len(DECODE))
+    kv = rt.new_kv(len(PROMPT) + len(DECODE) + len(EXTEND))
     out = [rt.decoder.forward(torch.tensor(c, device=rt.device), kv).float().cpu()
-           for c in [PROMPT] + [[t] for t in DECODE]]
+           for c in [PROMPT] + [[t] for t in DECODE] + [EXTEND]]
     rt.close()
     return torch.cat(out)
 

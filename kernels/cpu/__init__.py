@@ -92,39 +92,66 @@ class Kernel:
         self.lib.ftk_worker_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, ctypes.c_int,
                                               _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self.lib.ftk_worker_stop.argtypes = [_ptr]
+        self.lib.ftk_runner_start.restype = _ptr
+        self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes]
+        self.lib.ftk_runner_wait.restype = ctypes.c_int
+        self.lib.ftk_runner_wait.argtypes = [_ptr, ctypes.POINTER(ctypes.c_int64)]
+        self.lib.ftk_runner_stop.argtypes = [_ptr]
         self.lib.ftk_read.argtypes = [_ptr, _i64, ctypes.c_int]
         self.isa: str = self.lib.ftk_isa().decode()
 
     def experts(self, layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[torch.Tensor],
-                x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int) -> None:
+                x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
+                out_rows: torch.Tensor | None = None) -> None:
         """For each expert (its uint8 slot) and its flat assignments `a` (token * k + j):
         out[a] = weights[a] * expert(x[a // k]). float32 `x` [T, H], `weights` [T * k] and
-        `out` [T * k, H]; rows of `out` no assignment names are left untouched."""
+        `out` [T * k, H]; rows of `out` no assignment names are left untouched. `out_rows`: the
+        row of `out` for each assignment in order instead (a compact `out` of just these rows)."""
+        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
+        if call is not None and self.lib.ftk_experts(*call.args):
+            raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
+
+    def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
+                      assignments: Sequence[torch.Tensor], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                      k: int, threads: int, out_rows: torch.Tensor | None = None) -> None:
+        """As `experts`, on the runner's native thread: returns at once; `runner.wait()` ends it.
+        The caller keeps x, out and the slots alive until then."""
+        runner.submit(self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows))
+
+    def runner(self) -> Runner:
+        return Runner(self.lib)
+
+    @staticmethod
+    def _call(layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[torch.Tensor],
+              x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
+              out_rows: torch.Tensor | None) -> _Call | None:
+        """The checked arguments of one call (None: nothing to do)."""
         inter, hidden = layout.parts[0].shape  # gate [I, H]
         if x.dtype != torch.float32 or out.dtype != torch.float32 or x.shape[-1] != hidden:
             raise ValueError(f"the CPU kernel takes float32 x [T, {hidden}] and out, got {x.dtype} {tuple(x.shape)}")
         for t in (x, out, *slots):
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the CPU kernel needs contiguous CPU tensors")
+        if layout.dtype not in DTYPE_CODES:
+            raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
         if not slots:
-            return
+            return None
         a = torch.cat(list(assignments)).to(torch.int64)
         lo, hi = torch.aminmax(a) if a.numel() else (0, 0)
-        if lo < 0 or hi >= out.shape[0] or hi // k >= x.shape[0]:
+        if lo < 0 or hi // k >= x.shape[0] or hi >= weights.numel():
             raise ValueError("an assignment index is out of range")
-        start = [0]
-        for s in assignments:
-            start.append(start[-1] + len(s))
-        starts = torch.tensor(start, dtype=torch.int64)
+        rows = a if out_rows is None else out_rows.to(torch.int64).contiguous()
+        if rows.shape != a.shape or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= out.shape[0])):
+            raise ValueError("an output row is out of range")
+        starts = torch.tensor([0] + [len(s) for s in assignments], dtype=torch.int64).cumsum(0)
         tok = a // k
         w = weights.reshape(-1)[a].to(torch.float32).contiguous()
         ptrs = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64)
         offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
-        rc = self.lib.ftk_experts(DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), len(slots),
-                                  ptrs.data_ptr(), starts.data_ptr(), tok.data_ptr(), w.data_ptr(), a.data_ptr(),
-                                  x.data_ptr(), out.data_ptr(), threads)
-        if rc:
-            raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
+        keep = (rows, starts, tok, w, ptrs, offsets, x, out, *slots)
+        return _Call((DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), len(slots), ptrs.data_ptr(),
+                      starts.data_ptr(), tok.data_ptr(), w.data_ptr(), rows.data_ptr(), x.data_ptr(), out.data_ptr(),
+                      threads), keep)
 
     def start_worker(self, layout: SlotLayout, row_ptrs: torch.Tensor, k: int, ctrl: torch.Tensor,
                      payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int) -> Worker:
@@ -146,6 +173,50 @@ class Kernel:
         if buf.nbytes % 64 or not buf.is_contiguous():
             raise ValueError("read() needs a contiguous buffer of a multiple of 64 bytes")
         return self.lib.ftk_read(buf.data_ptr(), buf.nbytes, threads)
+
+
+class _Call:
+    """ftk_experts' arguments and the tensors they point into (alive while the call runs)."""
+
+    def __init__(self, args: tuple, keep: tuple):
+        self.args, self.keep = args, keep
+
+
+class Runner:
+    """A persistent native thread running one `experts` call at a time (`ftk_runner_*` in
+    experts.cpp): submit, go on with other work, `wait()`. Unlike a Python thread it needs no
+    GIL to start, so a busy caller does not delay the CPU branch."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib, self.handle = lib, lib.ftk_runner_start()
+        self._call: _Call | None = None
+        self._busy = ctypes.c_int64()
+
+    def submit(self, call: _Call | None) -> None:
+        if self._call is not None:
+            raise RuntimeError("the runner is busy: wait() for the previous call first")
+        if call is not None:
+            self._call = call
+            self.lib.ftk_runner_submit(self.handle, *call.args)
+
+    def wait(self) -> float | None:
+        """Block until the submitted call is done; its compute time in seconds (None: none)."""
+        if self._call is None:
+            return None
+        rc = self.lib.ftk_runner_wait(self.handle, ctypes.byref(self._busy))
+        self._call = None
+        if rc:
+            raise ValueError("the CPU kernel does not support this expert dtype")
+        return self._busy.value / 1e9
+
+    def close(self) -> None:
+        if self.handle:
+            self.wait()
+            self.lib.ftk_runner_stop(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class Worker:

@@ -11,8 +11,10 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -320,6 +322,40 @@ struct Worker {
   }
 };
 
+// One persistent native thread that runs `ftk_experts` calls handed to it, so the caller (Python)
+// goes on at once and the call needs no GIL to start: a Python worker thread had to win the GIL
+// from the thread issuing the GPU work first, which could take a switch interval (5 ms). The
+// thread keeps one OpenMP team, as a single caller would.
+struct Runner {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool pending = false, busy = false, stop = false;
+  int dtype = 0, rc = 0;
+  Call call{};
+  int64_t busy_ns = 0;
+  std::thread thread;
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu);
+    while (true) {
+      cv.wait(lock, [this] { return pending || stop; });
+      if (stop) return;
+      pending = false;
+      const Call c = call;
+      const int d = dtype;
+      lock.unlock();
+      const auto t0 = std::chrono::steady_clock::now();
+      const int r = dispatch(d, c);
+      const auto t1 = std::chrono::steady_clock::now();
+      lock.lock();
+      rc = r;
+      busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+      busy = false;
+      cv.notify_all();
+    }
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -352,6 +388,45 @@ int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const u
                 const int64_t* start, const int64_t* tok, const float* weight, const int64_t* out_row,
                 const float* x, float* out, int threads) {
   return dispatch(dtype, Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads)});
+}
+
+void* ftk_runner_start() {
+  auto* r = new Runner();
+  r->thread = std::thread([r] { r->loop(); });
+  return r;
+}
+
+// Hand one `ftk_experts` call to the runner (which must be idle: submit, then wait, in turn). The
+// arrays must stay valid until `ftk_runner_wait` returns.
+void ftk_runner_submit(void* handle, int dtype, int H, int I, const int64_t* part_off, int n,
+                       const uint8_t* const* slots, const int64_t* start, const int64_t* tok, const float* weight,
+                       const int64_t* out_row, const float* x, float* out, int threads) {
+  auto* r = static_cast<Runner*>(handle);
+  std::lock_guard<std::mutex> lock(r->mu);
+  r->dtype = dtype;
+  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads)};
+  r->pending = r->busy = true;
+  r->cv.notify_all();
+}
+
+// Block until the submitted call is done; its return code, and its compute time in `busy_ns`.
+int ftk_runner_wait(void* handle, int64_t* busy_ns) {
+  auto* r = static_cast<Runner*>(handle);
+  std::unique_lock<std::mutex> lock(r->mu);
+  r->cv.wait(lock, [r] { return !r->busy; });
+  *busy_ns = r->busy_ns;
+  return r->rc;
+}
+
+void ftk_runner_stop(void* handle) {
+  auto* r = static_cast<Runner*>(handle);
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    r->stop = true;
+    r->cv.notify_all();
+  }
+  r->thread.join();
+  delete r;
 }
 
 // A plain parallel read of `nbytes` (a multiple of 64) as floats: the DRAM bandwidth reference

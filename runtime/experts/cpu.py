@@ -1,4 +1,5 @@
-"""A persistent CPU worker pool that runs experts straight from the host pool.
+"""A persistent CPU worker pool: the CPU branch's threads where the compiled kernel is missing
+(with the kernel, one native `Runner` thread runs each layer's call; see kernels/cpu).
 
 Each job computes one expert for its tokens and writes its own rows of the per-assignment
 buffer, so jobs never touch the same memory and need no locks; torch releases the GIL inside

@@ -22,6 +22,7 @@ import importlib.util
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,6 +106,7 @@ class ExpertStore:
         self.planner = Planner(self.strategy, ratio)
         self.cpu = CPUExecutor(threads)
         self.kernel = load_cpu_kernel()
+        self.runner = self.kernel.runner() if self.kernel is not None else None  # the CPU branch's thread
         self.stats = ExpertStats()
         float_slots = pool.layout.dtype != "q8_0"
         self.grouped = _load_grouped() if self.device.type == "cuda" and float_slots else None
@@ -137,6 +139,7 @@ class ExpertStore:
         t, k = topk_ids.shape
         moe = self.spec.moe_index(layer)
         base = moe * self.spec.num_experts
+        staged = self._stage(hidden, topk_weights)  # before the read-back below, which it rides on
         order, counts = self._sorted(topk_ids.reshape(-1))
         groups: dict[int, torch.Tensor] = {}  # row -> flat assignment indices (t * k + j)
         start = 0
@@ -157,9 +160,10 @@ class ExpertStore:
         weights = topk_weights.reshape(-1, 1)
         y = torch.zeros((t * k, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
         self._time_cuda_fills()
-        cpu_spans: list[tuple[float, float]] = []
-        futures, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, cpu_spans)
-        self._fill([(r, s) for r, s in plan.fills if r not in streamed])
+        fills = [(r, s) for r, s in plan.fills if r not in streamed]
+        self._fill(fills[:1])  # the copy engine starts now; the CPU branch while it copies
+        wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged)
+        self._fill(fills[1:])
         self._stream_ahead(moe, len(rows), 1)
         resident = plan.hits + plan.fills
         if self.device.type == "cpu":
@@ -174,13 +178,28 @@ class ExpertStore:
         self._stream_ahead(moe, len(rows), 2)
         if moe == self.spec.num_moe_layers - 1:
             self._release()
-        CPUExecutor.wait(futures)
-        if cpu_spans:
-            busy = max(end for _, end in cpu_spans) - min(start for start, _ in cpu_spans)
+        busy = wait_cpu()
+        if busy:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, busy)
-        if host_y is not y:  # rows are disjoint and zero elsewhere, so adding is exact
-            y = y + host_y.to(y.device)
+        if host_y is not None:  # the CPU set's rows, disjoint from the device's: copied in place
+            idx = torch.cat([groups[r] for r in plan.cpu]).pin_memory().to(y.device, non_blocking=True)
+            y.index_copy_(0, idx, host_y.to(y.device, non_blocking=True).to(y.dtype))
         return y.view(t, k, -1).sum(dim=1)
+
+    def _stage(self, hidden: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """On a GPU, queue the CPU branch's inputs (float32 activations and router weights) into
+        page-locked host memory ahead of the routing read-back, so that one synchronisation per
+        layer serves both. Only where the CPU may get work: hybrid batches small enough that
+        not every miss is filled (`CPU_MAX_TOKENS`), and the cpu strategy."""
+        if hidden.device.type == "cpu" or self.strategy not in (CPU, HYBRID):
+            return None
+        if self.strategy == HYBRID and weights.numel() > CPU_MAX_TOKENS * self.spec.num_experts:
+            return None
+        x = torch.empty(hidden.shape, dtype=torch.float32, pin_memory=True)
+        w = torch.empty((weights.numel(), 1), dtype=torch.float32, pin_memory=True)
+        x.copy_(hidden.float(), non_blocking=True)
+        w.copy_(weights.reshape(-1, 1), non_blocking=True)
+        return x, w
 
     def _sorted(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """The assignments' flat indices grouped by expert (stable) on the host, and each
@@ -290,52 +309,68 @@ class ExpertStore:
             self.planner.observe_fill(nbytes, start.elapsed_time(end) / 1e3)
 
     def _host_experts(self, slots: list[torch.Tensor], idxs: list[torch.Tensor], x: torch.Tensor,
-                      w: torch.Tensor, y: torch.Tensor, k: int) -> None:
-        """Experts whose slots are in host memory, in one kernel call (float32 in and out)."""
+                      w: torch.Tensor, y: torch.Tensor, k: int, rows: list[torch.Tensor] | None = None) -> None:
+        """Experts whose slots are in host memory, in one kernel call (float32 in and out).
+        `rows`: per expert, the rows of `y` its assignments go to (default: the assignments)."""
         if not slots:
             return
+        rows = idxs if rows is None else rows
         if self.kernel is None:
-            for slot, idx in zip(slots, idxs, strict=True):
-                self._eval(slot, idx, x, w, y, k)
+            for slot, idx, row in zip(slots, idxs, rows, strict=True):
+                gate, up, down = expert_weights(self.pool.layout, slot, x.dtype)
+                y[row] = (expert_forward(x[idx // k], gate, up, down) * w[idx]).to(y.dtype)
             return
-        if x.dtype == torch.float32:
-            self.kernel.experts(self.pool.layout, slots, idxs, x.contiguous(), w, y, k, self.cpu.threads)
+        if x.dtype == torch.float32 and y.dtype == torch.float32:
+            self.kernel.experts(self.pool.layout, slots, idxs, x.contiguous(), w, y, k, self.cpu.threads,
+                                torch.cat(rows))
             return
         out = torch.zeros(y.shape, dtype=torch.float32)
-        self.kernel.experts(self.pool.layout, slots, idxs, x.float(), w, out, k, self.cpu.threads)
-        idx = torch.cat(idxs)
-        y[idx] = out[idx].to(y.dtype)
-
-    def _eval(self, slot: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-              y: torch.Tensor, k: int) -> None:
-        """One expert for its assignments `idx` (flat t * k + j), weighted, into y[idx]."""
-        gate, up, down = expert_weights(self.pool.layout, slot, x.dtype)
-        y[idx] = expert_forward(x[idx // k], gate, up, down) * w[idx]
+        self.kernel.experts(self.pool.layout, slots, idxs, x.float(), w, out, k, self.cpu.threads, torch.cat(rows))
+        row = torch.cat(rows)
+        y[row] = out[row].to(y.dtype)
 
     def _start_cpu(self, plan: LayerPlan, groups: dict[int, torch.Tensor], hidden: torch.Tensor,
-                   weights: torch.Tensor, y: torch.Tensor, k: int, spans: list[tuple[float, float]]):
-        """Start the CPU set from the host pool: one kernel call for the whole set, or one torch
-        job per expert without the kernel. Returns the futures and the buffer they write; each
-        job appends its (start, end) to `spans`: the planner weighs the CPU branch by its own
-        work, as it weighs fills by their copy time, not by the thread hand-over before it."""
+                   weights: torch.Tensor, y: torch.Tensor, k: int,
+                   staged: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[Callable[[], float | None], torch.Tensor | None]:
+        """Start the CPU set from the host pool: one kernel call on the runner's native thread,
+        or one torch job per expert on the thread pool without the kernel. Returns a wait that
+        gives the branch's own compute time (the planner weighs it by that, as it weighs fills
+        by their copy time, not by the hand-over before them) and, on a GPU, the page-locked
+        buffer it fills: the set's rows in `plan.cpu` order (None: it writes `y`, in host memory)."""
         if not plan.cpu:
-            return [], y
+            return lambda: None, None
+        idxs = [groups[r] for r in plan.cpu]
+        slots = [self.pool.slot(r) for r in plan.cpu]
         if hidden.device.type == "cpu":
-            x, w, out = hidden, weights, y
+            x, w, out, rows = hidden, weights, y, idxs
         else:
-            x, w = hidden.to("cpu"), weights.to("cpu")
-            out = torch.zeros(y.shape, dtype=y.dtype)
+            # `staged` came with the routing; large batches (prefill on the cpu strategy) copy now
+            x, w = staged if staged is not None else (hidden.float().cpu(), weights.float().cpu())
+            n = sum(len(i) for i in idxs)
+            out = torch.empty((n, y.shape[-1]), dtype=torch.float32, pin_memory=True)
+            rows = list(torch.arange(n).split([len(i) for i in idxs]))
+        host = None if out is y else out
+        if self.runner is not None and x.dtype == out.dtype == torch.float32:
+            self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
+                                      self.cpu.threads, torch.cat(rows) if out is y else torch.arange(len(out)))
+            return self.runner.wait, host
+        spans: list[tuple[float, float]] = []
 
-        def job(rows: list[int]):
+        def job(part: slice):
             def run() -> None:
                 start = time.perf_counter()
                 with torch.inference_mode():  # thread-local: the caller's mode does not carry over
-                    self._host_experts([self.pool.slot(r) for r in rows], [groups[r] for r in rows], x, w, out, k)
+                    self._host_experts(slots[part], idxs[part], x, w, out, k, rows[part])
                 spans.append((start, time.perf_counter()))
             return run
 
-        batches = [plan.cpu] if self.kernel else [[r] for r in plan.cpu]
-        return self.cpu.start([job(b) for b in batches]), out
+        parts = [slice(None)] if self.kernel else [slice(i, i + 1) for i in range(len(idxs))]
+        futures = self.cpu.start([job(p) for p in parts])
+
+        def wait() -> float:
+            CPUExecutor.wait(futures)
+            return max(end for _, end in spans) - min(start for start, _ in spans)
+        return wait, host
 
     def resident_rows(self) -> list[int]:
         """The resident rows, least recently used first (takes the residency back from graph
@@ -411,4 +446,6 @@ class ExpertStore:
     def close(self) -> None:
         self._drop_device_plan()
         self.cpu.close()
+        if self.runner is not None:
+            self.runner.close()
 
