@@ -22,6 +22,7 @@ Without CUDA (`capture=False`) the same step runs eagerly: tests check it on CPU
 
 from __future__ import annotations
 
+import gc
 import sys
 import weakref
 from collections.abc import Iterator
@@ -283,12 +284,18 @@ class GraphDecode:
         for t, old in zip((plan.counts, self.token, self.pos), saved, strict=True):
             t.copy_(old)
         graphs, state = [], None
-        for layers in self.pieces:  # replayed in capture order, so sharing one pool is safe
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                state = self._piece(state, layers, span)
-            self.pool = graph.pool()
-            graphs.append(graph)
+        collecting = gc.isenabled()
+        gc.disable()  # a collection while capturing can free an earlier runtime's page-locked
+        try:  # buffers, whose event bookkeeping a capturing stream does not allow
+            for layers in self.pieces:  # replayed in capture order, so sharing one pool is safe
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    state = self._piece(state, layers, span)
+                self.pool = graph.pool()
+                graphs.append(graph)
+        finally:
+            if collecting:
+                gc.enable()
         self.logits[span], self.graphs[span] = state, graphs
         return graphs
 
