@@ -44,7 +44,7 @@ if has wrong; then
   $PY -m ftkit.tools.bench.wrong_profile "$W" --profile "$PROFILE" --layers 4 --threads 15 --json "$OUT/wrong_profile.json" 2>&1 | tee "$OUT/wrong_profile.txt"
 fi
 if has gpu; then
-  $PY -m pytest -q --tb=short tests/test_gpu.py tests/test_triton_experts.py tests/test_triton_decode.py tests/test_graphs.py > "$OUT/gpu_tests.txt" 2>&1
+  $PY -m pytest -q --tb=short tests/test_gpu.py tests/test_triton_experts.py tests/test_triton_decode.py tests/test_triton_attention.py tests/test_graphs.py > "$OUT/gpu_tests.txt" 2>&1
   tail -15 "$OUT/gpu_tests.txt"
 fi
 if has zerocopy; then

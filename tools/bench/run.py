@@ -9,6 +9,9 @@ pool bytes over B_P.
 
 from __future__ import annotations
 
+import gzip
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +120,12 @@ def _profiled(rt: Runtime, fn, path: Path) -> None:
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     gpu = prof.key_averages().table(sort_by=sort, row_limit=15) if rt.device.type == "cuda" else ""
     Path(path).write_text(table + "\n\n" + gpu)
+    if os.environ.get("FTKIT_CHROME_TRACE"):  # the timeline too (chrome://tracing, Perfetto), gzipped
+        raw = Path(path).with_suffix(".trace.json")
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as f, gzip.open(str(raw) + ".gz", "wb") as z:
+            shutil.copyfileobj(f, z)
+        raw.unlink()
 
 
 def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
@@ -190,7 +199,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
             e = rt.store.stats.totals()
             ext = {"extend": extend, "answer": answer, "extend_seconds": time.perf_counter() - t0,
                    "extend_active": e.active, "extend_moved_gb": e.misses * rt.ftw.layout.slot_bytes / 1e9,
-                   "extend_cpu_gb": e.cpu * rt.ftw.layout.slot_bytes / 1e9}
+                   "extend_cpu_gb": e.cpu * rt.ftw.layout.slot_bytes / 1e9, **_planner_rates(rt)}
     if trace_to is not None:  # counted above: the profiled repeats do not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
@@ -214,6 +223,13 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         "resident_kept": kept,
         **ext,
     }
+
+
+def _planner_rates(rt: Runtime) -> dict:
+    """The host planner's measured fill and CPU-expert rates (GB/s), which set its split."""
+    p = rt.store.planner
+    return {f"planner_{name}_gbps": 1e-9 / spb for name, spb in (("fill", p.fill_s_per_byte), ("cpu", p.cpu_s_per_byte))
+            if spb}
 
 
 def hbm_gbps(device: torch.device) -> float | None:
