@@ -13,7 +13,7 @@ from ftkit.runtime.experts.prefill import LayerPrefetcher
 from ftkit.runtime.profile import Bandwidths
 from ftkit.tools.convert.pipeline import convert, make_plan
 
-PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8]
+PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 140, 21, 77, 190, 2, 56, 203, 9, 33, 118]  # 4+ items per expert
 DECODE = [33, 120, 7, 7, 201, 15, 80, 2]
 
 
@@ -91,6 +91,8 @@ def test_every_strategy_matches_fused_bitwise(ftw_models, family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_prefill_layer_streaming_is_exact(ftw_models, family):
+    """Whole layers copied ahead (the prompt routes 5 items per expert), then decode steps that
+    move only their misses: the same bits as fused."""
     ref, _, _ = run_tokens(ftw_models[family], strategy="fused")
     for cfg in (dict(strategy="offload", cache_experts=16), dict(strategy="hybrid", cache_experts=20,
                                                               bandwidth_ratio=0.3)):
@@ -178,9 +180,30 @@ def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream)
             forward(torch.tensor([[0, 3]]))
         hot = list(store.cache.lru)[-(capacity - staging):]
         store.stats.reset()
-        forward(torch.arange(2 * e).remainder(e).view(e, 2))  # every expert of every layer
+        forward(torch.arange(4 * e).remainder(e).view(2 * e, 2))  # every expert of every layer, 4 times
     fills = store.stats.totals().fills
     assert fills > capacity - len(hot)  # plain LRU would have evicted the hot rows for these
     assert set(hot) <= set(store.cache.lru)
     assert not store.holding and not store.cache.kept
+    rt.close()
+
+
+def test_a_short_extend_moves_only_its_misses(hf_checkpoint, tmp_path):
+    """An extend that touches every expert once (too few items per expert to stream whole
+    layers) plans each layer from its own routing: hybrid sends misses to the CPU in every
+    layer, which a streamed layer (copied in ahead) would not."""
+    path = tmp_path / "m.ftw"
+    convert(make_plan(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts
+    rt = Runtime(path, RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.3, threads=2,
+                                      trace_stats=True))
+    rt.store.prefetcher = LayerPrefetcher(rt.pool, rt.device)
+    spec, store = rt.spec, rt.store
+    e, k = spec.num_experts, spec.top_k
+    x = torch.randn((e // k, spec.hidden_size), generator=torch.Generator().manual_seed(0))
+    ids = torch.arange(e).view(e // k, k)  # every expert, one item each
+    with torch.inference_mode():
+        store.stats.new_step()
+        for layer in spec.moe_layers:
+            store.run(layer, x, ids, torch.full(ids.shape, 1 / k))
+    assert all(c.active == e and c.cpu > 0 for c in store.stats.steps[0].values())
     rt.close()
