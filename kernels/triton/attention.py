@@ -115,5 +115,5 @@ def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
         BLOCK_D=block_d, BT=bt, BLOCK_M=block_m, BLOCK_S=block_s, IEEE=ieee)
     out = torch.empty_like(q)
     _combine[(t, heads)](acc, ml, out, t, splits, HEADS=heads, D=d, BLOCK_D=block_d,
-                         BLOCK_P=max(2, triton.next_power_of_2(splits)))
+                         BLOCK_P=MAX_SPLITS)  # fixed: one compile whatever the context length
     return out
