@@ -88,14 +88,20 @@ def test_untouched_rows_and_empty_experts():
     kernel.experts(layout, [], [], x, w, out, 1, 2)  # nothing to do is not an error
 
 
-def test_runner_thread_gives_the_same_bits_into_compact_rows():
-    """The store's CPU branch: the call on the runner's native thread, its rows packed in order."""
+def _three_experts(seed: int):
+    """A call of three bf16 experts over 11 tokens (top-2), and its result in assignment rows."""
     kernel = _kernel()
-    layout, slots = make_slots("bfloat16", 131, 200, 3, seed=8)
+    layout, slots = make_slots("bfloat16", 131, 200, 3, seed=seed)
     x, w, k = torch.randn(11, 131), torch.rand(22), 2
     groups = [torch.arange(0, 22, 2), torch.tensor([1, 5, 9]), torch.tensor([3])]
-    direct = torch.zeros(22, 131)
-    kernel.experts(layout, slots, groups, x, w, direct, k, 2)
+    out = torch.zeros(22, 131)
+    kernel.experts(layout, slots, groups, x, w, out, k, 2)
+    return kernel, layout, slots, x, w, k, groups, out
+
+
+def test_runner_thread_gives_the_same_bits_into_compact_rows():
+    """The store's CPU branch: the call on the runner's native thread, its rows packed in order."""
+    kernel, layout, slots, x, w, k, groups, direct = _three_experts(8)
     runner = kernel.runner()
     try:
         for _ in range(3):  # the thread is reused call after call
@@ -111,12 +117,7 @@ def test_runner_thread_gives_the_same_bits_into_compact_rows():
 
 def test_result_does_not_depend_on_batching_or_threads():
     """The store relies on it: an assignment's bits must not depend on what shares the call."""
-    kernel = _kernel()
-    layout, slots = make_slots("bfloat16", 131, 200, 3, seed=7)
-    x, w, k = torch.randn(11, 131), torch.rand(22), 2
-    groups = [torch.arange(0, 22, 2), torch.tensor([1, 5, 9]), torch.tensor([3])]
-    together = torch.zeros(22, 131)
-    kernel.experts(layout, slots, groups, x, w, together, k, 2)
+    kernel, layout, slots, x, w, k, groups, together = _three_experts(7)
     for slot, idx in zip(slots, groups, strict=True):
         for sub in (idx, idx[:1], idx[-3:]):
             alone = torch.zeros(22, 131)
