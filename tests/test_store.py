@@ -155,10 +155,11 @@ def test_profile_ratio():
     assert Bandwidths(40.0, 40.0, overlapped=True).ratio == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream):
+@pytest.mark.parametrize("stream, items", [(False, 4), (True, 4), (True, 1)])
+def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream, items):
     """A chunk that routes to every expert of every layer takes only staging room (two layers
-    when streaming, one for on-demand fills); the most recently used rest stays resident."""
+    when streaming, one for on-demand fills, as an extend with one item per expert takes
+    where the store could stream); the most recently used rest stays resident."""
     path = tmp_path / "m.ftw"
     convert(make_plan(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts: 32 rows
     capacity = 24 if stream else 12
@@ -167,7 +168,7 @@ def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream)
         rt.store.prefetcher = LayerPrefetcher(rt.pool, rt.device)
     store, spec = rt.store, rt.spec
     e, k = spec.num_experts, spec.top_k
-    staging = (2 if stream else 1) * e
+    staging = (2 if stream and items >= 4 else 1) * e
     gen = torch.Generator().manual_seed(0)
 
     def forward(ids: torch.Tensor) -> None:
@@ -176,11 +177,11 @@ def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream)
             store.run(layer, x, ids, torch.full(ids.shape, 1 / k))
 
     with torch.inference_mode():
-        for _ in range(3):  # decode: two experts per layer
-            forward(torch.tensor([[0, 3]]))
+        for _ in range(3):  # decode: three experts per layer
+            forward(torch.tensor([[0, 3], [1, 3]]))
         hot = list(store.cache.lru)[-(capacity - staging):]
         store.stats.reset()
-        forward(torch.arange(4 * e).remainder(e).view(2 * e, 2))  # every expert of every layer, 4 times
+        forward(torch.arange(items * e).remainder(e).view(-1, k))  # every expert of every layer
     fills = store.stats.totals().fills
     assert fills > capacity - len(hot)  # plain LRU would have evicted the hot rows for these
     assert set(hot) <= set(store.cache.lru)

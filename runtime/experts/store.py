@@ -150,7 +150,7 @@ class ExpertStore:
                 start += n
         # Most-used experts first: they are the ones worth filling.
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))
-        self._hold_hottest(moe, len(rows))
+        self._hold_hottest(moe, len(rows), t * k)
         streamed = set(self.prefetcher.wait(moe)) if self.prefetcher else set()
         plan = self.planner.plan(self.cache, rows, fill_all=t * k > CPU_MAX_TOKENS * len(rows))
         if streamed:  # copied in ahead for this layer: count them as this layer's fills
@@ -213,20 +213,24 @@ class ExpertStore:
         flat = flat.to("cpu", torch.int64)
         return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=e).tolist()
 
-    def _hold_hottest(self, moe_index: int, active: int) -> None:
+    def _hold_hottest(self, moe_index: int, active: int, items: int) -> None:
         """A chunk-sized batch (one that routes to most of a layer's experts) sends every expert
         of every layer through the cache. Only what that needs is given to it: the staging room
-        for two layers while streaming (one for on-demand fills), and the rest of the cache, the
-        most recently used rows, stays resident for the decode that follows. Held from the
-        forward's first chunk-sized layer to its last MoE layer."""
+        for two layers while streaming (one for on-demand fills: an extend's), and the rest of
+        the cache, the most recently used rows, stays resident for the decode that follows. Held
+        from the forward's first chunk-sized layer to its last MoE layer."""
         if moe_index == 0:
             self._release()  # a new forward
         if self.holding or active < STREAM_FRACTION * self.spec.num_experts:
             return
-        p = self.prefetcher
-        staging = (2 if p is not None and p.fits(self.cache) else 1) * self.spec.num_experts
+        staging = (2 if self._streams(active, items) else 1) * self.spec.num_experts
         self.cache.hold(self.cache.capacity - staging)
         self.holding = True
+
+    def _streams(self, active: int, items: int) -> bool:
+        """Whether a layer with this routing streams whole layers ahead (see `_stream_ahead`)."""
+        p, e = self.prefetcher, self.spec.num_experts
+        return p is not None and active >= STREAM_FRACTION * e and items >= STREAM_ITEMS * e and p.fits(self.cache)
 
     def _release(self) -> None:
         self.cache.release()
@@ -242,10 +246,9 @@ class ExpertStore:
         32-token extend of uniform routing: 256 items over 128 experts reach ~75% of them), a
         whole next layer would be a quarter waste, with too little compute to hide the copies
         behind (streaming was 2x slower than on-demand there)."""
-        p, e = self.prefetcher, self.spec.num_experts
-        if p is None or active < STREAM_FRACTION * e or items < STREAM_ITEMS * e or not p.fits(self.cache):
-            return
-        p.prefetch(self.cache, moe_index + ahead, set(p.rows(moe_index + ahead - 1)))
+        if self._streams(active, items):
+            p = self.prefetcher
+            p.prefetch(self.cache, moe_index + ahead, set(p.rows(moe_index + ahead - 1)))
 
     def _device_gemv(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
                      x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
