@@ -183,8 +183,9 @@ class ExpertStore:
         if busy:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, busy)
         if host_y is not None:  # the CPU set's rows, disjoint from the device's: copied in place
-            idx = torch.cat([groups[r] for r in plan.cpu]).pin_memory().to(y.device, non_blocking=True)
-            y.index_copy_(0, idx, host_y.to(y.device, non_blocking=True).to(y.dtype))
+            rows_y, idx = host_y
+            y.index_copy_(0, idx.pin_memory().to(y.device, non_blocking=True),
+                          rows_y.to(y.device, non_blocking=True).to(y.dtype))
         return y.view(t, k, -1).sum(dim=1)
 
     def _stage(self, hidden: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -338,12 +339,14 @@ class ExpertStore:
 
     def _start_cpu(self, plan: LayerPlan, groups: dict[int, torch.Tensor], hidden: torch.Tensor,
                    weights: torch.Tensor, y: torch.Tensor, k: int,
-                   staged: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[Callable[[], float | None], torch.Tensor | None]:
+                   staged: tuple[torch.Tensor, torch.Tensor] | None,
+                   ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Start the CPU set from the host pool: one kernel call on the runner's native thread,
         or one torch job per expert on the thread pool without the kernel. Returns a wait that
         gives the branch's own compute time (the planner weighs it by that, as it weighs fills
         by their copy time, not by the hand-over before them) and, on a GPU, the page-locked
-        buffer it fills: the set's rows in `plan.cpu` order (None: it writes `y`, in host memory)."""
+        buffer it fills (the set's rows in `plan.cpu` order) with their rows of `y` (None: it
+        writes `y`, in host memory)."""
         if not plan.cpu:
             return lambda: None, None
         idxs = [groups[r] for r in plan.cpu]
@@ -356,10 +359,10 @@ class ExpertStore:
             n = sum(len(i) for i in idxs)
             out = torch.empty((n, y.shape[-1]), dtype=torch.float32, pin_memory=True)
             rows = list(torch.arange(n).split([len(i) for i in idxs]))
-        host = None if out is y else out
+        host = None if out is y else (out, torch.cat(idxs))
         if self.runner is not None and x.dtype == out.dtype == torch.float32:
             self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
-                                      self.cpu.threads, torch.cat(rows) if out is y else torch.arange(len(out)))
+                                      self.cpu.threads, torch.cat(rows))
             return self.runner.wait, host
         spans: list[tuple[float, float]] = []
 

@@ -9,9 +9,7 @@ pool bytes over B_P.
 
 from __future__ import annotations
 
-import gzip
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,12 +118,8 @@ def _profiled(rt: Runtime, fn, path: Path) -> None:
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     gpu = prof.key_averages().table(sort_by=sort, row_limit=15) if rt.device.type == "cuda" else ""
     Path(path).write_text(table + "\n\n" + gpu)
-    if os.environ.get("FTKIT_CHROME_TRACE"):  # the timeline too (chrome://tracing, Perfetto), gzipped
-        raw = Path(path).with_suffix(".trace.json")
-        prof.export_chrome_trace(str(raw))
-        with raw.open("rb") as f, gzip.open(str(raw) + ".gz", "wb") as z:
-            shutil.copyfileobj(f, z)
-        raw.unlink()
+    if os.environ.get("FTKIT_CHROME_TRACE"):  # the timeline too (Perfetto); torch gzips a .gz path
+        prof.export_chrome_trace(str(Path(path).with_suffix(".trace.json.gz")))
 
 
 def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
