@@ -115,6 +115,30 @@ def test_runner_thread_gives_the_same_bits_into_compact_rows():
         runner.close()
 
 
+def test_a_shared_split_runs_each_expert_once():
+    """Hybrid's shared split: the caller takes experts from the front while the runner runs;
+    the runner computes exactly the rest, with the same bits, and leaves the caller's rows."""
+    kernel, layout, slots, x, w, k, groups, direct = _three_experts(9)
+    ends = torch.tensor([0] + [len(g) for g in groups]).cumsum(0).tolist()
+    runner = kernel.runner()
+    try:
+        for first in range(4):  # the caller takes 0..3 experts before the runner starts
+            split = kernel.new_split(len(groups))
+            mine = [kernel.take_front(split) for _ in range(first)]
+            assert mine == list(range(min(first, 3))) + [None] * (first - 3)
+            compact = torch.full((15, 131), float("nan"))
+            kernel.start_experts(runner, layout, slots, groups, x, w, compact, k, 2, torch.arange(15), split)
+            while kernel.take_front(split) is not None:  # racing the runner for the rest
+                pass
+            runner.wait()
+            front = kernel.split_front(split)
+            assert front >= min(first, 3) and kernel.take_front(split) is None
+            assert compact[: ends[front]].isnan().all()
+            assert torch.equal(compact[ends[front] :], direct[torch.cat(groups)][ends[front] :])
+    finally:
+        runner.close()
+
+
 def test_result_does_not_depend_on_batching_or_threads():
     """The store relies on it: an assignment's bits must not depend on what shares the call."""
     kernel, layout, slots, x, w, k, groups, together = _three_experts(7)

@@ -191,13 +191,14 @@ def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream,
 
 def test_a_short_extend_moves_only_its_misses(hf_checkpoint, tmp_path):
     """An extend that touches every expert once (too few items per expert to stream whole
-    layers) plans each layer from its own routing: hybrid sends misses to the CPU in every
-    layer, which a streamed layer (copied in ahead) would not."""
+    layers) plans each layer from its own routing: no layer is copied in ahead."""
     path = tmp_path / "m.ftw"
     convert(make_plan(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts
     rt = Runtime(path, RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.3, threads=2,
                                       trace_stats=True))
     rt.store.prefetcher = LayerPrefetcher(rt.pool, rt.device)
+    ahead = []
+    rt.store.prefetcher.prefetch = lambda cache, moe_index, in_use: ahead.append(moe_index)
     spec, store = rt.spec, rt.store
     e, k = spec.num_experts, spec.top_k
     x = torch.randn((e // k, spec.hidden_size), generator=torch.Generator().manual_seed(0))
@@ -206,5 +207,6 @@ def test_a_short_extend_moves_only_its_misses(hf_checkpoint, tmp_path):
         store.stats.new_step()
         for layer in spec.moe_layers:
             store.run(layer, x, ids, torch.full(ids.shape, 1 / k))
-    assert all(c.active == e and c.cpu > 0 for c in store.stats.steps[0].values())
+    assert all(c.active == e and c.misses == e for c in store.stats.steps[0].values())
+    assert not ahead
     rt.close()

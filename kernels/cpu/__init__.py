@@ -93,7 +93,9 @@ class Kernel:
                                               _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self.lib.ftk_worker_stop.argtypes = [_ptr]
         self.lib.ftk_runner_start.restype = _ptr
-        self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes]
+        self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes, _ptr]
+        self.lib.ftk_take_front.restype = ctypes.c_int
+        self.lib.ftk_take_front.argtypes = [_ptr]
         self.lib.ftk_runner_wait.restype = ctypes.c_int
         self.lib.ftk_runner_wait.argtypes = [_ptr, ctypes.POINTER(ctypes.c_int64)]
         self.lib.ftk_runner_stop.argtypes = [_ptr]
@@ -113,10 +115,34 @@ class Kernel:
 
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
                       assignments: Sequence[torch.Tensor], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                      k: int, threads: int, out_rows: torch.Tensor | None = None) -> None:
+                      k: int, threads: int, out_rows: torch.Tensor | None = None,
+                      split: torch.Tensor | None = None) -> None:
         """As `experts`, on the runner's native thread: returns at once; `runner.wait()` ends it.
-        The caller keeps x, out and the slots alive until then."""
-        runner.submit(self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows))
+        The caller keeps x, out and the slots alive until then. `split` (from `new_split`): the
+        call shares its experts with the caller, who takes them from the front (`take_front`)
+        while the call takes them from the back; it runs only those it takes."""
+        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
+        if call is not None:
+            call.args += (None if split is None else split.data_ptr(),)
+            if split is not None:
+                call.keep += (split,)
+        runner.submit(call)
+
+    @staticmethod
+    def new_split(n: int) -> torch.Tensor:
+        """A split of n experts shared by the caller and a runner call: front 0, back n."""
+        return torch.tensor([n << 32], dtype=torch.int64)
+
+    def take_front(self, split: torch.Tensor) -> int | None:
+        """The caller's next expert of a shared split, or None once the runner has the rest.
+        After the call ends, experts front.. (`split_front`) were the runner's."""
+        i = self.lib.ftk_take_front(split.data_ptr())
+        return None if i < 0 else i
+
+    @staticmethod
+    def split_front(split: torch.Tensor) -> int:
+        """How many experts the caller took (read once the runner's call has ended)."""
+        return int(split[0]) & 0xFFFFFFFF
 
     def runner(self) -> Runner:
         return Runner(self.lib)

@@ -190,23 +190,50 @@ struct Call {
   const float* x;          // [tokens, H] float32
   float* out;              // [rows, H] float32
   int threads;
+  int64_t* claim;          // null: run every expert; else the split shared with the GPU (`take`)
 };
 
-// Rows per work item: big enough to stream (gate+up: 2 x 16 rows x H; down: 64 rows x I), small
-// enough that the dynamic schedule balances a few experts over many threads.
-constexpr int CHUNK_GU = 16, CHUNK_D = 64;
+// A split of experts 0..n-1 shared by two branches while they run: the GPU's side takes fills
+// from the front (the most-used experts first), the CPU takes experts from the back, one at a
+// time, until the two meet. Whichever branch runs faster takes more, so neither waits for a
+// split fixed in advance from estimated rates. One 64-bit word: front in the low half, back
+// (exclusive) in the high half, changed only by compare-and-swap.
+int take(int64_t* claim, bool front) {
+  int64_t v = __atomic_load_n(claim, __ATOMIC_ACQUIRE);
+  while (true) {
+    const int64_t f = v & 0xffffffff, b = v >> 32;
+    if (f >= b) return -1;
+    const int64_t next = front ? (b << 32) | (f + 1) : ((b - 1) << 32) | f;
+    if (__atomic_compare_exchange_n(claim, &v, next, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+      return int(front ? f : b - 1);
+  }
+}
+
+// Rows per work item: big enough to stream (at most 2 x 16 rows x H of gate+up, 64 rows x I of
+// down), small enough that the dynamic schedule balances the call's experts over every thread
+// (a shared split runs one expert at a time: ~8 items per thread).
+int chunk_rows(int rows, long experts, int threads, int lo, int hi) {
+  const long per = rows * experts / (8L * threads);
+  return int(std::max<long>(lo, std::min<long>(hi, per))) & ~1;  // even: down rows go in pairs
+}
 
 template <class L>
 void run(const Call& c) {
   const int H = c.H, I = c.I;
   const size_t rb_gu = L::row_bytes(H), rb_d = L::row_bytes(I);
   std::vector<float> h(size_t(c.start[c.n]) * I);  // silu(gate x) * (up x), one row per assignment
+  const long batch = c.claim ? 1 : c.n;  // experts per sweep
+  const int CHUNK_GU = chunk_rows(I, batch, c.threads, 4, 16), CHUNK_D = chunk_rows(H, batch, c.threads, 16, 64);
   const long chunks_gu = (I + CHUNK_GU - 1) / CHUNK_GU, chunks_d = (H + CHUNK_D - 1) / CHUNK_D;
+  long first = 0, sweeps = 0;  // the sweep's experts: first .. first + batch - 1
 #pragma omp parallel num_threads(c.threads)
-  {
+  while (true) {
+#pragma omp single
+    first = c.claim ? take(c.claim, false) : (sweeps++ == 0 ? 0 : -1);
+    if (first < 0) break;  // every thread sees the same value: `single` ends in a barrier
 #pragma omp for schedule(dynamic, 1)
-    for (long k = 0; k < c.n * chunks_gu; ++k) {
-      const long e = k / chunks_gu;
+    for (long k = 0; k < batch * chunks_gu; ++k) {
+      const long e = first + k / chunks_gu;
       const int i0 = int(k % chunks_gu) * CHUNK_GU, i1 = std::min(I, i0 + CHUNK_GU);
       const uint8_t* gate = c.slots[e] + c.part_off[0];
       const uint8_t* up = c.slots[e] + c.part_off[1];
@@ -224,8 +251,8 @@ void run(const Call& c) {
       }
     }  // implicit barrier: every h row is complete before any down row reads it
 #pragma omp for schedule(dynamic, 1)
-    for (long k = 0; k < c.n * chunks_d; ++k) {
-      const long e = k / chunks_d;
+    for (long k = 0; k < batch * chunks_d; ++k) {
+      const long e = first + k / chunks_d;
       const int j0 = int(k % chunks_d) * CHUNK_D, j1 = std::min(H, j0 + CHUNK_D);
       const uint8_t* down = c.slots[e] + c.part_off[2];
       for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
@@ -308,7 +335,7 @@ struct Worker {
       }
       start[n] = n;
       const Call c{H, I, part_off, n, slots.data(), start.data(), tok.data(), w.data(), row.data(), x, out,
-                   threads};
+                   threads, nullptr};
       dispatch(dtype, c);
       const auto t1 = std::chrono::steady_clock::now();
       if (n > 0) {
@@ -387,8 +414,13 @@ const char* ftk_isa() { return ISA; }
 int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const uint8_t* const* slots,
                 const int64_t* start, const int64_t* tok, const float* weight, const int64_t* out_row,
                 const float* x, float* out, int threads) {
-  return dispatch(dtype, Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads)});
+  return dispatch(dtype, Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads),
+                              nullptr});
 }
+
+// The GPU side's turn at a shared split (see `take`): the next expert to fill, or -1 once the
+// CPU has taken the rest. `claim` starts as n << 32 (front 0, back n).
+int ftk_take_front(int64_t* claim) { return take(claim, true); }
 
 void* ftk_runner_start() {
   auto* r = new Runner();
@@ -397,14 +429,15 @@ void* ftk_runner_start() {
 }
 
 // Hand one `ftk_experts` call to the runner (which must be idle: submit, then wait, in turn). The
-// arrays must stay valid until `ftk_runner_wait` returns.
+// arrays must stay valid until `ftk_runner_wait` returns. `claim`: null, or a split shared with
+// the caller (`ftk_take_front`): the call then runs only the experts it takes from the back.
 void ftk_runner_submit(void* handle, int dtype, int H, int I, const int64_t* part_off, int n,
                        const uint8_t* const* slots, const int64_t* start, const int64_t* tok, const float* weight,
-                       const int64_t* out_row, const float* x, float* out, int threads) {
+                       const int64_t* out_row, const float* x, float* out, int threads, int64_t* claim) {
   auto* r = static_cast<Runner*>(handle);
   std::lock_guard<std::mutex> lock(r->mu);
   r->dtype = dtype;
-  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads)};
+  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim};
   r->pending = r->busy = true;
   r->cv.notify_all();
 }

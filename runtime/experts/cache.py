@@ -19,6 +19,7 @@ class SlotCache:
         self.slots = torch.empty((self.capacity, slot_bytes), dtype=torch.uint8, device=device)
         # Residency table: row -> slot (-1 = not resident); kept as a tensor for device-side control.
         self.table = torch.full((num_rows,), -1, dtype=torch.int32)
+        self._table = self.table.numpy()  # the same memory: an element write without torch's ~5 us
         self.lru: OrderedDict[int, int] = OrderedDict()  # row -> slot, least recent first
         self.free = list(range(self.capacity - 1, -1, -1))
         self.kept: frozenset[int] = frozenset()  # rows no claim may evict (see `hold`)
@@ -41,10 +42,16 @@ class SlotCache:
             if victim is None:
                 return None
             slot = self.lru.pop(victim)
-            self.table[victim] = -1
+            self._table[victim] = -1
         self.lru[row] = slot
-        self.table[row] = slot
+        self._table[row] = slot
         return slot
+
+    def unclaim(self, row: int, slot: int) -> None:
+        """Give back a slot just claimed for `row` and not filled (`row` was never resident)."""
+        del self.lru[row]
+        self._table[row] = -1
+        self.free.append(slot)
 
     def hold(self, n: int) -> None:
         """Keep the `n` most recently used rows resident until `release` (a long prefill chunk

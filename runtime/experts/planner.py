@@ -73,10 +73,12 @@ class Planner:
             return misses
         return 0 if self.strategy == CPU else hybrid_fill_count(misses, self.ratio)
 
-    def plan(self, cache: SlotCache, rows: list[int], fill_all: bool = False) -> LayerPlan:
+    def plan(self, cache: SlotCache, rows: list[int], fill_all: bool = False, shared: bool = False) -> LayerPlan:
         """`rows`: the layer's distinct active experts, most-used first (they are filled first);
         `fill_all`: hybrid fills every miss (prefill-sized batches: the CPU branch is
-        compute-bound there, a copy costs the same for one token or thousands)."""
+        compute-bound there, a copy costs the same for one token or thousands); `shared`: hybrid
+        leaves every miss in `cpu`, most-used first, for the store to split while both branches
+        run (`ExpertStore._share`), so no rate estimate decides it."""
         plan = LayerPlan()
         if self.strategy == CPU:
             plan.cpu = list(rows)
@@ -88,7 +90,7 @@ class Planner:
                 misses.append(row)
             else:
                 plan.hits.append((row, slot))
-        q = len(misses) if fill_all else self.fill_count(len(misses))
+        q = len(misses) if fill_all else 0 if shared else self.fill_count(len(misses))
         protected = {r for r, _ in plan.hits}
         for i, row in enumerate(misses):
             slot = cache.claim(row, protected) if i < q else None

@@ -152,19 +152,24 @@ class ExpertStore:
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))
         self._hold_hottest(moe, len(rows), t * k)
         streamed = set(self.prefetcher.wait(moe)) if self.prefetcher else set()
-        plan = self.planner.plan(self.cache, rows, fill_all=t * k > CPU_MAX_TOKENS * len(rows))
+        fill_all = t * k > CPU_MAX_TOKENS * len(rows)
+        shared = not fill_all and self._shares(hidden)
+        plan = self.planner.plan(self.cache, rows, fill_all=fill_all, shared=shared)
         if streamed:  # copied in ahead for this layer: count them as this layer's fills
             plan.fills += [(r, s) for r, s in plan.hits if r in streamed]
             plan.hits = [(r, s) for r, s in plan.hits if r not in streamed]
-        self.stats.record(layer, plan)
 
         weights = topk_weights.reshape(-1, 1)
         y = torch.zeros((t * k, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
         self._time_cuda_fills()
-        fills = [(r, s) for r, s in plan.fills if r not in streamed]
-        self._fill(fills[:1])  # the copy engine starts now; the CPU branch while it copies
-        wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged)
-        self._fill(fills[1:])
+        if shared:
+            wait_cpu, host_y = self._share(plan, groups, hidden, weights, y, k, staged)
+        else:
+            fills = [(r, s) for r, s in plan.fills if r not in streamed]
+            self._fill(fills[:1])  # the copy engine starts now; the CPU branch while it copies
+            wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged)
+            self._fill(fills[1:])
+        self.stats.record(layer, plan)
         self._stream_ahead(moe, len(rows), t * k, 1)
         resident = plan.hits + plan.fills
         if self.device.type == "cpu":
@@ -337,16 +342,63 @@ class ExpertStore:
         row = torch.cat(rows)
         y[row] = out[row].to(y.dtype)
 
+    def _shares(self, hidden: torch.Tensor) -> bool:
+        """Whether a hybrid layer's misses go to a split shared while both branches run: where
+        the CPU set runs on the runner's native thread (float32 in and out)."""
+        native = self.runner is not None and (hidden.device.type != "cpu" or hidden.dtype == torch.float32)
+        return self.strategy == HYBRID and native
+
+    def _share(self, plan: LayerPlan, groups: dict[int, torch.Tensor], hidden: torch.Tensor,
+               weights: torch.Tensor, y: torch.Tensor, k: int, staged: tuple[torch.Tensor, torch.Tensor] | None,
+               ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
+        """Split the misses (`plan.cpu`, most-used first) while both branches run: the runner
+        takes experts from the back, one at a time, and this thread fills from the front, the
+        next one as soon as the copy engine starts on the one before, until the two meet. A
+        split fixed in advance from measured rates was off by up to a millisecond per layer in
+        an extend: the rates move with the split itself (DMA and the CPU share host memory
+        bandwidth) and with the tokens per expert. Leaves `plan` as it ended; returns as
+        `_start_cpu`."""
+        misses, split = plan.cpu, self.kernel.new_split(len(plan.cpu))
+        protected = {r for r, _ in plan.hits + plan.fills}
+        pending: deque = deque()  # CUDA events of the fills queued and not yet known to have started
+        taken, wait_cpu, host_y = 0, None, None
+        while taken < len(misses):
+            if len(pending) > 1:  # the one before the last is done: the last is being copied
+                pending.popleft().synchronize()
+            row = misses[taken]
+            slot = self.cache.claim(row, protected)
+            if slot is None:  # no slot this layer is not using: the CPU takes the rest
+                break
+            if self.kernel.take_front(split) is None:
+                self.cache.unclaim(row, slot)
+                break
+            self.cache.fill(slot, self.pool.slot(row))
+            if self.device.type == "cuda":
+                pending.append(torch.cuda.Event())
+                pending[-1].record()
+            plan.fills.append((row, slot))
+            protected.add(row)
+            taken += 1
+            if wait_cpu is None:  # the first copy is under way: start the CPU branch
+                wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
+        if wait_cpu is None:
+            wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
+        plan.cpu = misses[taken:]
+        if host_y is not None:  # only the rows of the experts the CPU took come back
+            done = sum(len(groups[r]) for r in misses[:taken])
+            host_y = (host_y[0][done:], host_y[1][done:])
+        return wait_cpu, host_y
+
     def _start_cpu(self, plan: LayerPlan, groups: dict[int, torch.Tensor], hidden: torch.Tensor,
                    weights: torch.Tensor, y: torch.Tensor, k: int,
-                   staged: tuple[torch.Tensor, torch.Tensor] | None,
+                   staged: tuple[torch.Tensor, torch.Tensor] | None, split: torch.Tensor | None = None,
                    ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Start the CPU set from the host pool: one kernel call on the runner's native thread,
         or one torch job per expert on the thread pool without the kernel. Returns a wait that
         gives the branch's own compute time (the planner weighs it by that, as it weighs fills
         by their copy time, not by the hand-over before them) and, on a GPU, the page-locked
         buffer it fills (the set's rows in `plan.cpu` order) with their rows of `y` (None: it
-        writes `y`, in host memory)."""
+        writes `y`, in host memory). `split`: the set is shared with `_share`'s fills."""
         if not plan.cpu:
             return lambda: None, None
         idxs = [groups[r] for r in plan.cpu]
@@ -362,7 +414,7 @@ class ExpertStore:
         host = None if out is y else (out, torch.cat(idxs))
         if self.runner is not None and x.dtype == out.dtype == torch.float32:
             self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
-                                      self.cpu.threads, torch.cat(rows))
+                                      self.cpu.threads, torch.cat(rows), split)
             return self.runner.wait, host
         spans: list[tuple[float, float]] = []
 

@@ -193,7 +193,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
             e = rt.store.stats.totals()
             ext = {"extend": extend, "answer": answer, "extend_seconds": time.perf_counter() - t0,
                    "extend_active": e.active, "extend_moved_gb": e.misses * rt.ftw.layout.slot_bytes / 1e9,
-                   "extend_cpu_gb": e.cpu * rt.ftw.layout.slot_bytes / 1e9, **_planner_rates(rt)}
+                   "extend_cpu_gb": e.cpu * rt.ftw.layout.slot_bytes / 1e9}
     if trace_to is not None:  # counted above: the profiled repeats do not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
@@ -217,13 +217,6 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         "resident_kept": kept,
         **ext,
     }
-
-
-def _planner_rates(rt: Runtime) -> dict:
-    """The host planner's measured fill and CPU-expert rates (GB/s), which set its split."""
-    p = rt.store.planner
-    return {f"planner_{name}_gbps": 1e-9 / spb for name, spb in (("fill", p.fill_s_per_byte), ("cpu", p.cpu_s_per_byte))
-            if spb}
 
 
 def hbm_gbps(device: torch.device) -> float | None:
