@@ -107,6 +107,12 @@ inline V load_i8(const uint8_t* p) { return float(int8_t(*p)); }
 const char* const ISA = "scalar";
 #endif
 
+inline void pause() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
 // Weight rows by stored dtype: `vec` loads W weights at element i as floats, `one` a single one.
 struct LoadF32 {
   static size_t row_bytes(int n) { return size_t(n) * 4; }
@@ -210,69 +216,131 @@ int take(int64_t* claim, bool front) {
 }
 
 // Rows per work item: big enough to stream (at most 2 x 16 rows x H of gate+up, 64 rows x I of
-// down), small enough that the dynamic schedule balances the call's experts over every thread
-// (a shared split runs one expert at a time: ~8 items per thread).
+// down), small enough that the dynamic schedule balances the experts in flight over every thread
+// (~8 items per thread; a shared split has one expert in flight at a time).
 int chunk_rows(int rows, long experts, int threads, int lo, int hi) {
   const long per = rows * experts / (8L * threads);
   return int(std::max<long>(lo, std::min<long>(hi, per))) & ~1;  // even: down rows go in pairs
 }
 
+// h[a] = silu(gate x) * (up x) for expert e's assignments a, rows i0..i1-1 of gate and up.
 template <class L>
-void run(const Call& c) {
+void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const int H = c.H, I = c.I;
-  const size_t rb_gu = L::row_bytes(H), rb_d = L::row_bytes(I);
-  std::vector<float> h(size_t(c.start[c.n]) * I);  // silu(gate x) * (up x), one row per assignment
-  const long batch = c.claim ? 1 : c.n;  // experts per sweep
-  const int CHUNK_GU = chunk_rows(I, batch, c.threads, 4, 16), CHUNK_D = chunk_rows(H, batch, c.threads, 16, 64);
-  const long chunks_gu = (I + CHUNK_GU - 1) / CHUNK_GU, chunks_d = (H + CHUNK_D - 1) / CHUNK_D;
-  long first = 0, sweeps = 0;  // the sweep's experts: first .. first + batch - 1
-#pragma omp parallel num_threads(c.threads)
-  while (true) {
-#pragma omp single
-    first = c.claim ? take(c.claim, false) : (sweeps++ == 0 ? 0 : -1);
-    if (first < 0) break;  // every thread sees the same value: `single` ends in a barrier
-#pragma omp for schedule(dynamic, 1)
-    for (long k = 0; k < batch * chunks_gu; ++k) {
-      const long e = first + k / chunks_gu;
-      const int i0 = int(k % chunks_gu) * CHUNK_GU, i1 = std::min(I, i0 + CHUNK_GU);
-      const uint8_t* gate = c.slots[e] + c.part_off[0];
-      const uint8_t* up = c.slots[e] + c.part_off[1];
-      for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
-        const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
-        const float* xs[TBMAX];
-        for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
-        for (int i = i0; i < i1; ++i) {
-          const uint8_t* rows[2] = {gate + i * rb_gu, up + i * rb_gu};
-          float s[2][TBMAX];
-          dot_n<L, 2>(tb, rows, H, xs, s);
-          for (int t = 0; t < tb; ++t)
-            h[size_t(a0 + t) * I + i] = s[0][t] / (1.0f + std::exp(-s[0][t])) * s[1][t];
-        }
-      }
-    }  // implicit barrier: every h row is complete before any down row reads it
-#pragma omp for schedule(dynamic, 1)
-    for (long k = 0; k < batch * chunks_d; ++k) {
-      const long e = first + k / chunks_d;
-      const int j0 = int(k % chunks_d) * CHUNK_D, j1 = std::min(H, j0 + CHUNK_D);
-      const uint8_t* down = c.slots[e] + c.part_off[2];
-      for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
-        const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
-        const float* hs[TBMAX];
-        for (int t = 0; t < tb; ++t) hs[t] = h.data() + size_t(a0 + t) * I;
-        for (int j = j0; j < j1; j += 2) {
-          const uint8_t* rows[2] = {down + j * rb_d, down + (j + 1) * rb_d};
-          float s[2][TBMAX];
-          const int r = j + 1 < j1 ? 2 : 1;
-          if (r == 2) dot_n<L, 2>(tb, rows, I, hs, s);
-          else dot_n<L, 1>(tb, rows, I, hs, s);
-          for (int t = 0; t < tb; ++t) {
-            float* o = c.out + size_t(c.out_row[a0 + t]) * H;
-            for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * s[q][t];
-          }
-        }
+  const size_t rb = L::row_bytes(H);
+  const uint8_t* gate = c.slots[e] + c.part_off[0];
+  const uint8_t* up = c.slots[e] + c.part_off[1];
+  for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
+    const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
+    const float* xs[TBMAX];
+    for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
+    for (int i = i0; i < i1; ++i) {
+      const uint8_t* rows[2] = {gate + i * rb, up + i * rb};
+      float s[2][TBMAX];
+      dot_n<L, 2>(tb, rows, H, xs, s);
+      for (int t = 0; t < tb; ++t) h[size_t(a0 + t) * I + i] = s[0][t] / (1.0f + std::exp(-s[0][t])) * s[1][t];
+    }
+  }
+}
+
+// out[out_row[a]][j0..j1-1] = weight[a] * (down h[a]) for expert e's assignments a.
+template <class L>
+void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
+  const int H = c.H, I = c.I;
+  const size_t rb = L::row_bytes(I);
+  const uint8_t* down = c.slots[e] + c.part_off[2];
+  for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
+    const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
+    const float* hs[TBMAX];
+    for (int t = 0; t < tb; ++t) hs[t] = h + size_t(a0 + t) * I;
+    for (int j = j0; j < j1; j += 2) {
+      const uint8_t* rows[2] = {down + j * rb, down + (j + 1) * rb};
+      float s[2][TBMAX];
+      const int r = j + 1 < j1 ? 2 : 1;
+      if (r == 2) dot_n<L, 2>(tb, rows, I, hs, s);
+      else dot_n<L, 1>(tb, rows, I, hs, s);
+      for (int t = 0; t < tb; ++t) {
+        float* o = c.out + size_t(c.out_row[a0 + t]) * H;
+        for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * s[q][t];
       }
     }
   }
+}
+
+// Every expert of the call: all gate/up rows, a barrier, all down rows.
+template <class L>
+void run_all(const Call& c, float* h) {
+  const int I = c.I, H = c.H;
+  const int cg = chunk_rows(I, c.n, c.threads, 4, 16), cd = chunk_rows(H, c.n, c.threads, 16, 64);
+  const long chunks_gu = (I + cg - 1) / cg, chunks_d = (H + cd - 1) / cd;
+#pragma omp parallel num_threads(c.threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (long k = 0; k < c.n * chunks_gu; ++k) {
+      const int i0 = int(k % chunks_gu) * cg;
+      gate_up_rows<L>(c, k / chunks_gu, i0, std::min(I, i0 + cg), h);
+    }  // implicit barrier: every h row is complete before any down row reads it
+#pragma omp for schedule(dynamic, 1)
+    for (long k = 0; k < c.n * chunks_d; ++k) {
+      const int j0 = int(k % chunks_d) * cd;
+      down_rows<L>(c, k / chunks_d, j0, std::min(H, j0 + cd), h);
+    }
+  }
+}
+
+// The experts this call takes from a shared split, one at a time, with no barrier between them:
+// a thread held up (the machine has no core to spare while the GPU's side waits on its copies)
+// then stalls only the items that need its rows, not the whole team at every expert. Work items
+// come in stages from one counter: stage s is the gate/up items of the s-th expert taken, then
+// the down items of the one before, whose gate/up items all went out a stage earlier. The s-th
+// expert is taken from the split by the first thread to reach its stage.
+template <class L>
+void run_shared(const Call& c, float* h) {
+  const int I = c.I, H = c.H;
+  const int cg = chunk_rows(I, 1, c.threads, 4, 16), cd = chunk_rows(H, 1, c.threads, 16, 64);
+  const long n_gu = (I + cg - 1) / cg, n_d = (H + cd - 1) / cd, per_stage = n_gu + n_d;
+  constexpr int UNTAKEN = -2, TAKING = -3;  // then the expert's index, or -1: the split is used up
+  std::vector<std::atomic<int>> expert(c.n + 2);
+  std::vector<std::atomic<long>> gu_left(c.n + 2);
+  for (int s = 0; s < c.n + 2; ++s) expert[s] = UNTAKEN, gu_left[s] = n_gu;
+  std::atomic<long> cursor{0};
+  auto resolve = [&](long s) {  // the s-th expert taken, taking it if nobody has
+    int e = expert[s].load(std::memory_order_acquire), want = UNTAKEN;
+    if (e == UNTAKEN && expert[s].compare_exchange_strong(want, TAKING)) {
+      e = s >= c.n ? -1 : take(c.claim, false);
+      expert[s].store(e, std::memory_order_release);
+    }
+    while ((e = expert[s].load(std::memory_order_acquire)) == TAKING || e == UNTAKEN) pause();
+    return e;
+  };
+#pragma omp parallel num_threads(c.threads)
+  while (true) {
+    const long k = cursor.fetch_add(1, std::memory_order_relaxed), s = k / per_stage, r = k % per_stage;
+    if (s > c.n + 1) break;  // past the last stage that can hold work
+    if (r < n_gu) {
+      const int e = resolve(s);
+      if (e < 0) continue;  // nothing left to take: this stage's down items end the loop
+      const int i0 = int(r) * cg;
+      gate_up_rows<L>(c, e, i0, std::min(I, i0 + cg), h);
+      gu_left[s].fetch_sub(1, std::memory_order_acq_rel);
+    } else {
+      const int e = s == 0 ? -1 : resolve(s - 1);
+      if (e < 0) {
+        if (s == 0) continue;
+        break;  // the split was used up before this stage: no expert after it either
+      }
+      while (gu_left[s - 1].load(std::memory_order_acquire) > 0) pause();
+      const int j0 = int(r - n_gu) * cd;
+      down_rows<L>(c, e, j0, std::min(H, j0 + cd), h);
+    }
+  }
+}
+
+template <class L>
+void run(const Call& c) {
+  std::vector<float> h(size_t(c.start[c.n]) * c.I);  // silu(gate x) * (up x), one row per assignment
+  if (c.claim) run_shared<L>(c, h.data());
+  else run_all<L>(c, h.data());
 }
 
 int dispatch(int dtype, const Call& c) {
@@ -314,10 +382,8 @@ struct Worker {
         // sleeping polls once idle, so an idle server does not burn a core.
         if (std::chrono::steady_clock::now() - idle_since > std::chrono::milliseconds(50))
           std::this_thread::sleep_for(std::chrono::microseconds(200));
-#if defined(__x86_64__)
         else
-          __builtin_ia32_pause();
-#endif
+          pause();
         continue;
       }
       *bell = 0;

@@ -45,6 +45,7 @@ __all__ = ["STRATEGIES", "ExpertStore", "cache_capacity", "resolve_strategy"]
 STREAM_FRACTION = 0.75  # a layer routed to this share of its experts makes prefill stream whole layers
 STREAM_ITEMS = 4  # ... if it also routes this many items per expert: the next layer then needs ~all of its own
 GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the grouped GEMV
+HOST_SORT_ITEMS = 4096  # routed items up to which the host sorts them by expert (beyond: the device)
 CPU_MAX_TOKENS = 16  # routed tokens per active expert above which hybrid fills every miss
 
 
@@ -211,9 +212,10 @@ class ExpertStore:
     def _sorted(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """The assignments' flat indices grouped by expert (stable) on the host, and each
         expert's count. Prefill-sized batches sort on the device and hand both over in one
-        copy (a CPU sort of an 8192-token chunk's 65536 assignments took 1-5 ms per layer)."""
+        copy (a CPU sort of an 8192-token chunk's 65536 assignments took 1-5 ms per layer; an
+        extend's few hundred take microseconds, less than the device's sort launches)."""
         e = self.spec.num_experts
-        if flat.is_cuda and flat.numel() > GEMV_MAX_ITEMS:
+        if flat.is_cuda and flat.numel() > HOST_SORT_ITEMS:
             both = torch.cat([torch.argsort(flat, stable=True), torch.bincount(flat, minlength=e)]).cpu()
             return both[: flat.numel()], both[flat.numel() :].tolist()
         flat = flat.to("cpu", torch.int64)
@@ -352,8 +354,9 @@ class ExpertStore:
                weights: torch.Tensor, y: torch.Tensor, k: int, staged: tuple[torch.Tensor, torch.Tensor] | None,
                ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Split the misses (`plan.cpu`, most-used first) while both branches run: the runner
-        takes experts from the back, one at a time, and this thread fills from the front, the
-        next one as soon as the copy engine starts on the one before, until the two meet. A
+        takes experts from the back, one at a time, and this thread fills from the front (two
+        before it starts the runner), the next one as soon as the copy engine starts on the one
+        before, until the two meet. A
         split fixed in advance from measured rates was off by up to a millisecond per layer in
         an extend: the rates move with the split itself (DMA and the CPU share host memory
         bandwidth) and with the tokens per expert. Leaves `plan` as it ended; returns as
@@ -374,12 +377,12 @@ class ExpertStore:
                 break
             self.cache.fill(slot, self.pool.slot(row))
             if self.device.type == "cuda":
-                pending.append(torch.cuda.Event())
+                pending.append(torch.cuda.Event(blocking=True))  # waits sleep: the CPU branch needs every core
                 pending[-1].record()
             plan.fills.append((row, slot))
             protected.add(row)
             taken += 1
-            if wait_cpu is None:  # the first copy is under way: start the CPU branch
+            if wait_cpu is None and taken == 2:  # copies queued for the time it takes to start the CPU
                 wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
         if wait_cpu is None:
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
