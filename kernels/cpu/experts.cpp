@@ -329,7 +329,9 @@ void run_shared(const Call& c, float* h) {
         if (s == 0) continue;
         break;  // the split was used up before this stage: no expert after it either
       }
-      while (gu_left[s - 1].load(std::memory_order_acquire) > 0) pause();
+      for (int spins = 0; gu_left[s - 1].load(std::memory_order_acquire) > 0; ++spins)
+        if (spins < 4096) pause();
+        else std::this_thread::yield();  // its holder may be waiting for this core
       const int j0 = int(r - n_gu) * cd;
       down_rows<L>(c, e, j0, std::min(H, j0 + cd), h);
     }
@@ -419,32 +421,49 @@ struct Worker {
 // goes on at once and the call needs no GIL to start: a Python worker thread had to win the GIL
 // from the thread issuing the GPU work first, which could take a switch interval (5 ms). The
 // thread keeps one OpenMP team, as a single caller would.
+//
+// Both sides spin before they sleep: the runner for `SPIN` after its last call, the caller while
+// the call runs. Every core is busy then (the team's threads spin between calls too, see
+// GOMP_SPINCOUNT in __init__.py), and a sleeping thread was measured waking up to 2 ms late.
 struct Runner {
-  std::mutex mu;
+  static constexpr auto SPIN = std::chrono::milliseconds(50);
+  std::mutex mu;  // for the sleeping paths only
   std::condition_variable cv;
-  bool pending = false, busy = false, stop = false;
+  std::atomic<bool> pending{false}, busy{false}, stop{false};
   int dtype = 0, rc = 0;
   Call call{};
   int64_t busy_ns = 0;
   std::thread thread;
 
+  // Sleep on `cv` until `ready`, after spinning on it for SPIN.
+  template <class F>
+  void await(F ready) {
+    const auto until = std::chrono::steady_clock::now() + SPIN;
+    while (!ready()) {
+      if (std::chrono::steady_clock::now() < until) {
+        pause();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, ready);
+    }
+  }
+
+  void wake() {
+    { std::lock_guard<std::mutex> lock(mu); }  // a sleeper is either waiting or will see the flag
+    cv.notify_all();
+  }
+
   void loop() {
-    std::unique_lock<std::mutex> lock(mu);
     while (true) {
-      cv.wait(lock, [this] { return pending || stop; });
-      if (stop) return;
-      pending = false;
-      const Call c = call;
-      const int d = dtype;
-      lock.unlock();
+      await([this] { return pending.load(std::memory_order_acquire) || stop.load(); });
+      if (stop.load()) return;
+      pending.store(false);
       const auto t0 = std::chrono::steady_clock::now();
-      const int r = dispatch(d, c);
-      const auto t1 = std::chrono::steady_clock::now();
-      lock.lock();
-      rc = r;
-      busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-      busy = false;
-      cv.notify_all();
+      rc = dispatch(dtype, call);
+      busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+      busy.store(false, std::memory_order_release);
+      wake();
     }
   }
 };
@@ -501,29 +520,25 @@ void ftk_runner_submit(void* handle, int dtype, int H, int I, const int64_t* par
                        const uint8_t* const* slots, const int64_t* start, const int64_t* tok, const float* weight,
                        const int64_t* out_row, const float* x, float* out, int threads, int64_t* claim) {
   auto* r = static_cast<Runner*>(handle);
-  std::lock_guard<std::mutex> lock(r->mu);
   r->dtype = dtype;
   r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim};
-  r->pending = r->busy = true;
-  r->cv.notify_all();
+  r->busy.store(true);
+  r->pending.store(true, std::memory_order_release);
+  r->wake();
 }
 
 // Block until the submitted call is done; its return code, and its compute time in `busy_ns`.
 int ftk_runner_wait(void* handle, int64_t* busy_ns) {
   auto* r = static_cast<Runner*>(handle);
-  std::unique_lock<std::mutex> lock(r->mu);
-  r->cv.wait(lock, [r] { return !r->busy; });
+  r->await([r] { return !r->busy.load(std::memory_order_acquire); });
   *busy_ns = r->busy_ns;
   return r->rc;
 }
 
 void ftk_runner_stop(void* handle) {
   auto* r = static_cast<Runner*>(handle);
-  {
-    std::lock_guard<std::mutex> lock(r->mu);
-    r->stop = true;
-    r->cv.notify_all();
-  }
+  r->stop.store(true);
+  r->wake();
   r->thread.join();
   delete r;
 }

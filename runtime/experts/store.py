@@ -377,7 +377,7 @@ class ExpertStore:
                 break
             self.cache.fill(slot, self.pool.slot(row))
             if self.device.type == "cuda":
-                pending.append(torch.cuda.Event(blocking=True))  # waits sleep: the CPU branch needs every core
+                pending.append(torch.cuda.Event())  # waits spin: a sleeping thread woke up to 2 ms late
                 pending[-1].record()
             plan.fills.append((row, slot))
             protected.add(row)
