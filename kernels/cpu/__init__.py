@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+Indices = torch.Tensor | np.ndarray  # int64 index arrays, CPU
 
 
 def cache_dir() -> Path:
@@ -102,9 +104,9 @@ class Kernel:
         self.lib.ftk_read.argtypes = [_ptr, _i64, ctypes.c_int]
         self.isa: str = self.lib.ftk_isa().decode()
 
-    def experts(self, layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[torch.Tensor],
+    def experts(self, layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
                 x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
-                out_rows: torch.Tensor | None = None) -> None:
+                out_rows: Indices | None = None) -> None:
         """For each expert (its uint8 slot) and its flat assignments `a` (token * k + j):
         out[a] = weights[a] * expert(x[a // k]). float32 `x` [T, H], `weights` [T * k] and
         `out` [T * k, H]; rows of `out` no assignment names are left untouched. `out_rows`: the
@@ -114,8 +116,8 @@ class Kernel:
             raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
 
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
-                      assignments: Sequence[torch.Tensor], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                      k: int, threads: int, out_rows: torch.Tensor | None = None,
+                      assignments: Sequence[Indices], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                      k: int, threads: int, out_rows: Indices | None = None,
                       split: torch.Tensor | None = None) -> None:
         """As `experts`, on the runner's native thread: returns at once; `runner.wait()` ends it.
         The caller keeps x, out and the slots alive until then. `split` (from `new_split`): the
@@ -148,10 +150,12 @@ class Kernel:
         return Runner(self.lib)
 
     @staticmethod
-    def _call(layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[torch.Tensor],
+    def _call(layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
               x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
-              out_rows: torch.Tensor | None) -> _Call | None:
-        """The checked arguments of one call (None: nothing to do)."""
+              out_rows: Indices | None) -> _Call | None:
+        """The checked arguments of one call (None: nothing to do). The index arithmetic is numpy:
+        the store makes one call per layer, and torch's per-call overhead on arrays of a few
+        hundred elements added up to a tenth of a millisecond there."""
         inter, hidden = layout.parts[0].shape  # gate [I, H]
         if x.dtype != torch.float32 or out.dtype != torch.float32 or x.shape[-1] != hidden:
             raise ValueError(f"the CPU kernel takes float32 x [T, {hidden}] and out, got {x.dtype} {tuple(x.shape)}")
@@ -162,22 +166,23 @@ class Kernel:
             raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
         if not slots:
             return None
-        a = torch.cat(list(assignments)).to(torch.int64)
-        lo, hi = torch.aminmax(a) if a.numel() else (0, 0)
-        if lo < 0 or hi // k >= x.shape[0] or hi >= weights.numel():
+        sizes = [len(s) for s in assignments]
+        a = np.concatenate([np.asarray(s, dtype=np.int64) for s in assignments])
+        if a.size and (a.min() < 0 or a.max() // k >= x.shape[0] or a.max() >= weights.numel()):
             raise ValueError("an assignment index is out of range")
-        rows = a if out_rows is None else out_rows.to(torch.int64).contiguous()
-        if rows.shape != a.shape or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= out.shape[0])):
+        rows = a if out_rows is None else np.ascontiguousarray(out_rows, dtype=np.int64)
+        if rows.shape != a.shape or (rows.size and (rows.min() < 0 or rows.max() >= out.shape[0])):
             raise ValueError("an output row is out of range")
-        starts = torch.tensor([0] + [len(s) for s in assignments], dtype=torch.int64).cumsum(0)
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         tok = a // k
-        w = weights.reshape(-1)[a].to(torch.float32).contiguous()
-        ptrs = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64)
-        offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
+        flat = weights.reshape(-1)
+        w = np.ascontiguousarray((flat if flat.dtype == torch.float32 else flat.float()).numpy()[a])
+        ptrs = np.array([s.data_ptr() for s in slots], dtype=np.int64)
+        offsets = np.array([p.offset for p in layout.parts], dtype=np.int64)
         keep = (rows, starts, tok, w, ptrs, offsets, x, out, *slots)
-        return _Call((DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), len(slots), ptrs.data_ptr(),
-                      starts.data_ptr(), tok.data_ptr(), w.data_ptr(), rows.data_ptr(), x.data_ptr(), out.data_ptr(),
-                      threads), keep)
+        return _Call((DTYPE_CODES[layout.dtype], hidden, inter, offsets.ctypes.data, len(slots), ptrs.ctypes.data,
+                      starts.ctypes.data, tok.ctypes.data, w.ctypes.data, rows.ctypes.data, x.data_ptr(),
+                      out.data_ptr(), threads), keep)
 
     def start_worker(self, layout: SlotLayout, row_ptrs: torch.Tensor, k: int, ctrl: torch.Tensor,
                      payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int) -> Worker:

@@ -13,6 +13,7 @@ from ..spec import ModelSpec
 class HostPool:
     def __init__(self, spec: ModelSpec, banks: HostBanks):
         self.spec, self.banks, self.layout = spec, banks, banks.layout
+        self._slots: dict[int, torch.Tensor] = {}  # row -> its view, made once (a slice costs microseconds)
 
     @classmethod
     def from_ftw(cls, model: FTWModel, pin: bool | None = None, threads: int = 8) -> HostPool:
@@ -32,7 +33,10 @@ class HostPool:
 
     def slot(self, row: int) -> torch.Tensor:
         """The uint8 bytes of one expert: what a fill copies."""
-        return self.banks.slot(row)
+        view = self._slots.get(row)
+        if view is None:
+            view = self._slots[row] = self.banks.slot(row)
+        return view
 
 
 def expert_weights(layout: SlotLayout, slot: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ftkit.kernels.cpu import load as load_cpu_kernel
@@ -143,7 +144,7 @@ class ExpertStore:
         base = moe * self.spec.num_experts
         staged = self._stage(hidden, topk_weights)  # before the read-back below, which it rides on
         order, counts = self._sorted(topk_ids.reshape(-1))
-        groups: dict[int, torch.Tensor] = {}  # row -> flat assignment indices (t * k + j)
+        groups: dict[int, np.ndarray] = {}  # row -> flat assignment indices (t * k + j)
         start = 0
         for e, n in enumerate(counts):
             if n:
@@ -190,8 +191,7 @@ class ExpertStore:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, busy)
         if host_y is not None:  # the CPU set's rows, disjoint from the device's: copied in place
             rows_y, idx = host_y
-            y.index_copy_(0, idx.pin_memory().to(y.device, non_blocking=True),
-                          rows_y.to(y.device, non_blocking=True).to(y.dtype))
+            y.index_copy_(0, idx.to(y.device, non_blocking=True), rows_y.to(y.device, non_blocking=True).to(y.dtype))
         return y.view(t, k, -1).sum(dim=1)
 
     def _stage(self, hidden: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -209,17 +209,18 @@ class ExpertStore:
         w.copy_(weights.reshape(-1, 1), non_blocking=True)
         return x, w
 
-    def _sorted(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _sorted(self, flat: torch.Tensor) -> tuple[np.ndarray, list[int]]:
         """The assignments' flat indices grouped by expert (stable) on the host, and each
         expert's count. Prefill-sized batches sort on the device and hand both over in one
         copy (a CPU sort of an 8192-token chunk's 65536 assignments took 1-5 ms per layer; an
-        extend's few hundred take microseconds, less than the device's sort launches)."""
+        extend's few hundred take microseconds, less than the device's sort launches). The
+        host's bookkeeping of a layer is numpy: torch costs microseconds per call on tiny arrays."""
         e = self.spec.num_experts
         if flat.is_cuda and flat.numel() > HOST_SORT_ITEMS:
-            both = torch.cat([torch.argsort(flat, stable=True), torch.bincount(flat, minlength=e)]).cpu()
+            both = torch.cat([torch.argsort(flat, stable=True), torch.bincount(flat, minlength=e)]).cpu().numpy()
             return both[: flat.numel()], both[flat.numel() :].tolist()
-        flat = flat.to("cpu", torch.int64)
-        return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=e).tolist()
+        flat = flat.cpu().numpy().astype(np.int64, copy=False)
+        return np.argsort(flat, kind="stable"), np.bincount(flat, minlength=e).tolist()
 
     def _hold_hottest(self, moe_index: int, active: int, items: int) -> None:
         """A chunk-sized batch (one that routes to most of a layer's experts) sends every expert
@@ -258,39 +259,38 @@ class ExpertStore:
             p = self.prefetcher
             p.prefetch(self.cache, moe_index + ahead, set(p.rows(moe_index + ahead - 1)))
 
-    def _device_gemv(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
+    def _device_gemv(self, resident: list[tuple[int, int]], groups: dict[int, np.ndarray],
                      x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
-        """Every (token, expert) item of the resident experts in two grouped launches."""
-        idx = torch.cat([groups[r] for r, _ in resident])
-        slots = torch.cat([torch.full((len(groups[r]),), s, dtype=torch.int32) for r, s in resident])
-        idx_d = idx.to(x.device, non_blocking=True)
-        tokens = (idx // k).to(torch.int32).to(x.device, non_blocking=True)
-        count = torch.tensor([idx.numel()], dtype=torch.int32).to(x.device, non_blocking=True)
-        out = self.grouped.grouped_expert_gemv(x, self.cache.slots, self.pool.layout,
-                                               slots.to(x.device, non_blocking=True), tokens, w[idx_d, 0].contiguous(),
-                                               count)
+        """Every (token, expert) item of the resident experts in two grouped launches, the work
+        list (slot, token, assignment per item, then the count) uploaded in one copy."""
+        idx = np.concatenate([groups[r] for r, _ in resident])
+        n = len(idx)
+        slots = np.repeat([s for _, s in resident], [len(groups[r]) for r, _ in resident])
+        meta = _upload(np.concatenate([slots, idx // k, idx, [n]]), x.device)
+        idx_d = meta[2 * n : 3 * n]
+        out = self.grouped.grouped_expert_gemv(x, self.cache.slots, self.pool.layout, meta[:n], meta[n : 2 * n],
+                                               w[idx_d, 0].contiguous(), meta[3 * n :])
         y[idx_d] = out
 
-    def _device_gemm(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
+    def _device_gemm(self, resident: list[tuple[int, int]], groups: dict[int, np.ndarray],
                      x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
         """Prefill-sized work: every resident expert of the layer in two grouped launches, its
         assignments sorted by expert and uploaded once with the tile list."""
-        idx = torch.cat([groups[r] for r, _ in resident])
+        idx = np.concatenate([groups[r] for r, _ in resident])
         tiles = self.grouped.gemm_tiles([(s, len(groups[r])) for r, s in resident])
-        meta = torch.cat([idx // k, idx, torch.tensor(tiles, dtype=torch.int64)]).to(torch.int32)
-        meta = meta.pin_memory().to(x.device, non_blocking=True)
-        n = idx.numel()
+        meta = _upload(np.concatenate([idx // k, idx, tiles]), x.device)
+        n = len(idx)
         tokens, dst = meta[:n], meta[n : 2 * n]
         self.grouped.grouped_expert_gemm(x, self.cache.slots, self.pool.layout, meta[2 * n :], tokens, dst,
                                          w[dst, 0].contiguous(), y)
 
-    def _device_segments(self, resident: list[tuple[int, int]], groups: dict[int, torch.Tensor],
+    def _device_segments(self, resident: list[tuple[int, int]], groups: dict[int, np.ndarray],
                          x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
         """Without the grouped kernels (q8_0 slots, no Triton): the assignments sorted by expert,
         uploaded once, each expert one segment of a gathered batch."""
-        idx = torch.cat([groups[r] for r, _ in resident])
-        ends = torch.tensor([len(groups[r]) for r, _ in resident]).cumsum(0).tolist()
-        idx_d = idx.pin_memory().to(x.device, non_blocking=True) if x.is_cuda else idx
+        idx = np.concatenate([groups[r] for r, _ in resident])
+        ends = np.cumsum([len(groups[r]) for r, _ in resident]).tolist()
+        idx_d = _upload(idx, x.device).long()
         xs = x[idx_d // k]
         out = torch.empty_like(xs)
         start = 0
@@ -323,8 +323,8 @@ class ExpertStore:
             nbytes, start, end = self._fill_events.popleft()
             self.planner.observe_fill(nbytes, start.elapsed_time(end) / 1e3)
 
-    def _host_experts(self, slots: list[torch.Tensor], idxs: list[torch.Tensor], x: torch.Tensor,
-                      w: torch.Tensor, y: torch.Tensor, k: int, rows: list[torch.Tensor] | None = None) -> None:
+    def _host_experts(self, slots: list[torch.Tensor], idxs: list[np.ndarray], x: torch.Tensor,
+                      w: torch.Tensor, y: torch.Tensor, k: int, rows: list[np.ndarray] | None = None) -> None:
         """Experts whose slots are in host memory, in one kernel call (float32 in and out).
         `rows`: per expert, the rows of `y` its assignments go to (default: the assignments)."""
         if not slots:
@@ -332,17 +332,18 @@ class ExpertStore:
         rows = idxs if rows is None else rows
         if self.kernel is None:
             for slot, idx, row in zip(slots, idxs, rows, strict=True):
+                idx, row = torch.from_numpy(idx), torch.from_numpy(row)
                 gate, up, down = expert_weights(self.pool.layout, slot, x.dtype)
                 y[row] = (expert_forward(x[idx // k], gate, up, down) * w[idx]).to(y.dtype)
             return
+        row = np.concatenate(rows)
         if x.dtype == torch.float32 and y.dtype == torch.float32:
-            self.kernel.experts(self.pool.layout, slots, idxs, x.contiguous(), w, y, k, self.cpu.threads,
-                                torch.cat(rows))
+            self.kernel.experts(self.pool.layout, slots, idxs, x.contiguous(), w, y, k, self.cpu.threads, row)
             return
         out = torch.zeros(y.shape, dtype=torch.float32)
-        self.kernel.experts(self.pool.layout, slots, idxs, x.float(), w, out, k, self.cpu.threads, torch.cat(rows))
-        row = torch.cat(rows)
-        y[row] = out[row].to(y.dtype)
+        self.kernel.experts(self.pool.layout, slots, idxs, x.float(), w, out, k, self.cpu.threads, row)
+        row_t = torch.from_numpy(row)
+        y[row_t] = out[row_t].to(y.dtype)
 
     def _shares(self, hidden: torch.Tensor) -> bool:
         """Whether a hybrid layer's misses go to a split shared while both branches run: where
@@ -350,7 +351,7 @@ class ExpertStore:
         native = self.runner is not None and (hidden.device.type != "cpu" or hidden.dtype == torch.float32)
         return self.strategy == HYBRID and native
 
-    def _share(self, plan: LayerPlan, groups: dict[int, torch.Tensor], hidden: torch.Tensor,
+    def _share(self, plan: LayerPlan, groups: dict[int, np.ndarray], hidden: torch.Tensor,
                weights: torch.Tensor, y: torch.Tensor, k: int, staged: tuple[torch.Tensor, torch.Tensor] | None,
                ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Split the misses (`plan.cpu`, most-used first) while both branches run: the runner
@@ -392,7 +393,7 @@ class ExpertStore:
             host_y = (host_y[0][done:], host_y[1][done:])
         return wait_cpu, host_y
 
-    def _start_cpu(self, plan: LayerPlan, groups: dict[int, torch.Tensor], hidden: torch.Tensor,
+    def _start_cpu(self, plan: LayerPlan, groups: dict[int, np.ndarray], hidden: torch.Tensor,
                    weights: torch.Tensor, y: torch.Tensor, k: int,
                    staged: tuple[torch.Tensor, torch.Tensor] | None, split: torch.Tensor | None = None,
                    ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
@@ -411,13 +412,13 @@ class ExpertStore:
         else:
             # `staged` came with the routing; large batches (prefill on the cpu strategy) copy now
             x, w = staged if staged is not None else (hidden.float().cpu(), weights.float().cpu())
-            n = sum(len(i) for i in idxs)
-            out = torch.empty((n, y.shape[-1]), dtype=torch.float32, pin_memory=True)
-            rows = list(torch.arange(n).split([len(i) for i in idxs]))
-        host = None if out is y else (out, torch.cat(idxs))
+            ends = np.cumsum([len(i) for i in idxs])
+            out = torch.empty((int(ends[-1]), y.shape[-1]), dtype=torch.float32, pin_memory=True)
+            rows = np.split(np.arange(ends[-1]), ends[:-1])
+        host = None if out is y else (out, torch.from_numpy(np.concatenate(idxs)))
         if self.runner is not None and x.dtype == out.dtype == torch.float32:
             self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
-                                      self.cpu.threads, torch.cat(rows), split)
+                                      self.cpu.threads, np.concatenate(rows), split)
             return self.runner.wait, host
         spans: list[tuple[float, float]] = []
 
@@ -514,3 +515,8 @@ class ExpertStore:
         if self.runner is not None:
             self.runner.close()
 
+
+def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small int32 work list on `device` (one copy from page-locked memory on a GPU)."""
+    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
