@@ -118,33 +118,40 @@ class Kernel:
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
                       assignments: Sequence[Indices], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                       k: int, threads: int, out_rows: Indices | None = None,
-                      split: torch.Tensor | None = None) -> None:
+                      split: np.ndarray | None = None) -> None:
         """As `experts`, on the runner's native thread: returns at once; `runner.wait()` ends it.
         The caller keeps x, out and the slots alive until then. `split` (from `new_split`): the
         call shares its experts with the caller, who takes them from the front (`take_front`)
         while the call takes them from the back; it runs only those it takes."""
         call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
         if call is not None:
-            call.args += (None if split is None else split.data_ptr(),)
+            call.args += (None if split is None else split.ctypes.data,)
             if split is not None:
                 call.keep += (split,)
         runner.submit(call)
 
     @staticmethod
-    def new_split(n: int) -> torch.Tensor:
-        """A split of n experts shared by the caller and a runner call: front 0, back n."""
-        return torch.tensor([n << 32], dtype=torch.int64)
+    def new_split(n: int) -> np.ndarray:
+        """A split of n experts shared by the caller and a runner call: front 0, back n (one
+        int64 word, see `take` in experts.cpp)."""
+        return np.array([n << 32], dtype=np.int64)
 
-    def take_front(self, split: torch.Tensor) -> int | None:
+    def take_front(self, split: np.ndarray) -> int | None:
         """The caller's next expert of a shared split, or None once the runner has the rest.
         After the call ends, experts front.. (`split_front`) were the runner's."""
-        i = self.lib.ftk_take_front(split.data_ptr())
+        i = self.lib.ftk_take_front(split.ctypes.data)
         return None if i < 0 else i
 
     @staticmethod
-    def split_front(split: torch.Tensor) -> int:
+    def split_front(split: np.ndarray) -> int:
         """How many experts the caller took (read once the runner's call has ended)."""
         return int(split[0]) & 0xFFFFFFFF
+
+    @staticmethod
+    def split_left(split: np.ndarray) -> int:
+        """Experts neither side has taken yet (a snapshot: the runner may take one meanwhile)."""
+        v = int(split[0])
+        return (v >> 32) - (v & 0xFFFFFFFF)
 
     def runner(self) -> Runner:
         return Runner(self.lib)

@@ -355,9 +355,9 @@ class ExpertStore:
                weights: torch.Tensor, y: torch.Tensor, k: int, staged: tuple[torch.Tensor, torch.Tensor] | None,
                ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Split the misses (`plan.cpu`, most-used first) while both branches run: the runner
-        takes experts from the back, one at a time, and this thread fills from the front (two
-        before it starts the runner), the next one as soon as the copy engine starts on the one
-        before, until the two meet. A
+        takes experts from the back, one at a time, and this thread fills from the front (the
+        first before it starts the runner), the next one as soon as the copy engine starts on
+        the one before, until the two meet. A
         split fixed in advance from measured rates was off by up to a millisecond per layer in
         an extend: the rates move with the split itself (DMA and the CPU share host memory
         bandwidth) and with the tokens per expert. Leaves `plan` as it ended; returns as
@@ -368,6 +368,8 @@ class ExpertStore:
         taken, wait_cpu, host_y = 0, None, None
         while taken < len(misses):
             if len(pending) > 1:  # the one before the last is done: the last is being copied
+                if not self.kernel.split_left(split):
+                    break  # the CPU took the rest: go on to the device's work without waiting
                 pending.popleft().synchronize()
             row = misses[taken]
             slot = self.cache.claim(row, protected)
@@ -383,7 +385,7 @@ class ExpertStore:
             plan.fills.append((row, slot))
             protected.add(row)
             taken += 1
-            if wait_cpu is None and taken == 2:  # copies queued for the time it takes to start the CPU
+            if wait_cpu is None:  # the first copy is under way: start the CPU branch meanwhile
                 wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
         if wait_cpu is None:
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
@@ -395,7 +397,7 @@ class ExpertStore:
 
     def _start_cpu(self, plan: LayerPlan, groups: dict[int, np.ndarray], hidden: torch.Tensor,
                    weights: torch.Tensor, y: torch.Tensor, k: int,
-                   staged: tuple[torch.Tensor, torch.Tensor] | None, split: torch.Tensor | None = None,
+                   staged: tuple[torch.Tensor, torch.Tensor] | None, split: np.ndarray | None = None,
                    ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Start the CPU set from the host pool: one kernel call on the runner's native thread,
         or one torch job per expert on the thread pool without the kernel. Returns a wait that

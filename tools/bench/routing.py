@@ -87,9 +87,11 @@ class Synthetic(RoutingOverride):
 
     def _route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, start = self.rows[i], self.cursor[i]
+        if rows.device != x.device:  # once: then picking stays on the device, as a router's topk does
+            rows = self.rows[i] = rows.to(x.device)
         self.cursor[i] = start + x.shape[0]
-        picked = rows[torch.arange(start, start + x.shape[0]) % rows.shape[0]]
-        return _uniform(picked.to(x.device), x.dtype)
+        picked = rows[torch.arange(start, start + x.shape[0], device=x.device) % rows.shape[0]]
+        return _uniform(picked, x.dtype)
 
 
 def _markov(rng: np.random.Generator, tokens: int, experts: int, k: int, reuse: float) -> torch.Tensor:
