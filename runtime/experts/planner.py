@@ -8,6 +8,10 @@ The ratio starts from the profile and is then corrected from the runtime's own c
 (EWMA) per-byte time of fills and of CPU experts, each measured while the other branch runs.
 Fills and CPU work balance when q * t_fill = (m - q) * t_cpu, so q / m = t_cpu / (t_fill + t_cpu).
 A profile that is wrong for this machine or workload therefore costs a few layers, not the run.
+
+With `shared` (hybrid on the native CPU runner) no ratio decides: every miss is left for the
+store to split while both branches run (`ExpertStore._share`). The ratio then serves graph decode
+as its starting fill fraction.
 """
 
 from __future__ import annotations
