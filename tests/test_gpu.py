@@ -5,6 +5,8 @@ Run on a GPU machine with `pytest -m gpu tests/test_gpu.py`; skipped without CUD
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,3 +55,40 @@ def test_cuda_tier_matches_cpu_fused(model, cfg):
     assert rel < 1e-3, (cfg, rel)  # tf32/cuBLAS reduction order, not bitwise
     bf = logits(model, device="cuda", **cfg)  # the weights' own dtype: bf16
     assert ((bf - ref).norm() / ref.norm()) < 3e-2, cfg
+
+
+def test_gpu_budget_holds_a_long_prefill(tmp_path):
+    """Everything the runtime allocates on the device (dense weights, slots, graph K/V, a request's
+    KV, two 8192-token prefill chunks, decode steps) stays within --gpu-budget: the plan counts
+    the prefill workspace, the prefix cache and the graph K/V, not only dense weights and KV."""
+    from ftkit.runtime.engine.memory import plan_memory
+
+    spec = dataclasses.replace(demo_spec(4096), hidden_size=1024, moe_intermediate_size=512, num_experts=32,
+                               top_k=8, num_heads=16, num_kv_heads=4, head_dim=64, num_layers=2,
+                               moe_layers=(0, 1), layer_kinds=demo_spec(8).layer_kinds[:2],
+                               max_position_embeddings=16384)
+    path = tmp_path / "long.ftw"
+    write_random_ftw(path, spec, dtype="bfloat16")
+    tokens = 16384
+    sized = RuntimeOptions(device="cuda", strategy="offload", cache_experts=24, kv_tokens=tokens)
+    budget = plan_memory(path, sized, tokens, None).total_bytes
+    opts = dataclasses.replace(sized, cache_experts=None, gpu_budget=budget)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    rt = Runtime(path, opts)
+    try:
+        assert rt.store.cache.capacity == 24
+        kv = rt.new_kv(tokens)
+        ids = torch.randint(0, spec.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+        prompt, steps = ids[:-4], ids[-4:]  # the second chunk behind 8192 cached keys, then decode
+        for chunk in prompt.split(rt.prefill_chunk):
+            rt.decoder.forward(chunk.to(rt.device), kv, last_only=True)
+        for t in steps:
+            rt.decoder.forward(t.view(1).to(rt.device), kv)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak <= budget, (peak, budget)
+    finally:
+        rt.close()

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.base import TORCH_DTYPES
-from ..console import human_bytes
 from ..experts.cpu import CPUExecutor
 from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
@@ -19,11 +18,10 @@ from ..ftw.reader import FTWModel
 from ..kv.boundaries import Boundaries
 from ..kv.cache import PrefixCache
 from ..models import FAMILIES
-from ..models.kv import KVCache, kv_bytes_per_token
+from ..models.kv import KVCache
 from ..profile import load_profile
+from .memory import PREFILL_CHUNK, plan_memory
 from .tokenizer import Tokenizer
-
-PREFILL_CHUNK = 8192  # tokens per prefill forward on a GPU
 
 
 @dataclass
@@ -31,8 +29,8 @@ class RuntimeOptions:
     strategy: str = "auto"
     cache_experts: int | None = None  # device cache size in expert slots
     cache_bytes: int | None = None  # ... or in bytes
-    gpu_budget: int | None = None  # ... or what is left of this many device bytes after dense + KV
-    kv_tokens: int = 8192  # the KV a gpu_budget reserves before sizing the expert cache
+    gpu_budget: int | None = None  # ... or what this many device bytes leave (engine/memory.py)
+    kv_tokens: int = 8192  # the KV a gpu_budget reserves before sizing the expert cache; graph K/V rows
     device: str = "cpu"
     threads: int | None = None
     profile: Path | None = None
@@ -69,7 +67,7 @@ class Runtime:
         if opts.profile is not None:
             ratio = load_profile(opts.profile, opts.threads or CPUExecutor.default_threads()).ratio
         self.store = ExpertStore(
-            self.spec, self.pool, opts.strategy, self.cache_slots(_nbytes(weights)), self.device, opts.threads,
+            self.spec, self.pool, opts.strategy, self.cache_slots(), self.device, opts.threads,
             ratio, self.dtype, opts.stream_prefill,
         )
         self.store.stats.trace = opts.trace_stats
@@ -97,22 +95,15 @@ class Runtime:
             return
         self.decoder.graphs = GraphDecode(self.decoder, self.store, self.opts.kv_tokens)
 
-    def cache_slots(self, dense_bytes: int = 0) -> int | None:
+    def cache_slots(self) -> int | None:
+        """The device cache size the options ask for (None: every expert row)."""
         o = self.opts
         if sum(x is not None for x in (o.cache_experts, o.cache_bytes, o.gpu_budget)) > 1:
             raise ValueError("give one of --cache-experts, --cache-bytes and --gpu-budget")
-        slot = self.ftw.layout.slot_bytes
         if o.cache_bytes is not None:
-            return o.cache_bytes // slot
-        if o.gpu_budget is not None:
-            kv = o.kv_tokens * kv_bytes_per_token(self.spec, self.dtype)
-            left = o.gpu_budget - dense_bytes - kv
-            if left < self.spec.top_k * slot:
-                raise ValueError(
-                    f"--gpu-budget {human_bytes(o.gpu_budget)} leaves {human_bytes(max(left, 0))} for experts "
-                    f"after dense weights ({human_bytes(dense_bytes)}) and {o.kv_tokens} KV tokens "
-                    f"({human_bytes(kv)}); one layer's experts need {human_bytes(self.spec.top_k * slot)}")
-            return left // slot
+            return o.cache_bytes // self.ftw.layout.slot_bytes
+        if o.gpu_budget is not None:  # what dense weights, KV, prefix cache and workspace leave
+            return plan_memory(self.path, o, o.kv_tokens, None).expert_slots
         return o.cache_experts
 
     def new_kv(self, max_tokens: int) -> KVCache:
@@ -129,7 +120,3 @@ class Runtime:
 
     def close(self) -> None:
         self.store.close()
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

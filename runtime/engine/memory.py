@@ -1,7 +1,8 @@
-"""The device memory plan of a server: dense weights + KV tokens + expert slots, against a budget.
+"""The device memory plan: dense weights + KV tokens + expert slots + the rest, against a budget.
 
 Computed from the manifest before any weight is read, so a plan that cannot fit is refused with
-advice instead of failing half-way through loading; the same check guards a cache rebuild.
+advice instead of failing half-way through loading; the same check guards a cache rebuild. It is
+also what sizes the expert cache under `--gpu-budget`: the slots get what everything else leaves.
 """
 
 from __future__ import annotations
@@ -9,16 +10,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..checkpoint.base import TORCH_DTYPES
 from ..console import human_bytes
+from ..experts.planner import CPU, FUSED
 from ..experts.store import cache_capacity, resolve_strategy
 from ..ftw.reader import FTWModel
+from ..models import FAMILIES
 from ..models.kv import kv_bytes_per_token
 from ..profile import load_profile
-from .loader import RuntimeOptions
+from ..spec import ModelSpec
+
+if TYPE_CHECKING:
+    from .loader import RuntimeOptions
+
+PREFILL_CHUNK = 8192  # tokens per prefill forward on a GPU
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,7 @@ class MemoryPlan:
     budget_bytes: int | None  # None: unknown, not checked
     prefix_tokens: int = 0  # K/V rows the prefix cache may hold, on the same device
     graph_tokens: int = 0  # static K/V rows of CUDA graph decode (engine/graphs.py)
+    workspace_bytes: int = 0  # a prefill chunk's transient activations (GPU: prefill_workspace_bytes)
 
     @property
     def prefix_bytes(self) -> int:
@@ -50,7 +60,7 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.dense_bytes + self.kv_bytes + self.expert_bytes + self.prefix_bytes + self.graph_bytes
+        return sum(b for _, b in self.terms())
 
     @property
     def fits(self) -> bool:
@@ -60,19 +70,37 @@ class MemoryPlan:
         return replace(self, expert_slots=self.expert_slots if expert_slots is None else expert_slots,
                        kv_tokens=self.kv_tokens if kv_tokens is None else kv_tokens)
 
+    def terms(self) -> list[tuple[str, int]]:
+        """What the plan places on the device, labelled, zero terms left out."""
+        terms = [("dense weights", self.dense_bytes), (f"KV {self.kv_tokens} tokens", self.kv_bytes),
+                 (f"{self.expert_slots} expert slots", self.expert_bytes),
+                 (f"prefix cache {self.prefix_tokens} tokens", self.prefix_bytes),
+                 (f"graph K/V {self.graph_tokens} tokens", self.graph_bytes),
+                 ("prefill workspace", self.workspace_bytes)]
+        return [(label, b) for label, b in terms if b or label == "dense weights"]
+
     def describe(self) -> str:
         budget = human_bytes(self.budget_bytes) if self.budget_bytes is not None else "unchecked"
-        return (f"memory plan: dense {human_bytes(self.dense_bytes)} + KV {self.kv_tokens} tokens "
-                f"({human_bytes(self.kv_bytes)}) + {self.expert_slots} expert slots "
-                f"({human_bytes(self.expert_bytes)}) + prefix cache {self.prefix_tokens} tokens "
-                f"({human_bytes(self.prefix_bytes)})"
-                + (f" + graph K/V {self.graph_tokens} tokens ({human_bytes(self.graph_bytes)})" if self.graph_tokens else "")
-                + f" = {human_bytes(self.total_bytes)} of {budget}")
+        terms = " + ".join(f"{label} ({human_bytes(b)})" for label, b in self.terms())
+        return f"memory plan: {terms} = {human_bytes(self.total_bytes)} of {budget}"
+
+    def slots_within(self, budget: int, least: int) -> int:
+        """The expert slots that `budget` holds beside everything else in the plan; a ValueError
+        that names each term when that is fewer than `least` (one layer's top-k)."""
+        others = self.total_bytes - self.expert_bytes
+        slots = max(0, budget - others) // self.slot_bytes
+        if slots < least:
+            terms = ", ".join(f"{label} {human_bytes(b)}" for label, b in self.terms() if "expert slots" not in label)
+            raise ValueError(
+                f"--gpu-budget {human_bytes(budget)} leaves {human_bytes(max(budget - others, 0))} for experts "
+                f"after {terms}; one layer's experts need {human_bytes(least * self.slot_bytes)} "
+                f"(raise the budget, or lower --kv-tokens or --prefix-cache-tokens)")
+        return slots
 
     def advice(self) -> str:
         """Why it does not fit and what would: the largest expert cache and KV that do."""
         assert self.budget_bytes is not None
-        room = self.budget_bytes - self.dense_bytes - self.prefix_bytes - self.graph_bytes
+        room = self.budget_bytes - self.dense_bytes - self.prefix_bytes - self.graph_bytes - self.workspace_bytes
         if room <= 0 and self.prefix_bytes:
             return (f"dense weights and the prefix cache ({self.prefix_tokens} tokens) exceed the budget "
                     f"of {human_bytes(self.budget_bytes)}; lower --prefix-cache-tokens")
@@ -99,22 +127,46 @@ def device_budget(device: str) -> int | None:
     return None
 
 
+def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, chunk: int = PREFILL_CHUNK) -> int:
+    """The transient activations of the largest prefill step on a GPU: a chunk of up to `chunk`
+    tokens ending at position `context`. Layers run one after another, so the peak is the
+    residual stream plus the largest of one layer's attention and its MLP or experts."""
+    b, t, h = dtype.itemsize, min(chunk, context), spec.hidden_size
+    items = t * spec.top_k
+    # the router's float32 logits, the sorted work lists, the grouped GEMM's intermediate rows
+    # and one output row per (token, expert) item before the weighted sum
+    experts = t * spec.num_experts * 4 + items * (3 * 8 + b) + items * (spec.moe_intermediate_size + h) * b
+    experts += 3 * t * spec.shared_expert_intermediate_size * b
+    mlp = 3 * t * spec.intermediate_size * b if len(spec.moe_layers) < spec.num_layers else 0
+    # a chunk behind cached keys (models/layers.py): the float mask, the boolean mask and its
+    # negation, K/V heads repeated to the query heads for SDPA's memory-efficient kernel, the
+    # projections and the output
+    qkv = t * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * b
+    attention = t * context * (b + 2) + 2 * context * spec.num_heads * spec.head_dim * b + qkv
+    return 4 * t * h * b + max(experts, mlp, attention)
+
+
 def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: int | None) -> MemoryPlan:
-    """The plan `Runtime(path, opts)` plus a KV budget of `kv_tokens` would make."""
+    """The plan `Runtime(path, opts)` plus a KV budget of `kv_tokens` would make. Under
+    `opts.gpu_budget` the expert cache gets what the rest leaves (ValueError below one layer's
+    top-k slots); the runtime sizes its cache with this same function."""
     ftw = FTWModel(Path(path))
+    spec = ftw.spec
     dense = ftw.manifest.dense["tensors"]
     dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else TORCH_DTYPES[next(iter(dense.values()))["dtype"]]
-    dense_bytes = sum(math.prod(t["shape"]) for t in dense.values()) * dtype.itemsize
+    keep = FAMILIES[spec.family].float32_suffixes  # as the loader keeps them
+    dense_bytes = sum(math.prod(t["shape"]) * (4 if name.endswith(keep) else dtype.itemsize) for name, t in dense.items())
     ratio = load_profile(opts.profile).ratio if opts.profile is not None else opts.bandwidth_ratio
+    cuda = torch.device(opts.device).type == "cuda"
     strategy = resolve_strategy(opts.strategy, ratio, torch.device(opts.device))
+    prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
+    graphs = opts.kv_tokens if opts.graphs and cuda else 0
+    workspace = prefill_workspace_bytes(spec, min(kv_tokens, spec.max_position_embeddings), dtype) if cuda else 0
+    plan = MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, ftw.layout.slot_bytes,
+                      budget_bytes, prefix, graphs, workspace)
     requested = opts.cache_experts
     if opts.cache_bytes is not None:
         requested = opts.cache_bytes // ftw.layout.slot_bytes
-    if opts.gpu_budget is not None:  # the expert cache gets what dense weights and KV leave
-        left = opts.gpu_budget - dense_bytes - kv_tokens * kv_bytes_per_token(ftw.spec, dtype)
-        requested = max(1, left // ftw.layout.slot_bytes)
-    slots = cache_capacity(strategy, requested, ftw.spec.num_expert_rows)
-    prefix = (opts.prefix_cache_tokens or ftw.spec.max_position_embeddings) if opts.prefix_cache else 0
-    graphs = opts.kv_tokens if opts.graphs and torch.device(opts.device).type == "cuda" else 0
-    return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(ftw.spec, dtype), slots,
-                      ftw.layout.slot_bytes, budget_bytes, prefix, graphs)
+    if opts.gpu_budget is not None and strategy not in (CPU, FUSED):
+        requested = plan.slots_within(opts.gpu_budget, spec.top_k)
+    return plan.with_sizes(expert_slots=cache_capacity(strategy, requested, spec.num_expert_rows))

@@ -19,6 +19,7 @@ def memory(state: ServerState) -> dict[str, Any]:
             "expert_slots": p.expert_slots, "expert_bytes": p.expert_bytes,
             "prefix_cache_tokens": p.prefix_tokens, "prefix_cache_bytes": p.prefix_bytes,
             "graph_kv_tokens": p.graph_tokens, "graph_kv_bytes": p.graph_bytes,
+            "prefill_workspace_bytes": p.workspace_bytes,
             "device_total_bytes": p.total_bytes,
             "budget_bytes": p.budget_bytes, "host_pool_bytes": state.rt.pool.nbytes}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ..engine.loader import Runtime, RuntimeOptions
@@ -34,6 +35,12 @@ def make_plan(model: Path, opts: RuntimeOptions, max_running: int, kv_tokens: in
     return plan_memory(model, opts, kv_tokens, budget)
 
 
+def planned_runtime(model: Path, opts: RuntimeOptions, plan: MemoryPlan) -> Runtime:
+    """The runtime with the plan's expert cache, which a --gpu-budget sized beside the server's
+    KV budget (the runtime alone would size it beside opts.kv_tokens)."""
+    return Runtime(model, replace(opts, cache_experts=plan.expert_slots, cache_bytes=None, gpu_budget=None))
+
+
 def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           api_key: str | None = None, max_running: int = 4, kv_tokens: int | None = None,
           device_memory: int | None = None, served_name: str | None = None,
@@ -51,7 +58,7 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
     if not is_loopback(host) and not api_key:
         say(f"WARNING: serving on {host}, reachable from other machines, with no --api-key: anyone who can "
             f"reach it can use it")
-    rt = Runtime(model, opts)
+    rt = planned_runtime(model, opts, plan)
     scheduler = Scheduler(rt, plan, max_running)
     try:
         state = ServerState(rt, scheduler, served_name or Path(model).name, api_key)

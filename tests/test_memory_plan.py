@@ -1,0 +1,73 @@
+"""The memory plan sizes the expert cache under --gpu-budget, for the CLI and the server alike."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.memory import plan_memory, prefill_workspace_bytes
+from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.server.launch import make_plan, planned_runtime
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("memory") / "m.ftw"
+    write_random_ftw(path, demo_spec(300))
+    return path
+
+
+def device_bytes(rt: Runtime) -> tuple[int, int]:
+    """What the runtime really allocated: dense weights, expert cache slots."""
+    dense = sum(t.nbytes for t in rt.decoder.w.values())
+    return dense, sum(t.nbytes for t in rt.store.cache.slots)
+
+
+@pytest.mark.parametrize("kv_tokens", [512, 4096])
+def test_gpu_budget_gives_the_experts_what_the_rest_leaves(model, kv_tokens):
+    budget = 12 << 20
+    opts = RuntimeOptions(strategy="offload", gpu_budget=budget, kv_tokens=kv_tokens)
+    plan = plan_memory(model, opts, kv_tokens, None)
+    assert plan.total_bytes <= budget < plan.total_bytes + plan.slot_bytes
+    assert plan.prefix_bytes > 0  # the prefix cache's K/V rows are on the device too
+    rt = Runtime(model, opts)
+    try:
+        assert device_bytes(rt) == (plan.dense_bytes, plan.expert_bytes)
+    finally:
+        rt.close()
+
+
+def test_the_server_allocates_its_plan(model):
+    """A server's KV budget (here 2 x context) is not opts.kv_tokens: the runtime it starts
+    holds the plan's slots, not those the options alone would give."""
+    opts = RuntimeOptions(strategy="offload", gpu_budget=12 << 20)
+    plan = make_plan(model, opts, max_running=2, kv_tokens=None, device_memory=None)
+    alone = plan_memory(model, opts, opts.kv_tokens, None)
+    assert plan.kv_tokens != opts.kv_tokens and plan.expert_slots != alone.expert_slots
+    rt = planned_runtime(model, opts, plan)
+    try:
+        assert device_bytes(rt) == (plan.dense_bytes, plan.expert_bytes)
+    finally:
+        rt.close()
+
+
+def test_a_budget_too_small_names_what_took_it(model):
+    opts = RuntimeOptions(strategy="offload", gpu_budget=11 << 20, kv_tokens=8192)
+    with pytest.raises(ValueError) as err:
+        Runtime(model, opts)
+    msg = str(err.value)
+    assert "--gpu-budget" in msg and "KV 8192 tokens" in msg and "prefix cache" in msg and "--kv-tokens" in msg
+    # the cpu strategy keeps no expert on the device: no minimum to refuse
+    assert plan_memory(model, dataclasses.replace(opts, strategy="cpu"), 8192, None).expert_slots == 0
+
+
+def test_prefill_workspace_grows_with_chunk_and_context():
+    spec = demo_spec(300)
+    short = prefill_workspace_bytes(spec, 1024, torch.bfloat16)
+    assert prefill_workspace_bytes(spec, 1024, torch.float32) > short
+    assert prefill_workspace_bytes(spec, 16384, torch.bfloat16) > prefill_workspace_bytes(spec, 8192, torch.bfloat16) > short
+    # the chunk never exceeds the context it ends at
+    assert prefill_workspace_bytes(spec, 100, torch.bfloat16, chunk=8192) == prefill_workspace_bytes(spec, 100, torch.bfloat16, chunk=100)
