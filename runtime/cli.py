@@ -38,6 +38,8 @@ NoAnchors = Annotated[bool, typer.Option("--no-anchors", help="hybrid models: sa
 PrefixTokens = Annotated[int | None, typer.Option(help="prefix cache budget in tokens (default: the context)")]
 NoGraphs = Annotated[bool, typer.Option("--no-graphs", help="CUDA: decode eagerly, no graphs and no device-side planning (A/B runs)")]
 AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hybrid models)")]
+KvTokens = Annotated[int, typer.Option(help="KV tokens a request may reach (prompt + max tokens); reserved by "
+                                            "--gpu-budget; on CUDA the graph decode capacity (longer: eager)")]
 
 
 # The runtime flags every model-running command takes, once: `runtime_flags` adds them to a
@@ -49,6 +51,7 @@ RUNTIME_FLAGS: list[tuple[str, object, object]] = [
     ("no_graphs", NoGraphs, False),
 ]
 PREFIX_FLAGS: list[tuple[str, object, object]] = [("no_prefix_cache", NoPrefix, False), ("no_anchors", NoAnchors, False)]
+KV_FLAGS: list[tuple[str, object, object]] = [("kv_tokens", KvTokens, RuntimeOptions.kv_tokens)]
 SERVE_FLAGS: list[tuple[str, object, object]] = [("prefix_cache_tokens", PrefixTokens, None), ("anchor_slots", AnchorSlots, 32)]
 
 
@@ -61,6 +64,7 @@ def _to_options(f: dict) -> RuntimeOptions:
         dtype=f["dtype"], verify=f["verify"], prefix_cache=not f.get("no_prefix_cache", False),
         anchors=not f.get("no_anchors", False), prefix_cache_tokens=f.get("prefix_cache_tokens"),
         anchor_slots=f.get("anchor_slots", 32), graphs=not f["no_graphs"],
+        kv_tokens=f.get("kv_tokens", RuntimeOptions.kv_tokens),
     )
 
 
@@ -129,7 +133,7 @@ def _report(rt: Runtime, gen: Generation, as_json: bool, show_stats: bool) -> No
 
 
 @app.command("generate")
-@runtime_flags()
+@runtime_flags(KV_FLAGS)
 def generate_cmd(
     model: Model,
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
@@ -165,7 +169,7 @@ def generate_cmd(
 
 
 @app.command("chat")
-@runtime_flags(PREFIX_FLAGS)
+@runtime_flags(PREFIX_FLAGS, KV_FLAGS)
 def chat_cmd(
     model: Model,
     max_tokens: int = 256,

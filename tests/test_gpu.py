@@ -80,6 +80,7 @@ def test_gpu_budget_holds_a_long_prefill(tmp_path):
     rt = Runtime(path, opts)
     try:
         assert rt.store.cache.capacity == 24
+        assert rt.decoder.graphs is not None and rt.decoder.graphs.capacity == tokens  # decode below: graphs
         kv = rt.new_kv(tokens)
         ids = torch.randint(0, spec.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         prompt, steps = ids[:-4], ids[-4:]  # the second chunk behind 8192 cached keys, then decode

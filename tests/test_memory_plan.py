@@ -71,3 +71,20 @@ def test_prefill_workspace_grows_with_chunk_and_context():
     assert prefill_workspace_bytes(spec, 16384, torch.bfloat16) > prefill_workspace_bytes(spec, 8192, torch.bfloat16) > short
     # the chunk never exceeds the context it ends at
     assert prefill_workspace_bytes(spec, 100, torch.bfloat16, chunk=8192) == prefill_workspace_bytes(spec, 100, torch.bfloat16, chunk=100)
+
+
+def test_graph_kv_holds_the_longest_request_the_budget_admits(model):
+    """On CUDA the server's graph K/V covers a whole request of its KV budget (the context at
+    most), not the 8192 tokens of opts.kv_tokens: agents' requests (prompt + max_tokens) are
+    longer, and would decode without graphs."""
+    opts = RuntimeOptions(device="cuda", strategy="offload", cache_experts=8)
+    context = 2048  # demo_spec's
+    assert plan_memory(model, opts, 1024, None).graph_tokens == 1024
+    assert plan_memory(model, opts, 3 * context, None).graph_tokens == context
+    assert plan_memory(model, dataclasses.replace(opts, graphs=False), 1024, None).graph_tokens == 0
+    plan = make_plan(model, dataclasses.replace(opts, device="cpu"), max_running=2, kv_tokens=None, device_memory=None)
+    rt = planned_runtime(model, dataclasses.replace(opts, device="cpu"), plan)
+    try:
+        assert rt.opts.kv_tokens == plan.kv_tokens == 2 * context
+    finally:
+        rt.close()

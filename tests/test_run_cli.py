@@ -84,3 +84,6 @@ def test_gpu_budget_sizes_the_expert_cache(tmp_path):
     assert small["token_ids"] == big["token_ids"]
     r = ft_run(*base, "--gpu-budget", "1M")
     assert r.returncode == 1 and "--gpu-budget" in r.stderr and "Traceback" not in r.stderr
+    # the KV it reserves is --kv-tokens': 20000 tokens of this model's 1 KiB do not fit 12M
+    r = ft_run(*base, "--gpu-budget", "12M", "--kv-tokens", "20000")
+    assert r.returncode == 1 and "KV 20000 tokens" in r.stderr and "Traceback" not in r.stderr

@@ -125,7 +125,7 @@ class GraphDecode:
     def accepts(self, cache: KVCache) -> bool:
         if cache.max_tokens > self.capacity and not self.said_too_long:
             print(f"ftkit: sequences longer than {self.capacity} tokens (the graph K/V capacity) decode "
-                  "without CUDA graphs", file=sys.stderr)
+                  "without CUDA graphs (raise --kv-tokens)", file=sys.stderr)
             self.said_too_long = True
         return not cache.states and cache.max_tokens <= self.capacity and cache.length < cache.max_tokens
 

@@ -20,7 +20,7 @@ from ..kv.cache import PrefixCache
 from ..models import FAMILIES
 from ..models.kv import KVCache
 from ..profile import load_profile
-from .memory import PREFILL_CHUNK, plan_memory
+from .memory import PREFILL_CHUNK, graph_tokens, plan_memory
 from .tokenizer import Tokenizer
 
 
@@ -30,7 +30,7 @@ class RuntimeOptions:
     cache_experts: int | None = None  # device cache size in expert slots
     cache_bytes: int | None = None  # ... or in bytes
     gpu_budget: int | None = None  # ... or what this many device bytes leave (engine/memory.py)
-    kv_tokens: int = 8192  # the KV a gpu_budget reserves before sizing the expert cache; graph K/V rows
+    kv_tokens: int = 8192  # KV tokens the runtime is sized for: reserved by a gpu_budget, graph K/V rows
     device: str = "cpu"
     threads: int | None = None
     profile: Path | None = None
@@ -93,7 +93,7 @@ class Runtime:
         if reason:
             print(f"ftkit: decoding without CUDA graphs: {reason}", file=sys.stderr)
             return
-        self.decoder.graphs = GraphDecode(self.decoder, self.store, self.opts.kv_tokens)
+        self.decoder.graphs = GraphDecode(self.decoder, self.store, graph_tokens(self.spec, self.opts.kv_tokens))
 
     def cache_slots(self) -> int | None:
         """The device cache size the options ask for (None: every expert row)."""

@@ -127,6 +127,12 @@ def device_budget(device: str) -> int | None:
     return None
 
 
+def graph_tokens(spec: ModelSpec, kv_tokens: int) -> int:
+    """The static K/V rows of graph decode: the longest sequence the KV budget admits, so every
+    request that fits decodes through graphs (a longer one would decode eagerly)."""
+    return min(kv_tokens, spec.max_position_embeddings)
+
+
 def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, chunk: int = PREFILL_CHUNK) -> int:
     """The transient activations of the largest prefill step on a GPU: a chunk of up to `chunk`
     tokens ending at position `context`. Layers run one after another, so the peak is the
@@ -147,7 +153,7 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, c
 
 
 def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: int | None) -> MemoryPlan:
-    """The plan `Runtime(path, opts)` plus a KV budget of `kv_tokens` would make. Under
+    """The plan `Runtime(path, opts)` with `opts.kv_tokens = kv_tokens` would make. Under
     `opts.gpu_budget` the expert cache gets what the rest leaves (ValueError below one layer's
     top-k slots); the runtime sizes its cache with this same function."""
     ftw = FTWModel(Path(path))
@@ -160,7 +166,7 @@ def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: 
     cuda = torch.device(opts.device).type == "cuda"
     strategy = resolve_strategy(opts.strategy, ratio, torch.device(opts.device))
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
-    graphs = opts.kv_tokens if opts.graphs and cuda else 0
+    graphs = graph_tokens(spec, kv_tokens) if opts.graphs and cuda else 0
     workspace = prefill_workspace_bytes(spec, min(kv_tokens, spec.max_position_embeddings), dtype) if cuda else 0
     plan = MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, ftw.layout.slot_bytes,
                       budget_bytes, prefix, graphs, workspace)

@@ -36,9 +36,12 @@ def make_plan(model: Path, opts: RuntimeOptions, max_running: int, kv_tokens: in
 
 
 def planned_runtime(model: Path, opts: RuntimeOptions, plan: MemoryPlan) -> Runtime:
-    """The runtime with the plan's expert cache, which a --gpu-budget sized beside the server's
-    KV budget (the runtime alone would size it beside opts.kv_tokens)."""
-    return Runtime(model, replace(opts, cache_experts=plan.expert_slots, cache_bytes=None, gpu_budget=None))
+    """The runtime the plan describes: its expert cache (a --gpu-budget sized it beside the
+    server's KV budget) and graph K/V for the longest request that budget admits (with
+    opts.kv_tokens alone, a request longer than 8192 tokens, prompt plus max_tokens, as an
+    agent's usually is, would decode without graphs)."""
+    return Runtime(model, replace(opts, cache_experts=plan.expert_slots, cache_bytes=None, gpu_budget=None,
+                                  kv_tokens=plan.kv_tokens))
 
 
 def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
