@@ -20,7 +20,7 @@ from ..kv.cache import PrefixCache
 from ..models import FAMILIES
 from ..models.kv import KVCache
 from ..profile import load_profile
-from .memory import PREFILL_CHUNK, graph_tokens, plan_memory
+from .memory import PREFILL_CHUNK, longest_request, plan_memory
 from .tokenizer import Tokenizer
 
 
@@ -93,7 +93,7 @@ class Runtime:
         if reason:
             print(f"ftkit: decoding without CUDA graphs: {reason}", file=sys.stderr)
             return
-        self.decoder.graphs = GraphDecode(self.decoder, self.store, graph_tokens(self.spec, self.opts.kv_tokens))
+        self.decoder.graphs = GraphDecode(self.decoder, self.store, longest_request(self.spec, self.opts.kv_tokens))
 
     def cache_slots(self) -> int | None:
         """The device cache size the options ask for (None: every expert row)."""

@@ -87,12 +87,12 @@ class MemoryPlan:
     def slots_within(self, budget: int, least: int) -> int:
         """The expert slots that `budget` holds beside everything else in the plan; a ValueError
         that names each term when that is fewer than `least` (one layer's top-k)."""
-        others = self.total_bytes - self.expert_bytes
-        slots = max(0, budget - others) // self.slot_bytes
+        others = self.with_sizes(expert_slots=0)
+        slots = max(0, budget - others.total_bytes) // self.slot_bytes
         if slots < least:
-            terms = ", ".join(f"{label} {human_bytes(b)}" for label, b in self.terms() if "expert slots" not in label)
+            terms = ", ".join(f"{label} {human_bytes(b)}" for label, b in others.terms())
             raise ValueError(
-                f"--gpu-budget {human_bytes(budget)} leaves {human_bytes(max(budget - others, 0))} for experts "
+                f"--gpu-budget {human_bytes(budget)} leaves {human_bytes(max(budget - others.total_bytes, 0))} for experts "
                 f"after {terms}; one layer's experts need {human_bytes(least * self.slot_bytes)} "
                 f"(raise the budget, or lower --kv-tokens or --prefix-cache-tokens)")
         return slots
@@ -100,7 +100,7 @@ class MemoryPlan:
     def advice(self) -> str:
         """Why it does not fit and what would: the largest expert cache and KV that do."""
         assert self.budget_bytes is not None
-        room = self.budget_bytes - self.dense_bytes - self.prefix_bytes - self.graph_bytes - self.workspace_bytes
+        room = self.budget_bytes - (self.total_bytes - self.kv_bytes - self.expert_bytes)  # what KV and slots share
         if room <= 0 and self.prefix_bytes:
             return (f"dense weights and the prefix cache ({self.prefix_tokens} tokens) exceed the budget "
                     f"of {human_bytes(self.budget_bytes)}; lower --prefix-cache-tokens")
@@ -127,9 +127,9 @@ def device_budget(device: str) -> int | None:
     return None
 
 
-def graph_tokens(spec: ModelSpec, kv_tokens: int) -> int:
-    """The static K/V rows of graph decode: the longest sequence the KV budget admits, so every
-    request that fits decodes through graphs (a longer one would decode eagerly)."""
+def longest_request(spec: ModelSpec, kv_tokens: int) -> int:
+    """The longest sequence a KV budget admits: graph decode's static K/V rows (so every request
+    that fits decodes through graphs) and the context a prefill chunk may sit behind."""
     return min(kv_tokens, spec.max_position_embeddings)
 
 
@@ -166,8 +166,9 @@ def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: 
     cuda = torch.device(opts.device).type == "cuda"
     strategy = resolve_strategy(opts.strategy, ratio, torch.device(opts.device))
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
-    graphs = graph_tokens(spec, kv_tokens) if opts.graphs and cuda else 0
-    workspace = prefill_workspace_bytes(spec, min(kv_tokens, spec.max_position_embeddings), dtype) if cuda else 0
+    longest = longest_request(spec, kv_tokens)
+    graphs = longest if opts.graphs and cuda else 0
+    workspace = prefill_workspace_bytes(spec, longest, dtype) if cuda else 0
     plan = MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, ftw.layout.slot_bytes,
                       budget_bytes, prefix, graphs, workspace)
     requested = opts.cache_experts
