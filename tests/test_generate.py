@@ -49,6 +49,39 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens():
     assert seen == {0, 1}
 
 
+def test_sampling_draws_from_the_cut_distribution():
+    """The exponential race draws each kept token as often as its renormalised probability;
+    top-p past the CPU's first window of candidates grows the window, not the cut."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+    for params in (dict(temperature=0.8), dict(temperature=0.8, top_k=3), dict(temperature=1.0, top_p=0.9),
+                   dict(temperature=1.2, top_k=4, top_p=0.8)):
+        probs = torch.softmax(logits / params["temperature"], 0)
+        if "top_k" in params:
+            probs[params["top_k"]:] = 0
+            probs /= probs.sum()
+        if "top_p" in params:
+            probs *= probs.cumsum(0) - probs < params["top_p"]
+            probs /= probs.sum()
+        sampler, n = Sampler(SamplingParams(seed=11, **params)), 20000
+        freq = torch.bincount(torch.tensor([sampler(logits) for _ in range(n)]), minlength=6) / n
+        assert (freq - probs).abs().max() < 0.015, (params, freq, probs)
+        assert (freq[probs == 0] == 0).all()
+    flat = torch.linspace(0, 0.5, 4000).flip(0)  # top-p 0.5 keeps about 2000 of them
+    kept = int((torch.softmax(flat, 0).cumsum(0) - torch.softmax(flat, 0) < 0.5).sum())
+    seen = {Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s))(flat) for s in range(3000)}
+    assert kept > 4 * Sampler.CPU_WINDOW and max(seen) < kept and len(seen) > Sampler.CPU_WINDOW
+
+
+def test_sampler_rewinds_its_draws():
+    logits = torch.randn(1000)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.95, seed=3))
+    sampler(logits)
+    before = sampler.draws()
+    picks = [sampler(logits) for _ in range(5)]
+    sampler.rewind(before)
+    assert [sampler(logits) for _ in range(5)] == picks
+
+
 def test_stop_token(rt):
     greedy = generate(rt, PROMPT, SamplingParams(max_tokens=10, ignore_eos=True)).token_ids
     gen = generate(rt, PROMPT, SamplingParams(max_tokens=10, stop_token_ids=[greedy[4]], ignore_eos=True))

@@ -8,6 +8,7 @@ triton is imported), which exercises every decision and the C++ doorbell worker 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -18,7 +19,7 @@ from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.graphs import GraphDecode, unsupported
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.memory import plan_memory
-from ftkit.runtime.engine.sampling import SamplingParams
+from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.engine.scheduler import Request, Scheduler
 from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
 from ftkit.tools.convert.pipeline import convert, make_plan
@@ -312,7 +313,7 @@ def _greedy_steps(rt: Runtime, kv, token: int, n: int) -> list[int]:
                                  dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)],
                          ids=["offload", "hybrid"])
 def test_greedy_pipeline_matches_step_by_step(model, cfg):
-    """GraphDecode.greedy (each step queued before the previous token is read) gives the tokens
+    """GraphDecode.pipeline (each step queued before the previous token is read) gives the tokens
     and K/V rows of greedy decoding one step at a time, also when stopped early and continued
     step by step; with fed inputs (the benchmark) it reads back the argmax of each fed step."""
     rt, kv, first = _prefilled(model, cfg)
@@ -326,7 +327,7 @@ def test_greedy_pipeline_matches_step_by_step(model, cfg):
 
     rt, kv, first = _prefilled(model, cfg)
     with torch.inference_mode():
-        steps = rt.decoder.graphs.greedy(first, kv, 8)
+        steps = rt.decoder.graphs.pipeline(first, kv, 8)
         got = [next(steps) for _ in range(3)]
         steps.close()  # the fourth step was in flight: dropped
     assert kv.length == len(PROMPT) + 3
@@ -341,12 +342,53 @@ def test_greedy_pipeline_matches_step_by_step(model, cfg):
         with torch.inference_mode():
             if pipelined:
                 feed = torch.tensor(fed, device=rt.device)
-                outs.append(list(rt.decoder.graphs.greedy(fed[0], kv, len(fed), feed=feed)))
+                outs.append(list(rt.decoder.graphs.pipeline(fed[0], kv, len(fed), feed=feed)))
             else:
                 outs.append([int(rt.decoder.forward(torch.tensor([t], device=rt.device), kv)[-1].argmax())
                              for t in fed])
         rt.close()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("cfg", [dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)], ids=["hybrid"])
+def test_sampled_pipeline_matches_step_by_step(model, cfg):
+    """A sampler's picks queued after the graphs, on the device, give the tokens a seeded
+    sampler draws step by step from the logits; stopped early, the dropped step's draw is
+    rewound, so continuing step by step gives the same tokens; generation takes this path."""
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=5)
+
+    def steps(rt, kv, token, n, sampler):
+        out = []
+        with torch.inference_mode():
+            for _ in range(n):
+                token = sampler(rt.decoder.forward(torch.tensor([token], device=rt.device), kv)[-1])
+                out.append(token)
+        return out
+
+    rt, kv, first = _prefilled(model, cfg)
+    ref = steps(rt, kv, first, 8, Sampler(params))
+    rt.close()
+
+    rt, kv, first = _prefilled(model, cfg)
+    sampler = Sampler(params)
+    with torch.inference_mode():
+        pipe = rt.decoder.graphs.pipeline(first, kv, 8, sampler)
+        got = [next(pipe) for _ in range(3)]
+        pipe.close()  # the fourth step was in flight: dropped, its draw rewound
+    got += steps(rt, kv, got[-1], 5, sampler)
+    rt.close()
+    assert got == ref
+
+    rt = _graph_runtime(model, **cfg)
+    prompt_first = Sampler(params)  # generation samples its first token from the prefill too
+    with torch.inference_mode():
+        kv = rt.new_kv(len(PROMPT) + 12)
+        lead = prompt_first(rt.decoder.forward(torch.tensor(PROMPT, device=rt.device), kv)[-1])
+        want = [lead, *steps(rt, kv, lead, 6, prompt_first)]
+    rt.close()
+    rt = _graph_runtime(model, **cfg)
+    assert generate(rt, PROMPT, dataclasses.replace(params, max_tokens=7, ignore_eos=True)).token_ids == want
+    rt.close()
 
 
 @pytest.mark.gpu

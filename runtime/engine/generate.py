@@ -108,14 +108,17 @@ class Decoding:
         return self.gen.token_ids[-1]
 
     def pipelined(self) -> bool:
-        """Greedy decoding through CUDA graphs: the next step can be queued before a token is read."""
+        """Decoding through CUDA graphs, the tokens picked on the device: the next step can be
+        queued before a token is read."""
         graphs = self.rt.decoder.graphs
-        return self.params.temperature == 0 and not self.done and graphs is not None and graphs.accepts(self.kv)
+        return not self.done and graphs is not None and graphs.accepts(self.kv)
 
     def burst(self, interrupt: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str, Generation]]:
-        """`emit` each greedy token as GraphDecode.greedy produces it (the GPU never waits for the
-        host between tokens), until done or `interrupt()`; decoding can go on step by step after."""
-        steps = self.rt.decoder.graphs.greedy(self.next_input, self.kv, self.max_new - len(self.gen.token_ids))
+        """`emit` each token as GraphDecode.pipeline produces it (the GPU never waits for the host
+        between tokens), until done or `interrupt()`; decoding can go on step by step after."""
+        sampler = self.sampler if self.params.temperature else None  # None: the graphs' own argmax
+        steps = self.rt.decoder.graphs.pipeline(self.next_input, self.kv, self.max_new - len(self.gen.token_ids),
+                                                sampler)
         try:
             for token in steps:
                 self.rt.store.stats.new_step()

@@ -35,6 +35,7 @@ from ..models.decoder import MoEDecoder
 from ..models.kv import KVCache
 from ..models.layers import decode_attention
 from ..spec import QK_NORM_HEAD, QK_NORM_NONE
+from .sampling import Sampler
 
 FIRST_SPAN = 256  # attention span of the smallest graph; each next one doubles it
 # A step is captured as several graphs of this many layers: launching a graph costs host time
@@ -139,15 +140,18 @@ class GraphDecode:
         cache.advance(1)
         return logits.clone() if self.capture else logits  # the graph's buffer is reused next step
 
-    def greedy(self, first: int, cache: KVCache, limit: int, feed: torch.Tensor | None = None) -> Iterator[int]:
-        """Up to `limit` greedy tokens after `first` (the token at position cache.length), with
-        the next step always queued on the GPU while the host reads a token: each step's
-        graphs end by writing their argmax as the next step's input and advancing the position,
-        so launching a step needs nothing from the one before. Each yielded token's step has
-        appended its input's K/V. When the caller stops early, the step in flight is waited
-        for and dropped (its expert counts stay in the stats); running it again writes the same
-        K/V row. `feed` (benchmarks): the inputs after `first` are these device token ids
-        instead of the argmaxes, which are still read back, as sampling would."""
+    def pipeline(self, first: int, cache: KVCache, limit: int, sampler: Sampler | None = None,
+                 feed: torch.Tensor | None = None) -> Iterator[int]:
+        """Up to `limit` tokens after `first` (the token at position cache.length), with the next
+        step always queued on the GPU while the host reads a token: each step's graphs end by
+        writing their argmax as the next step's input and advancing the position, so launching a
+        step needs nothing from the one before. `sampler` (None: greedy): queued after the graphs,
+        it picks the next input from the logits on the device instead of the argmax. Each
+        yielded token's step has appended its input's K/V. When the caller stops early, the
+        step in flight is waited for and dropped (its expert counts stay in the stats, its
+        sampler draw is rewound); running it again writes the same K/V row and draws the same
+        token. `feed` (benchmarks): the inputs after `first` are these device token ids instead
+        of the picks, which are still read back."""
         limit = min(limit, cache.max_tokens - cache.length)
         if limit <= 0:
             return
@@ -155,12 +159,16 @@ class GraphDecode:
         self.token.fill_(first)
         self.pos.fill_(cache.length)
         cuda = self.token.is_cuda
-        out = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)  # the argmaxes, two steps in turn
+        out = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)  # the tokens of two steps in turn
         done = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        draws = [{}, {}]  # the sampler's generators before each of the two steps
 
         def launch(i: int) -> None:
             self.store.device_plan.adapt()  # between steps, from the counters of those finished
-            self._launch(span)
+            logits = self._launch(span)
+            if sampler is not None:
+                draws[i % 2] = sampler.draws()
+                self.token.copy_(sampler.sample(logits))
             out[i % 2].copy_(self.token[0], non_blocking=True)
             if cuda:
                 done[i % 2].record()
@@ -182,6 +190,8 @@ class GraphDecode:
         finally:
             if in_flight and cuda:  # nothing may touch the cache or its slots under a running step
                 done[(i + 1) % 2].synchronize()
+            if in_flight and sampler is not None:
+                sampler.rewind(draws[(i + 1) % 2])
 
     def _prepare(self, cache: KVCache, end: int) -> int:
         """Bind `cache`, hand the residency to the device planner; the attention span that

@@ -199,7 +199,7 @@ class Scheduler:
             self._emit(req)
 
     def _burst(self, req: Request) -> None:
-        """A lone greedy request decodes with the next step always queued (Decoding.burst) until
+        """A lone request decodes with the next step always queued (Decoding.burst) until
         it ends or a waiting request, a cancel or a rebuild needs the loop's safe point."""
         def interrupt() -> bool:
             return req.cancelled.is_set() or bool(self.waiting or self.rebuilds)

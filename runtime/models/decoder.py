@@ -8,7 +8,7 @@ the expert weights wherever they live (device cache, host pool).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, SLIDING_ATTENTION, ModelSpec
 from .kv import KVCache
 from .layers import Rope, apply_rope, attention, rms_norm, softmax_topk, swiglu
+
+if TYPE_CHECKING:
+    from ..engine.sampling import Sampler
 
 
 class ExpertRunner(Protocol):
@@ -32,8 +35,8 @@ class GraphSteps(Protocol):
 
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor: ...
 
-    def greedy(self, first: int, cache: KVCache, limit: int,
-               feed: torch.Tensor | None = None) -> Iterator[int]: ...
+    def pipeline(self, first: int, cache: KVCache, limit: int, sampler: Sampler | None = None,
+                 feed: torch.Tensor | None = None) -> Iterator[int]: ...
 
 
 class MoEDecoder:

@@ -18,6 +18,7 @@ from rich.table import Table
 from ftkit import __version__
 from ftkit.runtime.console import guarded, parse_bytes
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.ftw.random_model import write_random_ftw
 from ftkit.runtime.profile import load_profile
 
@@ -114,6 +115,8 @@ def decode(
                                         "tokens (the next agent turn after a prefix hit)")] = 0,
     answer: Annotated[int, typer.Option(help="decode steps before each timed chunk and between it and its "
                                         "extend (a turn's reply)")] = 32,
+    temperature: Annotated[float, typer.Option(help="timed decode steps sample at this temperature (0: argmax)")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="with --temperature: the top-p cut")] = 1.0,
 ) -> None:
     """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
     if graphs not in ("on", "off", "both"):
@@ -144,7 +147,8 @@ def decode(
                 routed = prompt + tokens + 8 + sum(2 * (int(c) + extend + answer) + 1 for c in chunks.split(",") if c)
                 override = Recorder(rt.decoder) if record else _routing(rt, routing, routed)
                 trace = trace_dir / f"profile-{rt.store.strategy}-graphs-{'on' if graphs_on else 'off'}.txt" if trace_dir else None
-                r = run.decode(rt, tokens, prompt, override, figs, trace)
+                sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=0)) if temperature else None
+                r = run.decode(rt, tokens, prompt, override, figs, trace, sampler=sampler)
                 if record:
                     override.save(record)
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"

@@ -9,7 +9,8 @@
 # on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound, layer
 # streaming on and off, each followed by a 32-token answer and a 32-token extend), extend (an
 # agent turn with concentrated synthetic routing, reuse 0.9: 32 decode steps, an 8192-token
-# chunk, a 32-token answer, the 32-token extend), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
+# chunk, a 32-token answer, the 32-token extend), sampled (hybrid decode as above, each token
+# sampled on the device at temperature 0.7, top-p 0.95), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
 # back few files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -64,6 +65,12 @@ if has decode; then
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
       --tokens ${TOKENS:-32} --strategies ${STRATEGIES:-offload,cpu,hybrid} --graphs ${GRAPHS:-both} \
       --json "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
+fi
+if has sampled; then  # hybrid graph decode with each token sampled on the device (temperature, top-p)
+  q12
+  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
+      --tokens ${TOKENS:-32} --strategies hybrid --graphs on --temperature 0.7 --top-p 0.95 \
+      --json "$OUT/sampled.json" 2>&1 | tee "$OUT/sampled.txt"
 fi
 if has prefill; then
   q12

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ftkit.runtime.engine.loader import Runtime
+from ftkit.runtime.engine.sampling import Sampler
 
 from .routing import RoutingOverride
 
@@ -42,16 +43,16 @@ def dense_bytes(rt: Runtime) -> int:
 
 
 def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | None, figures: Figures,
-           trace_to: Path | None = None, warmup: int = 2) -> dict:
+           trace_to: Path | None = None, warmup: int = 2, sampler: Sampler | None = None) -> dict:
     """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill and `warmup`
     untimed steps (kernel compilation, graph capture); `trace_to` also writes a torch.profiler
     table of 4 further steps (where the per-token time goes).
 
     Each step feeds a seeded random token rather than the argmax: random weights tend to repeat
     their greedy token, and a repeated token repeats its routing, which would flatter the cache.
-    Each step still reads its argmax back to the host, as sampling does. With graph decode the
-    timed steps run as greedy generation does (`GraphDecode.greedy`: the next step is queued
-    before a token is read), the random tokens fed on the device."""
+    Each step still reads its argmax back to the host, or with a `sampler` the token it draws.
+    With graph decode the timed steps run as generation does (`GraphDecode.pipeline`: the next
+    step is queued before a token is read), the random tokens fed on the device."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, rt.spec.vocab_size, (prompt + warmup + tokens + 4,), generator=gen).to(rt.device)
     kv = rt.new_kv(prompt + warmup + tokens + 8)
@@ -59,7 +60,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     def step(i: int) -> None:
         if routing:
             routing.next_step()
-        int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
+        logits = rt.decoder.forward(ids[i : i + 1], kv)[-1]
+        int(sampler(logits) if sampler else logits.argmax())
 
     with torch.inference_mode():
         if routing:
@@ -74,8 +76,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         rt.store.stats.reset()
         sync(rt)
         t0 = time.perf_counter()
-        if pipelined:  # as greedy generation runs: the next step queued while a token is read
-            for _ in graphs.greedy(first, kv, tokens, feed=ids[start : start + tokens]):
+        if pipelined:  # as generation runs: the next step queued while a token is read
+            for _ in graphs.pipeline(first, kv, tokens, sampler, feed=ids[start : start + tokens]):
                 pass
         else:
             for i in range(start, start + tokens):
@@ -93,6 +95,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         "tokens": tokens,
         "graphs": rt.decoder.graphs is not None,
         "pipelined": pipelined,
+        "sampled": sampler is not None,
         "tok_s": tokens / seconds,
         "ms_per_token": 1000 * seconds / tokens,
         "bound_ms_per_token": 1000 * bound if bound else None,
