@@ -5,6 +5,7 @@ the headers of a 48-layer, 128-expert model."""
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import io
 import json
 import mmap
@@ -26,6 +27,8 @@ from typer.testing import CliRunner
 
 import fixtures as fx
 from ftkit.runtime.checkpoint.gguf import READ_CHUNK
+from ftkit.runtime.engine.loader import RuntimeOptions
+from ftkit.runtime.engine.memory import plan_memory
 from ftkit.runtime.ftw.manifest import slot_layout
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.spec import ModelSpec
@@ -171,7 +174,15 @@ def test_memory_plan_matches_what_convert_and_the_runtime_allocate(model_path, n
     # KV: what the runtime's cache allocates for 1,000 tokens at bf16.
     kv = KVCache(spec, 1000, torch.bfloat16, "meta")
     assert m["kv_bytes_per_1k_tokens"] == sum(t.nbytes for t in (*kv.k.values(), *kv.v.values()))
-    assert m["min_gpu_bytes"] == m["dense_bytes"] + m["kv_bytes_per_1k_tokens"] + spec.top_k * m["expert_slot_bytes"]
+    assert m["prefix_cache_bytes"] == m["kv_bytes_per_1k_tokens"] * spec.max_position_embeddings // 1000
+    # The smallest budget is the one ft-run's own plan accepts on CUDA with --kv-tokens 1000 and
+    # no prefix cache, with top_k slots; a byte less is refused.
+    assert m["min_gpu_bytes"] == sum(m["min_gpu_terms"].values())
+    opts = RuntimeOptions(device="cuda", strategy="offload", dtype="bfloat16", prefix_cache=False,
+                          gpu_budget=m["min_gpu_bytes"])
+    assert plan_memory(ftw, opts, 1000, None).expert_slots == spec.top_k
+    with pytest.raises(ValueError, match="prefill workspace"):
+        plan_memory(ftw, dataclasses.replace(opts, gpu_budget=m["min_gpu_bytes"] - 1), 1000, None)
 
 
 # ---- FAIL ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ also what sizes the expert cache under `--gpu-budget`: the slots get what everyt
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -152,6 +153,24 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, c
     return 4 * t * h * b + max(experts, mlp, attention)
 
 
+def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype, family: str) -> int:
+    """The dense tensors' bytes on the device at `dtype`, the family's float32-kept ones at 4 bytes
+    (as the loader keeps them)."""
+    keep = FAMILIES[family].float32_suffixes
+    return sum(math.prod(shape) * (4 if name.endswith(keep) else dtype.itemsize) for name, shape in shapes.items())
+
+
+def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: torch.dtype, kv_tokens: int,
+              budget_bytes: int | None = None, prefix_tokens: int = 0, cuda: bool = False,
+              graphs: bool = False) -> MemoryPlan:
+    """Every term of a plan but the expert slots: on CUDA the graph K/V (with `graphs`) and a
+    prefill chunk's workspace, both sized by the longest request `kv_tokens` admits."""
+    longest = longest_request(spec, kv_tokens)
+    return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, slot_bytes, budget_bytes,
+                      prefix_tokens, longest if graphs and cuda else 0,
+                      prefill_workspace_bytes(spec, longest, dtype) if cuda else 0)
+
+
 def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: int | None) -> MemoryPlan:
     """The plan `Runtime(path, opts)` with `opts.kv_tokens = kv_tokens` would make. Under
     `opts.gpu_budget` the expert cache gets what the rest leaves (ValueError below one layer's
@@ -160,17 +179,12 @@ def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: 
     spec = ftw.spec
     dense = ftw.manifest.dense["tensors"]
     dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else TORCH_DTYPES[next(iter(dense.values()))["dtype"]]
-    keep = FAMILIES[spec.family].float32_suffixes  # as the loader keeps them
-    dense_bytes = sum(math.prod(t["shape"]) * (4 if name.endswith(keep) else dtype.itemsize) for name, t in dense.items())
+    dense_bytes = dense_device_bytes({name: t["shape"] for name, t in dense.items()}, dtype, spec.family)
     ratio = load_profile(opts.profile).ratio if opts.profile is not None else opts.bandwidth_ratio
-    cuda = torch.device(opts.device).type == "cuda"
     strategy = resolve_strategy(opts.strategy, ratio, torch.device(opts.device))
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
-    longest = longest_request(spec, kv_tokens)
-    graphs = longest if opts.graphs and cuda else 0
-    workspace = prefill_workspace_bytes(spec, longest, dtype) if cuda else 0
-    plan = MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, ftw.layout.slot_bytes,
-                      budget_bytes, prefix, graphs, workspace)
+    plan = base_plan(spec, dense_bytes, ftw.layout.slot_bytes, dtype, kv_tokens, budget_bytes, prefix,
+                     cuda=torch.device(opts.device).type == "cuda", graphs=opts.graphs)
     requested = opts.cache_experts
     if opts.cache_bytes is not None:
         requested = opts.cache_bytes // ftw.layout.slot_bytes

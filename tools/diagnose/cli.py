@@ -42,8 +42,9 @@ def render(r: dict[str, Any]) -> Group:
         t.add_row("host expert pool", _bytes(m["host_expert_pool_bytes"]))
         t.add_row("dense (GPU)", f"{_bytes(m['dense_bytes'])}, {m['dtype']}")
         t.add_row("KV per 1,000 tokens", f"{_bytes(m['kv_bytes_per_1k_tokens'])}, {m['dtype']}")
-        t.add_row("smallest GPU budget", f"{_bytes(m['min_gpu_bytes'])}: dense + KV for "
-                  f"{m['min_gpu_context_tokens']:,} tokens + {m['min_gpu_expert_slots']} expert slots")
+        t.add_row("prefix cache (default)", f"{_bytes(m['prefix_cache_bytes'])}: K/V of the whole context")
+        t.add_row("smallest GPU budget", f"{_bytes(m['min_gpu_bytes'])}: " + " + ".join(m["min_gpu_terms"])
+                  + f" (ft-run --kv-tokens {m['min_gpu_context_tokens']} --no-prefix-cache)")
     parts: list[Any] = [t]
     if r["unexpected"]:
         parts.append(Text(f"{len(r['unexpected'])} tensor(s) the family does not use (ftw-convert skips them): "

@@ -21,6 +21,7 @@ from ftkit.runtime.checkpoint import CheckpointError, open_source
 from ftkit.runtime.checkpoint.base import Q8_0
 from ftkit.runtime.checkpoint.inventory import Inventory, take_inventory
 from ftkit.runtime.checkpoint.safetensors import find_config, parse_file
+from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
 from ftkit.runtime.ftw.manifest import EXPERT_DTYPES, MANIFEST, FTWError, slot_layout
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES, Family, family_for_config
@@ -116,22 +117,25 @@ def kv_bytes(spec: ModelSpec, tokens: int) -> int:
 
 
 def memory_plan(family: Family, spec: ModelSpec, expert_dtype: str | None) -> dict[str, Any]:
-    """Host and GPU bytes to serve the model. `min_gpu_bytes` is the smallest budget that runs
-    every layer on the GPU: all dense weights, the KV cache of a KV_TOKENS-token context, and
-    top_k expert slots (one token's experts for the layer being computed). CUDA context,
-    activations and allocator slack come on top; more slots mean fewer expert fetches."""
+    """Host and GPU bytes to serve the model. `min_gpu_bytes` is the smallest `--gpu-budget`
+    that `ft-run` accepts on CUDA with `--kv-tokens` KV_TOKENS and `--no-prefix-cache`: the
+    runtime's own plan (engine/memory.py) with top_k expert slots, one token's experts for the
+    layer being computed. The CUDA context and allocator slack come on top; more slots mean
+    fewer expert fetches."""
     dtype = expert_dtype if expert_dtype in EXPERT_DTYPES else "bfloat16"  # what --dtype would make
     slot = slot_layout(spec, dtype).slot_bytes
-    dense = sum(t.nbytes for t in expected_dense(family, spec).values())
-    kv = kv_bytes(spec, KV_TOKENS)
+    dense = dense_device_bytes({n: t.shape for n, t in expected_dense(family, spec).items()}, PLAN_DTYPE, spec.family)
+    least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=True).with_sizes(expert_slots=spec.top_k)
     return {
         "dtype": str(PLAN_DTYPE).removeprefix("torch."),
         "expert_dtype": dtype,
         "expert_slot_bytes": slot,
         "host_expert_pool_bytes": spec.num_expert_rows * slot,
         "dense_bytes": dense,
-        "kv_bytes_per_1k_tokens": kv,
-        "min_gpu_bytes": dense + kv + spec.top_k * slot,
+        "kv_bytes_per_1k_tokens": kv_bytes(spec, KV_TOKENS),
+        "prefix_cache_bytes": kv_bytes(spec, spec.max_position_embeddings),
+        "min_gpu_bytes": least.total_bytes,
+        "min_gpu_terms": dict(least.terms()),
         "min_gpu_context_tokens": KV_TOKENS,
         "min_gpu_expert_slots": spec.top_k,
     }
