@@ -57,6 +57,48 @@ def test_cuda_tier_matches_cpu_fused(model, cfg):
     assert ((bf - ref).norm() / ref.norm()) < 3e-2, cfg
 
 
+def test_a_chunk_behind_cached_keys_runs_flash_with_gqa():
+    """A chunk behind cached keys (longer than the few-query kernel takes) runs flash attention
+    with the causal diagonal at the last key: the scores of a float32 reference with an explicit
+    mask, without materialising the K/V heads repeated to the query heads."""
+    from ftkit.runtime.models import layers
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t, s, heads, kv_heads, d = 300, 1300, 16, 4, 128
+    q, k, v = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for n, h in ((t, heads), (s, kv_heads), (s, kv_heads)))
+    assert layers._flash_lower_right(q, k, v)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = layers.attention(q, k, v, offset=s - t)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < s * heads * d * 2  # less than one repeated K (or V) would take
+    kr, vr = (x.float().repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.float(), kr) * d**-0.5
+    visible = torch.arange(s, device="cuda")[None] <= torch.arange(s - t, s, device="cuda")[:, None]
+    ref = torch.einsum("hts,shd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vr)
+    assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_a_long_second_chunk_matches_cpu_fused(model):
+    """A second prefill chunk past the few-query kernel's size (flash behind the cache in bf16,
+    the masked kernel in float32) gives the CPU reference's logits."""
+    more = [(7 * i + 3) % 300 for i in range(100)]
+
+    def run(**opts) -> torch.Tensor:
+        rt = Runtime(model, RuntimeOptions(threads=4, strategy="fused", **opts))
+        kv = rt.new_kv(len(PROMPT) + len(more))
+        out = [rt.decoder.forward(torch.tensor(c, device=rt.device), kv).float().cpu() for c in (PROMPT, more)]
+        rt.close()
+        return torch.cat(out)
+
+    ref = run(dtype="float32")
+    assert ((run(device="cuda", dtype="float32") - ref).norm() / ref.norm()) < 1e-3
+    assert ((run(device="cuda") - ref).norm() / ref.norm()) < 3e-2
+
+
 def test_gpu_budget_holds_a_long_prefill(tmp_path):
     """Everything the runtime allocates on the device (dense weights, slots, graph K/V, a request's
     KV, two 8192-token prefill chunks, decode steps) stays within --gpu-budget: the plan counts

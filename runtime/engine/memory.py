@@ -22,6 +22,7 @@ from ..experts.store import cache_capacity, resolve_strategy
 from ..ftw.reader import FTWModel
 from ..models import FAMILIES
 from ..models.kv import kv_bytes_per_token
+from ..models.layers import flash_behind_cache
 from ..profile import load_profile
 from ..spec import ModelSpec
 
@@ -134,10 +135,12 @@ def longest_request(spec: ModelSpec, kv_tokens: int) -> int:
     return min(kv_tokens, spec.max_position_embeddings)
 
 
-def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, chunk: int = PREFILL_CHUNK) -> int:
+def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, chunk: int = PREFILL_CHUNK,
+                            flash: bool = False) -> int:
     """The transient activations of the largest prefill step on a GPU: a chunk of up to `chunk`
     tokens ending at position `context`. Layers run one after another, so the peak is the
-    residual stream plus the largest of one layer's attention and its MLP or experts."""
+    residual stream plus the largest of one layer's attention and its MLP or experts. `flash`:
+    a chunk behind cached keys runs flash attention (models.layers.flash_behind_cache)."""
     b, t, h = dtype.itemsize, min(chunk, context), spec.hidden_size
     items = t * spec.top_k
     # the router's float32 logits, the sorted work lists, the grouped GEMM's intermediate rows
@@ -145,11 +148,14 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, c
     experts = t * spec.num_experts * 4 + items * (3 * 8 + b) + items * (spec.moe_intermediate_size + h) * b
     experts += 3 * t * spec.shared_expert_intermediate_size * b
     mlp = 3 * t * spec.intermediate_size * b if len(spec.moe_layers) < spec.num_layers else 0
-    # a chunk behind cached keys (models/layers.py): the float mask, the boolean mask and its
-    # negation, K/V heads repeated to the query heads for SDPA's memory-efficient kernel, the
-    # projections and the output
+    # a chunk behind cached keys (models/layers.py): the projections and the output, with flash
+    # its float32 log-sum-exp; without, the float mask, the boolean mask and its negation and the
+    # K/V heads repeated to the query heads for SDPA's memory-efficient kernel
     qkv = t * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * b
-    attention = t * context * (b + 2) + 2 * context * spec.num_heads * spec.head_dim * b + qkv
+    if flash:
+        attention = qkv + t * spec.num_heads * 4
+    else:
+        attention = t * context * (b + 2) + 2 * context * spec.num_heads * spec.head_dim * b + qkv
     return 4 * t * h * b + max(experts, mlp, attention)
 
 
@@ -168,7 +174,8 @@ def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: torch.d
     longest = longest_request(spec, kv_tokens)
     return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, slot_bytes, budget_bytes,
                       prefix_tokens, longest if graphs and cuda else 0,
-                      prefill_workspace_bytes(spec, longest, dtype) if cuda else 0)
+                      prefill_workspace_bytes(spec, longest, dtype, flash=cuda and flash_behind_cache(
+                          dtype, spec.head_dim, "cuda")) if cuda else 0)
 
 
 def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: int | None) -> MemoryPlan:

@@ -12,7 +12,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ..spec import ModelSpec
 
@@ -181,6 +183,8 @@ def attention(
         few = _few_query_attention() if q.is_cuda else None
         if few is not None and t <= few.MAX_QUERIES:  # an extend behind a long cache
             return few.few_query_attention(q, k, v, offset, window)
+        if window is None and _flash_lower_right(q, k, v):
+            return _sdpa(q, k, v, causal_lower_right(t, s), False, True)
         fused = q.is_cuda and k.shape[1] != q.shape[1]
         # The efficient kernel wants the bias rows 16-element aligned: build them padded.
         width = -(-s // 16) * 16 if fused else s
@@ -190,22 +194,47 @@ def attention(
         if window is not None:
             mask &= k_pos > q_pos - window  # transformers' sliding-window overlay
         if fused:
-            # A mask rules out flash attention and SDPA's memory-efficient kernel takes no GQA,
-            # so SDPA would fall to its math path: float32 upcasts and every score materialised
+            # (Sliding windows, float32, GPUs without flash.) A mask rules out flash attention
+            # and SDPA's memory-efficient kernel takes no GQA, so SDPA would fall to its math path: float32 upcasts and every score materialised
             # (0.8 ms per layer for a 32-token extend behind 8k tokens, gigabytes for a second
             # 8k chunk). Repeating the K/V heads costs one copy of them.
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
             mask = mask[:, :s]
             k, v = (a.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for a in (k, v))
             gqa = False
-    # 4-D inputs: with 3-D ones SDPA always takes its unfused math path (dozens of launches).
+    return _sdpa(q, k, v, mask, causal, gqa)
+
+
+def _heads_first(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[T, heads, D] -> [1, heads, T, D]: with 3-D inputs SDPA always takes its unfused math path."""
+    return tuple(x.transpose(0, 1)[None] for x in xs)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias | None,
+          causal: bool, gqa: bool) -> torch.Tensor:
     # Not cuDNN: it builds a new plan for every KV length, milliseconds per decode step.
     with sdpa_kernel(SDPA_BACKENDS):
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, is_causal=causal, scale=q.shape[-1] ** -0.5, enable_gqa=gqa,
-        )
+        out = F.scaled_dot_product_attention(*_heads_first(q, k, v), attn_mask=mask, is_causal=causal,
+                                             scale=q.shape[-1] ** -0.5, enable_gqa=gqa)
     return out[0].transpose(0, 1)
+
+
+def flash_behind_cache(dtype: torch.dtype, head_dim: int, device: torch.device | str) -> bool:
+    """Whether a chunk behind cached keys can run flash attention with the causal diagonal at the
+    last key (torch's causal_lower_right), materialising neither a mask nor repeated K/V heads:
+    half precision, head_dim a multiple of 8 up to 256, an sm80+ GPU. The memory plan sizes the
+    prefill workspace by this."""
+    dev = torch.device(device)
+    return (dev.type == "cuda" and torch.cuda.is_available() and dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0 and head_dim <= 256 and torch.cuda.get_device_capability(dev) >= (8, 0))
+
+
+def _flash_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """flash_behind_cache, confirmed by torch for these tensors: the lower-right bias falls back to
+    the memory-efficient kernel otherwise, which takes no GQA."""
+    if not flash_behind_cache(q.dtype, q.shape[-1], q.device):
+        return False
+    return torch.backends.cuda.can_use_flash_attention(SDPAParams(*_heads_first(q, k, v), None, 0.0, False, True))
 
 
 @functools.cache

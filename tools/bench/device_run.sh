@@ -10,7 +10,8 @@
 # streaming on and off, each followed by a 32-token answer and a 32-token extend), extend (an
 # agent turn with concentrated synthetic routing, reuse 0.9: 32 decode steps, an 8192-token
 # chunk, a 32-token answer, the 32-token extend), sampled (hybrid decode as above, each token
-# sampled on the device at temperature 0.7, top-p 0.95), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
+# sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's attention behind cached
+# keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
 # back few files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,6 +51,9 @@ if has gpu; then
 fi
 if has zerocopy; then
   $PY -m ftkit.tools.bench.zero_copy --json "$OUT/zero_copy.json" 2>&1 | tee "$OUT/zero_copy.txt"
+fi
+if has attn; then
+  $PY -m ftkit.tools.bench.chunk_attention --json "$OUT/chunk_attention.json" 2>&1 | tee "$OUT/chunk_attention.txt"
 fi
 if has read; then
   $PY -m ftkit.tools.bench.ftw_read "$W" --gib 4 --threads 16 --pin 2>&1 | tee "$OUT/ftw_read.txt"
