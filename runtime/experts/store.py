@@ -355,10 +355,9 @@ class ExpertStore:
                weights: torch.Tensor, y: torch.Tensor, k: int, staged: tuple[torch.Tensor, torch.Tensor] | None,
                ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Split the misses (`plan.cpu`, most-used first) while both branches run: the runner
-        takes experts from the back, one at a time, and this thread fills from the front (two
-        before it starts the runner, so the copy engine has work while the runner's call is put
-        together: with one it idled ~0.3 ms per layer of an extend), the next one as soon as the
-        copy engine starts on the one before, until the two meet. A
+        takes experts from the back, one at a time, and this thread fills from the front (the
+        first before it starts the runner), the next one as soon as the copy engine starts on
+        the one before, until the two meet. A
         split fixed in advance from measured rates was off by up to a millisecond per layer in
         an extend: the rates move with the split itself (DMA and the CPU share host memory
         bandwidth) and with the tokens per expert. Leaves `plan` as it ended; returns as
@@ -386,7 +385,7 @@ class ExpertStore:
             plan.fills.append((row, slot))
             protected.add(row)
             taken += 1
-            if wait_cpu is None and taken == 2:  # two copies queued: start the CPU branch meanwhile
+            if wait_cpu is None:  # the first copy is under way: start the CPU branch meanwhile
                 wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
         if wait_cpu is None:
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
