@@ -110,8 +110,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
 
 
 def _profiled(rt: Runtime, fn, path: Path) -> None:
-    """Run fn under torch.profiler; write tables sorted by host time and by device time, and the
-    timeline beside them (`.trace.json`, chrome://tracing or Perfetto)."""
+    """Run fn under torch.profiler; write tables sorted by host time and by device time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
@@ -122,7 +121,6 @@ def _profiled(rt: Runtime, fn, path: Path) -> None:
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     gpu = prof.key_averages().table(sort_by=sort, row_limit=15) if rt.device.type == "cuda" else ""
     Path(path).write_text(table + "\n\n" + gpu)
-    prof.export_chrome_trace(str(Path(path).with_suffix(".trace.json")))
     if os.environ.get("FTKIT_CHROME_TRACE"):  # the timeline too (Perfetto); torch gzips a .gz path
         prof.export_chrome_trace(str(Path(path).with_suffix(".trace.json.gz")))
 
