@@ -103,7 +103,7 @@ class Runtime:
         if o.cache_bytes is not None:
             return o.cache_bytes // self.ftw.layout.slot_bytes
         if o.gpu_budget is not None:  # what dense weights, KV, prefix cache and workspace leave
-            return plan_memory(self.path, o, o.kv_tokens, None).expert_slots
+            return plan_memory(self.ftw, o, o.kv_tokens, None).expert_slots
         return o.cache_experts
 
     def new_kv(self, max_tokens: int) -> KVCache:

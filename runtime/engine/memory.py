@@ -174,15 +174,15 @@ def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: torch.d
     longest = longest_request(spec, kv_tokens)
     return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, slot_bytes, budget_bytes,
                       prefix_tokens, longest if graphs and cuda else 0,
-                      prefill_workspace_bytes(spec, longest, dtype, flash=cuda and flash_behind_cache(
-                          dtype, spec.head_dim, "cuda")) if cuda else 0)
+                      prefill_workspace_bytes(spec, longest, dtype, flash=flash_behind_cache(dtype, spec.head_dim, "cuda"))
+                      if cuda else 0)
 
 
-def plan_memory(path: Path, opts: RuntimeOptions, kv_tokens: int, budget_bytes: int | None) -> MemoryPlan:
-    """The plan `Runtime(path, opts)` with `opts.kv_tokens = kv_tokens` would make. Under
+def plan_memory(model: Path | FTWModel, opts: RuntimeOptions, kv_tokens: int, budget_bytes: int | None) -> MemoryPlan:
+    """The plan `Runtime(model, opts)` with `opts.kv_tokens = kv_tokens` would make. Under
     `opts.gpu_budget` the expert cache gets what the rest leaves (ValueError below one layer's
-    top-k slots); the runtime sizes its cache with this same function."""
-    ftw = FTWModel(Path(path))
+    top-k slots); the runtime sizes its cache with this same function, from its open model."""
+    ftw = model if isinstance(model, FTWModel) else FTWModel(Path(model))
     spec = ftw.spec
     dense = ftw.manifest.dense["tensors"]
     dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else TORCH_DTYPES[next(iter(dense.values()))["dtype"]]

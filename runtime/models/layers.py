@@ -195,9 +195,10 @@ def attention(
             mask &= k_pos > q_pos - window  # transformers' sliding-window overlay
         if fused:
             # (Sliding windows, float32, GPUs without flash.) A mask rules out flash attention
-            # and SDPA's memory-efficient kernel takes no GQA, so SDPA would fall to its math path: float32 upcasts and every score materialised
-            # (0.8 ms per layer for a 32-token extend behind 8k tokens, gigabytes for a second
-            # 8k chunk). Repeating the K/V heads costs one copy of them.
+            # and SDPA's memory-efficient kernel takes no GQA, so SDPA would fall to its math
+            # path: float32 upcasts and every score materialised (0.8 ms per layer for a 32-token
+            # extend behind 8k tokens, gigabytes for a second 8k chunk). Repeating the K/V heads
+            # costs one copy of them.
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
             mask = mask[:, :s]
             k, v = (a.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for a in (k, v))
