@@ -391,6 +391,37 @@ def test_sampled_pipeline_matches_step_by_step(model, cfg):
     rt.close()
 
 
+def test_a_short_extend_runs_the_fused_dense_part(model):
+    """A few tokens behind the cache (a short prompt, an agent turn after a prefix hit) take
+    GraphDecode.extend, experts planned on the host: the logits and K/V rows of the eager
+    forward pass; more tokens than the few-query kernel takes go the eager way."""
+    cfg = dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
+    turns = [PROMPT, [33], MORE, list(range(70, 136))]  # the last: 66 tokens, past the kernel's 64
+    outs, rows = [], []
+    for fused in (False, True):
+        rt = Runtime(model, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32",
+                                           graphs=fused, **cfg))
+        if fused and not CUDA:
+            rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=128, capture=False)
+        kv = rt.new_kv(sum(map(len, turns)) + 1)
+        taken = []
+        if fused:
+            def counted(ids, cache, last=False, real=rt.decoder.graphs.extend, taken=taken):
+                taken.append(len(ids))
+                return real(ids, cache, last)
+
+            rt.decoder.graphs.extend = counted
+        with torch.inference_mode():
+            outs.append([rt.decoder.forward(torch.tensor(t, device=rt.device), kv, last_only=n == 2).float().cpu()
+                         for n, t in enumerate(turns)])
+        rows.append({i: kv.k[i][: kv.length].float().cpu() for i in kv.k})
+        rt.close()
+    assert taken == [len(PROMPT), len(MORE)]
+    for ref, got in zip(*outs, strict=True):
+        assert ref.shape == got.shape and torch.allclose(ref, got, rtol=1e-3, atol=1e-4)
+    assert all(torch.allclose(rows[0][i], rows[1][i], rtol=1e-4, atol=1e-5) for i in rows[0])
+
+
 @pytest.mark.gpu
 def test_a_lone_greedy_request_bursts_and_yields_to_a_new_one(model):
     """The scheduler runs a lone greedy request as a pipelined burst and stops it at the next

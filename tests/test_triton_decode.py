@@ -21,29 +21,35 @@ DEV = "cuda" if CUDA else "cpu"
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, d, r, norm", [(4, 2, 32, 32, True), (6, 2, 24, 12, False)])
-def test_rope_store_matches_torch(dtype, heads, kv_heads, d, r, norm):
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_rope_store_matches_torch(dtype, heads, kv_heads, d, r, norm, tokens):
+    """One token (a decode step) or several (an extend), read as the column views of one Q/K/V
+    product: rows pos..pos+tokens of the caches written, nothing else."""
     from ftkit.kernels.triton.decode import rope_store
 
     gen = torch.Generator().manual_seed(0)
     positions, pos = 40, 29
-    q, k, v = (torch.randn((1, n * d), generator=gen).to(dtype) for n in (heads, kv_heads, kv_heads))
+    qkv = torch.randn((tokens, (heads + 2 * kv_heads) * d), generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)  # strided rows
     qw, kw = (torch.randn(d, generator=gen).to(dtype) for _ in range(2))
     angles = torch.rand((positions, r // 2), generator=gen) * 6
     cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
     kc, vc = (torch.zeros((positions, kv_heads, d), dtype=dtype) for _ in range(2))
-    dev = [t.to(DEV) for t in (q, k, v, qw, kw, cos, sin, torch.tensor([pos]), kc, vc)]
-    got = rope_store(*dev[:3], dev[3] if norm else None, dev[4] if norm else None, 1e-6, *dev[5:])
-    qh, kh = q.view(1, heads, d), k.view(1, kv_heads, d)
+    dev = [t.to(DEV) for t in (qkv, qw, kw, cos, sin, torch.tensor([pos]), kc, vc)]
+    dq, dk, dv = dev[0].split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    got = rope_store(dq, dk, dv, dev[1] if norm else None, dev[2] if norm else None, 1e-6, *dev[3:])
+    qh, kh = q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d)
     if norm:
         qh, kh = rms_norm(qh, qw, 1e-6), rms_norm(kh, kw, 1e-6)
-    ref_q = apply_rope(qh, cos[pos : pos + 1], sin[pos : pos + 1])
-    ref_k = apply_rope(kh, cos[pos : pos + 1], sin[pos : pos + 1])
+    end = pos + tokens
+    ref_q, ref_k = (apply_rope(a, cos[pos:end], sin[pos:end]) for a in (qh, kh))
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert got.shape == (tokens, heads, d)
     assert torch.allclose(got.cpu().float(), ref_q.float(), **tol)
-    kc, vc = dev[8].cpu(), dev[9].cpu()
-    assert torch.allclose(kc[pos].float(), ref_k[0].float(), **tol)
-    assert torch.equal(vc[pos], v.view(kv_heads, d))
-    assert not kc[:pos].any() and not vc[pos + 1 :].any()  # only row `pos` is written
+    kc, vc = dev[6].cpu(), dev[7].cpu()
+    assert torch.allclose(kc[pos:end].float(), ref_k.float(), **tol)
+    assert torch.equal(vc[pos:end], v.reshape(tokens, kv_heads, d))
+    assert not kc[:pos].any() and not vc[end:].any()  # only rows pos..end are written
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

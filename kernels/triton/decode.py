@@ -1,4 +1,5 @@
-"""A batch-1 decode step's attention in two launches per layer (Triton).
+"""A batch-1 decode step's attention in two launches per layer (Triton); `rope_store` also
+serves a few tokens at once (an extend, with the few-query attention kernel).
 
 In eager torch the step between the Q/K/V projections and the output projection is about
 twenty small kernels per layer (per-head norms, rotate-half RoPE on q and k, two cache writes,
@@ -22,19 +23,19 @@ import triton.language as tl
 
 @triton.jit
 def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qout_ptr, kc_ptr, vc_ptr, eps,
-                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                BLOCK_D: tl.constexpr, NORM: tl.constexpr):
-    h = tl.program_id(0)
-    pos = tl.load(pos_ptr).to(tl.int64)
+                q_stride, k_stride, v_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                R: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    h, t = tl.program_id(0), tl.program_id(1)
+    pos = tl.load(pos_ptr).to(tl.int64) + t
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     rm = d < R
     partner = tl.where(d < R // 2, d + R // 2, d - R // 2)
     kh = h - HEADS
-    src = q_ptr + h * D
+    src = q_ptr + t * q_stride + h * D
     w_ptr = qw_ptr
     if h >= HEADS:
-        src = k_ptr + kh * D
+        src = k_ptr + t * k_stride + kh * D
         w_ptr = kw_ptr
     x = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
     xp = tl.load(src + partner, mask=rm, other=0.0).to(tl.float32)
@@ -48,11 +49,11 @@ def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
     s = tl.load(sin_ptr + pos * R + d, mask=rm, other=0.0).to(tl.float32)
     out = tl.where(rm, x * c + tl.where(d < R // 2, -xp, xp) * s, x).to(dtype)
     if h < HEADS:
-        tl.store(qout_ptr + h * D + d, out, mask=dm)
+        tl.store(qout_ptr + (t * HEADS + h) * D + d, out, mask=dm)
     else:
         row = (pos * KV_HEADS + kh) * D
         tl.store(kc_ptr + row + d, out, mask=dm)
-        tl.store(vc_ptr + row + d, tl.load(v_ptr + kh * D + d, mask=dm), mask=dm)
+        tl.store(vc_ptr + row + d, tl.load(v_ptr + t * v_stride + kh * D + d, mask=dm), mask=dm)
 
 
 @triton.jit
@@ -90,16 +91,21 @@ def _attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, window, scale, HEADS: tl
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """q [1, heads*D], k, v [1, kv_heads*D] (projections); q_norm, k_norm: per-head RMSNorm
-    weights [D] or None; cos, sin [positions, R]; pos int64 [1] on the device; k_cache, v_cache
-    [positions, kv_heads, D]. Writes row `pos` of the caches; returns the rotated q [1, heads, D]."""
+    """q [T, heads*D], k, v [T, kv_heads*D] (projections; rows may be strided, as the column
+    views of one Q/K/V product are); q_norm, k_norm: per-head RMSNorm weights [D] or None; cos,
+    sin [positions, R]; pos int64 [1] on the device: the first token's position; k_cache,
+    v_cache [positions, kv_heads, D]. Writes rows pos..pos+T of the caches; returns the rotated
+    q [T, heads, D]."""
     kv_heads, d = k_cache.shape[1], k_cache.shape[2]
-    heads = q.shape[-1] // d
-    out = torch.empty((1, heads, d), dtype=q.dtype, device=q.device)
+    t, heads = q.shape[0], q.shape[-1] // d
+    if any(a.stride(-1) != 1 for a in (q, k, v)):
+        raise ValueError("rope_store reads rows whose channels are contiguous")
+    out = torch.empty((t, heads, d), dtype=q.dtype, device=q.device)
     norm = q_norm is not None
-    _rope_store[(heads + kv_heads,)](q, k, v, q_norm if norm else q, k_norm if norm else k, cos, sin, pos, out,
-                                     k_cache, v_cache, eps, HEADS=heads, KV_HEADS=kv_heads, D=d, R=cos.shape[-1],
-                                     BLOCK_D=triton.next_power_of_2(d), NORM=norm)
+    _rope_store[(heads + kv_heads, t)](q, k, v, q_norm if norm else q, k_norm if norm else k, cos, sin, pos, out,
+                                       k_cache, v_cache, eps, q.stride(0), k.stride(0), v.stride(0), HEADS=heads,
+                                       KV_HEADS=kv_heads, D=d, R=cos.shape[-1], BLOCK_D=triton.next_power_of_2(d),
+                                       NORM=norm)
     return out
 
 

@@ -17,7 +17,10 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
   the GPU, the CPU branch started by a doorbell, not by Python);
 - a step is a few graphs of two layers each, replayed back to back, so the GPU need not wait
   for the host to launch the whole step.
-Without CUDA (`capture=False`) the same step runs eagerly: tests check it on CPU.
+A short extend (2..64 tokens after a prefix hit, `extend`) runs eagerly with the host planning
+its experts, but through the same fused dense part, the few-query attention kernel in place of
+the one-query one. Without CUDA (`capture=False`) the same step runs eagerly: tests check it on
+CPU.
 """
 
 from __future__ import annotations
@@ -118,9 +121,10 @@ class GraphDecode:
             if dev.type == "cuda":  # the old tensors' segments back to the driver, not held in reserve
                 torch.cuda.empty_cache()
         # Triton is there: `unsupported` checked (and the device planner needs it anyway)
+        from ftkit.kernels.triton import attention as few
         from ftkit.kernels.triton.norm import add_rms_norm
 
-        self.add_rms_norm = add_rms_norm
+        self.add_rms_norm, self.few = add_rms_norm, few
         self.said_too_long = False  # the eager fallback for long sequences is announced once
 
     def accepts(self, cache: KVCache) -> bool:
@@ -232,34 +236,26 @@ class GraphDecode:
         the logits after the model's last layer."""
         dec, s = self.decoder, self.decoder.spec
         if state is None:
-            x = F.embedding(self.token, dec.w["embed.weight"])
-            state = x, dec.norm(x, "layers.0.attn_norm.weight")
-        x, h = state
+            state = self._embed(self.token)
         if not self.fused:
             cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
             keys = self.positions[:span]
             visible = keys <= self.pos
+
+        def attend(i: int, h: torch.Tensor) -> torch.Tensor:
+            window = dec.window(i)
+            if self.fused:
+                q = self._rope_store(i, h, self.k[i], self.v[i])
+                return self.fused.attention(q, self.k[i], self.v[i], self.pos, window)
+            q, k, v = dec.qkv(i, h, cos, sin)
+            self.k[i].index_copy_(0, self.pos, k)
+            self.v[i].index_copy_(0, self.pos, v)
+            mask = visible if window is None else visible & (keys > self.pos - window)
+            return decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
+
         self.store.in_graph = True
         try:
-            for i in layers:
-                p = f"layers.{i}."
-                window = dec.window(i)
-                if self.fused:
-                    q, k, v = self._qkv(i, h)
-                    q = self.fused.rope_store(q, k, v, dec.w.get(p + "attn.q_norm.weight"),
-                                              dec.w.get(p + "attn.k_norm.weight"), s.rms_norm_eps, self.cos, self.sin,
-                                              self.pos, self.k[i], self.v[i])
-                    out = self.fused.attention(q, self.k[i], self.v[i], self.pos, window)
-                else:
-                    q, k, v = dec.qkv(i, h, cos, sin)
-                    self.k[i].index_copy_(0, self.pos, k)
-                    self.v[i].index_copy_(0, self.pos, v)
-                    mask = visible if window is None else visible & (keys > self.pos - window)
-                    out = decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
-                x, h = self._add_norm(x, dec.linear(p + "attn.o", out.reshape(1, -1)), p + "mlp_norm.weight")
-                delta = dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h)
-                nxt = f"layers.{i + 1}.attn_norm.weight" if i + 1 < s.num_layers else "final_norm.weight"
-                x, h = self._add_norm(x, delta, nxt)
+            x, h = self._layers(state, layers, attend)
         finally:
             self.store.in_graph = False
         if layers.stop < s.num_layers:
@@ -269,9 +265,66 @@ class GraphDecode:
         self.pos.add_(1)
         return logits
 
+    def takes(self, tokens: int, cache: KVCache) -> bool:
+        """Whether `extend` runs these tokens: a few (the few-query attention kernel's limit)
+        at positions within the static tables, on the fused attention path."""
+        return (self.fused is not None and 1 < tokens <= self.few.MAX_QUERIES
+                and cache.max_tokens <= self.capacity and not cache.states)
+
+    def extend(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Logits for a few tokens at cache.length.. (an agent turn after a prefix hit), eager,
+        with the experts planned on the host as for any chunk, but the dense part as a graph
+        step has it: one Q/K/V product, norms, RoPE and the cache writes in one launch, the
+        few-query attention kernel, each residual add fused with the RMSNorm after it. About
+        ten launches per layer instead of some thirty: with a layer's expert traffic down to a
+        couple of milliseconds, the host's launches were a third of an extend's time."""
+        dec, t = self.decoder, input_ids.shape[0]
+        start = cache.length
+        if start + t > cache.max_tokens:
+            raise ValueError(f"KV cache full: {start + t} positions needed, {cache.max_tokens} allocated")
+        self.pos.fill_(start)
+
+        def attend(i: int, h: torch.Tensor) -> torch.Tensor:
+            k_all, v_all = cache.k[i], cache.v[i]
+            q = self._rope_store(i, h, k_all, v_all)
+            return self.few.few_query_attention(q, k_all[: start + t], v_all[: start + t], start, dec.window(i))
+
+        x, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), attend)
+        cache.advance(t)
+        return F.linear(h[-1:] if last_only else h, dec.lm_head)
+
+    def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = F.embedding(ids, self.decoder.w["embed.weight"])
+        return x, self.decoder.norm(x, "layers.0.attn_norm.weight")
+
+    def _layers(self, state: tuple[torch.Tensor, torch.Tensor], layers: range,
+                attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `layers` on (residual stream, its attn_norm): `attend(i, h)` gives layer i's
+        attention output [T, heads, D]; each residual add comes with the next RMSNorm. Returns the
+        stream and its norm by the next layer's attn_norm (the final norm after the last)."""
+        dec, s = self.decoder, self.decoder.spec
+        x, h = state
+        for i in layers:
+            p = f"layers.{i}."
+            out = attend(i, h)
+            x, h = self._add_norm(x, dec.linear(p + "attn.o", out.reshape(h.shape[0], -1)), p + "mlp_norm.weight")
+            delta = dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h)
+            nxt = f"layers.{i + 1}.attn_norm.weight" if i + 1 < s.num_layers else "final_norm.weight"
+            x, h = self._add_norm(x, delta, nxt)
+        return x, h
+
+    def _rope_store(self, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Layer i's rotated queries [T, heads, D] for h [T, H] at positions pos..; its keys and
+        values written into the cache rows there."""
+        p, s = f"layers.{i}.attn.", self.decoder.spec
+        q, k, v = self._qkv(i, h)
+        w = self.decoder.w
+        return self.fused.rope_store(q, k, v, w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight"), s.rms_norm_eps,
+                                     self.cos, self.sin, self.pos, k_cache, v_cache)
+
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Layer i's Q, K and V projections of h [1, H]: one GEMV where the weights were
-        concatenated (rope_store reads each as one contiguous row)."""
+        """Layer i's Q, K and V projections of h [T, H]: one product where the weights were
+        concatenated (rope_store reads the column views in place)."""
         if i in self.qkv:
             return F.linear(h, *self.qkv[i]).split(self.qkv_split, dim=-1)
         return tuple(self.decoder.linear(f"layers.{i}.attn.{n}", h) for n in "qkv")

@@ -35,6 +35,10 @@ class GraphSteps(Protocol):
 
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor: ...
 
+    def takes(self, tokens: int, cache: KVCache) -> bool: ...
+
+    def extend(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
+
     def pipeline(self, first: int, cache: KVCache, limit: int, sampler: Sampler | None = None,
                  feed: torch.Tensor | None = None) -> Iterator[int]: ...
 
@@ -55,7 +59,8 @@ class MoEDecoder:
         self.lm_head = weights["embed.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
         # model layer -> (topk_ids, topk_weights) of the last forward, for routing statistics
         self.last_routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Batch-1 decode steps replayed from CUDA graphs (engine/graphs.py), where set up.
+        # Batch-1 decode steps replayed from CUDA graphs (engine/graphs.py), where set up; it
+        # also runs short extends.
         self.graphs: GraphSteps | None = None
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -66,8 +71,11 @@ class MoEDecoder:
         """Logits [T, V] for input_ids [T] at positions cache.length.. ; appends to the cache.
         `last_only`: only the last position's [1, V] (prefill: a chunk's logits would take
         T x V activations, 2.5 GB at 8192 tokens of a 152k vocabulary in bf16)."""
-        if self.graphs is not None and input_ids.shape[0] == 1 and self.graphs.accepts(cache):
-            return self.graphs.step(input_ids, cache)
+        g, t = self.graphs, input_ids.shape[0]
+        if g is not None and t == 1 and g.accepts(cache):
+            return g.step(input_ids, cache)
+        if g is not None and g.takes(t, cache):  # a few tokens: the graph step's fused dense part
+            return g.extend(input_ids, cache, last_only)
         s = self.spec
         x = F.embedding(input_ids, self.w["embed.weight"])
         cos, sin = self.rope(cache.length, x.shape[0], x.dtype)

@@ -124,9 +124,9 @@ def decode(
     if stream_prefill not in ("auto", "on", "off"):
         raise typer.BadParameter("--stream-prefill takes auto, on or off")
     modes = {"on": [True], "off": [False], "both": [False, True]}[graphs]
-    if (routing != "real" or record) and True in modes:
-        # an override replaces routing on the host; a captured graph would freeze its first answer
-        print("ft-bench: routing overrides run without CUDA graphs", file=sys.stderr)
+    if (routing.startswith("trace:") or record) and True in modes:
+        # recording and replaying go through host lists; a captured graph would freeze its first answer
+        print("ft-bench: recorded and replayed routing run without CUDA graphs", file=sys.stderr)
         modes = [False]
 
     def body() -> None:

@@ -20,6 +20,8 @@ from ftkit.runtime.models.decoder import MoEDecoder
 class RoutingOverride:
     """Replaces `decoder.route` for the duration of a benchmark."""
 
+    graph_safe = False  # whether a captured decode step may replay it (no host state per call)
+
     def __init__(self, decoder: MoEDecoder):
         self.decoder = decoder
         self.real_route = decoder.route
@@ -74,7 +76,10 @@ class Synthetic(RoutingOverride):
     """Each token keeps each of the previous token's experts in that layer with probability
     `reuse` and draws the rest uniformly from the others. The sequence is drawn up front,
     `tokens` per layer (then cycled), so drawing never counts in a timed run and a prefill
-    chunk or an extend gets the same locality as decode steps."""
+    chunk or an extend gets the same locality as decode steps. The position in the sequence is a
+    device counter, so a CUDA graph replays the draw as an eager step makes it."""
+
+    graph_safe = True
 
     def __init__(self, decoder: MoEDecoder, reuse: float, tokens: int = 4096, seed: int = 0):
         super().__init__(decoder)
@@ -83,14 +88,16 @@ class Synthetic(RoutingOverride):
         spec = decoder.spec
         rng = np.random.default_rng(seed)
         self.rows = {i: _markov(rng, tokens, spec.num_experts, spec.top_k, reuse) for i in spec.moe_layers}
-        self.cursor = dict.fromkeys(spec.moe_layers, 0)
+        self.cursor: dict[int, torch.Tensor] = {}  # layer -> int64 [] on the device
 
     def _route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, start = self.rows[i], self.cursor[i]
-        if rows.device != x.device:  # once: then picking stays on the device, as a router's topk does
+        rows, t = self.rows[i], x.shape[0]
+        if i not in self.cursor:  # once (an eager call): picking then stays on the device
             rows = self.rows[i] = rows.to(x.device)
-        self.cursor[i] = start + x.shape[0]
-        picked = rows[torch.arange(start, start + x.shape[0], device=x.device) % rows.shape[0]]
+            self.cursor[i] = torch.zeros((), dtype=torch.int64, device=x.device)
+        cursor = self.cursor[i]
+        picked = rows[(cursor + torch.arange(t, device=x.device)) % rows.shape[0]]
+        cursor.add_(t)
         return _uniform(picked, x.dtype)
 
 

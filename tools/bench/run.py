@@ -71,7 +71,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
             step(i)
         start = prompt + warmup
         graphs = rt.decoder.graphs
-        pipelined = routing is None and graphs is not None and graphs.accepts(kv)
+        pipelined = (routing is None or routing.graph_safe) and graphs is not None and graphs.accepts(kv)
         first = int(ids[start])
         rt.store.stats.reset()
         sync(rt)
