@@ -391,10 +391,12 @@ def test_sampled_pipeline_matches_step_by_step(model, cfg):
     rt.close()
 
 
-def test_a_short_extend_runs_the_fused_dense_part(model):
+@pytest.mark.parametrize("capacity", [128, 8], ids=["in-tables", "past-tables"])
+def test_a_short_extend_runs_the_fused_dense_part(model, capacity):
     """A few tokens behind the cache (a short prompt, an agent turn after a prefix hit) take
     GraphDecode.extend, experts planned on the host: the logits and K/V rows of the eager
-    forward pass; more tokens than the few-query kernel takes go the eager way."""
+    forward pass, also past the static rotary tables (a sequence longer than the graph
+    capacity); more tokens than the few-query kernel takes go the eager way."""
     cfg = dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
     turns = [PROMPT, [33], MORE, list(range(70, 136))]  # the last: 66 tokens, past the kernel's 64
     outs, rows = [], []
@@ -402,7 +404,7 @@ def test_a_short_extend_runs_the_fused_dense_part(model):
         rt = Runtime(model, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32",
                                            graphs=fused, **cfg))
         if fused and not CUDA:
-            rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=128, capture=False)
+            rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=capacity, capture=False)
         kv = rt.new_kv(sum(map(len, turns)) + 1)
         taken = []
         if fused:

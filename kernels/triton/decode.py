@@ -23,7 +23,7 @@ import triton.language as tl
 
 @triton.jit
 def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qout_ptr, kc_ptr, vc_ptr, eps,
-                q_stride, k_stride, v_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                q_stride, k_stride, v_stride, table_start, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                 R: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     h, t = tl.program_id(0), tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int64) + t
@@ -45,8 +45,8 @@ def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
         x = ((x * inv).to(dtype).to(tl.float32) * tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)).to(dtype)
         xp = ((xp * inv).to(dtype).to(tl.float32) * tl.load(w_ptr + partner, mask=rm, other=0.0).to(tl.float32)).to(dtype)
         x, xp = x.to(tl.float32), xp.to(tl.float32)
-    c = tl.load(cos_ptr + pos * R + d, mask=rm, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * R + d, mask=rm, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + (pos - table_start) * R + d, mask=rm, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + (pos - table_start) * R + d, mask=rm, other=0.0).to(tl.float32)
     out = tl.where(rm, x * c + tl.where(d < R // 2, -xp, xp) * s, x).to(dtype)
     if h < HEADS:
         tl.store(qout_ptr + (t * HEADS + h) * D + d, out, mask=dm)
@@ -90,10 +90,11 @@ def _attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, window, scale, HEADS: tl
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, table_start: int = 0) -> torch.Tensor:
     """q [T, heads*D], k, v [T, kv_heads*D] (projections; rows may be strided, as the column
     views of one Q/K/V product are); q_norm, k_norm: per-head RMSNorm weights [D] or None; cos,
-    sin [positions, R]; pos int64 [1] on the device: the first token's position; k_cache,
+    sin [positions, R]: row r holds position table_start + r; pos int64 [1] on the device: the
+    first token's position; k_cache,
     v_cache [positions, kv_heads, D]. Writes rows pos..pos+T of the caches; returns the rotated
     q [T, heads, D]."""
     kv_heads, d = k_cache.shape[1], k_cache.shape[2]
@@ -103,7 +104,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.
     out = torch.empty((t, heads, d), dtype=q.dtype, device=q.device)
     norm = q_norm is not None
     _rope_store[(heads + kv_heads, t)](q, k, v, q_norm if norm else q, k_norm if norm else k, cos, sin, pos, out,
-                                       k_cache, v_cache, eps, q.stride(0), k.stride(0), v.stride(0), HEADS=heads,
+                                       k_cache, v_cache, eps, q.stride(0), k.stride(0), v.stride(0), table_start,
+                                       HEADS=heads,
                                        KV_HEADS=kv_heads, D=d, R=cos.shape[-1], BLOCK_D=triton.next_power_of_2(d),
                                        NORM=norm)
     return out

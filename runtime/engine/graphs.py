@@ -245,7 +245,7 @@ class GraphDecode:
         def attend(i: int, h: torch.Tensor) -> torch.Tensor:
             window = dec.window(i)
             if self.fused:
-                q = self._rope_store(i, h, self.k[i], self.v[i])
+                q = self._rope_store(i, h, self.k[i], self.v[i], (self.cos, self.sin, 0))
                 return self.fused.attention(q, self.k[i], self.v[i], self.pos, window)
             q, k, v = dec.qkv(i, h, cos, sin)
             self.k[i].index_copy_(0, self.pos, k)
@@ -266,10 +266,9 @@ class GraphDecode:
         return logits
 
     def takes(self, tokens: int, cache: KVCache) -> bool:
-        """Whether `extend` runs these tokens: a few (the few-query attention kernel's limit)
-        at positions within the static tables, on the fused attention path."""
-        return (self.fused is not None and 1 < tokens <= self.few.MAX_QUERIES
-                and cache.max_tokens <= self.capacity and not cache.states)
+        """Whether `extend` runs these tokens: a few (the few-query attention kernel's limit), on
+        the fused attention path."""
+        return self.fused is not None and 1 < tokens <= self.few.MAX_QUERIES and not cache.states
 
     def extend(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits for a few tokens at cache.length.. (an agent turn after a prefix hit), eager,
@@ -283,10 +282,12 @@ class GraphDecode:
         if start + t > cache.max_tokens:
             raise ValueError(f"KV cache full: {start + t} positions needed, {cache.max_tokens} allocated")
         self.pos.fill_(start)
+        # rotary tables: the static ones, or this run's beyond them (sequences past the capacity)
+        table = (self.cos, self.sin, 0) if start + t <= self.capacity else (*dec.rope(start, t, self.cos.dtype), start)
 
         def attend(i: int, h: torch.Tensor) -> torch.Tensor:
             k_all, v_all = cache.k[i], cache.v[i]
-            q = self._rope_store(i, h, k_all, v_all)
+            q = self._rope_store(i, h, k_all, v_all, table)
             return self.few.few_query_attention(q, k_all[: start + t], v_all[: start + t], start, dec.window(i))
 
         x, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), attend)
@@ -313,14 +314,15 @@ class GraphDecode:
             x, h = self._add_norm(x, delta, nxt)
         return x, h
 
-    def _rope_store(self, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _rope_store(self, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    table: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
         """Layer i's rotated queries [T, heads, D] for h [T, H] at positions pos..; its keys and
-        values written into the cache rows there."""
+        values written into the cache rows there. `table`: (cos, sin, the first row's position)."""
         p, s = f"layers.{i}.attn.", self.decoder.spec
         q, k, v = self._qkv(i, h)
         w = self.decoder.w
         return self.fused.rope_store(q, k, v, w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight"), s.rms_norm_eps,
-                                     self.cos, self.sin, self.pos, k_cache, v_cache)
+                                     *table[:2], self.pos, k_cache, v_cache, table[2])
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer i's Q, K and V projections of h [T, H]: one product where the weights were

@@ -141,7 +141,8 @@ def decode(
             opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile,
                                   bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy), graphs=graphs_on,
                                   stream_prefill={"on": True, "off": False}.get(stream_prefill))
-            rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, prompt + tokens))
+            longest = max([prompt + tokens + 10] + [int(c) + answer + extend + 1 for c in chunks.split(",") if c])
+            rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, longest))
             try:
                 figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
                 routed = prompt + tokens + 8 + sum(2 * (int(c) + extend + answer) + 1 for c in chunks.split(",") if c)
@@ -203,13 +204,16 @@ def _ratio(pcie, cpu, profile, strategy) -> float | None:
 
 def _sized(opts: RuntimeOptions, model: Path, gpu_budget: str | None, fraction: float | None,
            kv_tokens: int) -> RuntimeOptions:
-    """Expert cache slots from a device budget (after dense weights and KV) or a pool fraction."""
+    """Expert cache slots from a device budget (after dense weights and KV) or a pool fraction;
+    `kv_tokens`: the run's longest sequence (so it decodes through graphs, as a server sized for
+    it does)."""
     from ftkit.runtime.ftw.reader import FTWModel
 
+    opts.kv_tokens = kv_tokens
     if fraction is not None:
         opts.cache_experts = max(1, int(FTWModel(model).spec.num_expert_rows * fraction))
     elif gpu_budget is not None:
-        opts.gpu_budget, opts.kv_tokens = parse_bytes(gpu_budget), kv_tokens
+        opts.gpu_budget = parse_bytes(gpu_budget)
     return opts
 
 
