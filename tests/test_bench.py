@@ -33,7 +33,8 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
     out = tmp_path / "r.json"
     r = subprocess.run([*BENCH, "decode", "-m", str(tiny), "--device", "cpu", "--cache-fraction", "0.35",
                         "--pcie-gbps", "50", "--cpu-gbps", "80", "--tokens", "8", "--chunks", "64",
-                        "--extend", "8", "--answer", "4", "--strategies", "offload,hybrid", "--json", str(out)], capture_output=True, text=True)
+                        "--extend", "8", "--answer", "4", "--repeat", "3", "--strategies", "offload,hybrid",
+                        "--json", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert [x["strategy"] for x in res["runs"]] == ["offload", "hybrid"]
@@ -44,6 +45,8 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
         p = x["prefill"][0]
         assert p["extend"] == 8 and p["answer"] == 4 and p["extend_seconds"] > 0 and 0 < p["extend_active"]
         assert 0 <= p["resident_kept"] <= 1 and p["first_seconds"] > 0
+        for key in ("seconds", "extend_seconds"):  # the median of three timed turns
+            assert len(p[key + "_all"]) == 3 and p[key] == sorted(p[key + "_all"])[1]
 
 
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):

@@ -117,12 +117,16 @@ def decode(
                                         "extend (a turn's reply)")] = 32,
     temperature: Annotated[float, typer.Option(help="timed decode steps sample at this temperature (0: argmax)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="with --temperature: the top-p cut")] = 1.0,
+    repeat: Annotated[int, typer.Option(help="timed prefill turns (answer, chunk, answer, extend) per chunk "
+                                        "size: medians reported")] = 1,
 ) -> None:
     """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
     if graphs not in ("on", "off", "both"):
         raise typer.BadParameter("--graphs takes on, off or both")
     if stream_prefill not in ("auto", "on", "off"):
         raise typer.BadParameter("--stream-prefill takes auto, on or off")
+    if repeat < 1:
+        raise typer.BadParameter("--repeat takes 1 or more")
     modes = {"on": [True], "off": [False], "both": [False, True]}[graphs]
     if (routing.startswith("trace:") or record) and True in modes:
         # recording and replaying go through host lists; a captured graph would freeze its first answer
@@ -153,7 +157,7 @@ def decode(
                 if record:
                     override.save(record)
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
-                                   if trace_dir else None, extend, answer) for c in chunks.split(",") if c]
+                                   if trace_dir else None, extend, answer, repeat) for c in chunks.split(",") if c]
                 results["runs"].append({"strategy": rt.store.strategy, "cache_slots": rt.store.cache.capacity,
                                         "threads": rt.store.cpu.threads, "routing": routing,
                                         "figures": vars(figs), "decode": r, "prefill": pre})

@@ -10,6 +10,7 @@ pool bytes over B_P.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,15 +146,17 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
 
 
 def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None, extend: int = 0,
-            answer: int = 32) -> dict:
+            answer: int = 32, repeat: int = 1) -> dict:
     """Seconds to prefill one `chunk`-token prompt (TTFT) and how many of the experts resident
     before it still are after it. Timed warm: an untimed chunk of the same size runs first
     (`first_seconds`: its time; a new shape's first call pays allocations and kernel choices
     once), then `answer` untimed decode steps put a decode's experts back on top of the cache,
     as a server's previous turn leaves them. `extend`: then an agent turn: `answer` tokens
     decoded (the turn's reply), then that many more tokens timed on top (the next turn after a
-    prefix hit); its shape also runs once untimed before. `trace_to` also writes
-    torch.profiler tables of a second prefill (and extend)."""
+    prefix hit); its shape also runs once untimed before. `repeat`: the timed turn (answer,
+    chunk, answer, extend) runs this many times; times are medians (every run's in `*_all`),
+    counts are means. `trace_to` also writes torch.profiler tables of a further chunk (and
+    extend)."""
     gen = torch.Generator().manual_seed(1)
     n = chunk + answer + extend
     ids = torch.randint(0, rt.spec.vocab_size, (n,), generator=gen).to(rt.device)
@@ -170,33 +173,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
             scratch = rt.new_kv(extend + 1)
             rt.decoder.forward(ids[:1], scratch)
             rt.decoder.forward(ids[n - extend:], scratch, last_only=True)
-        scratch = rt.new_kv(answer + 1)
-        for i in range(chunk, chunk + answer):
-            int(rt.decoder.forward(ids[i : i + 1], scratch)[-1].argmax())
-        del scratch
-        before = set(rt.store.resident_rows())
-        rt.store.stats.reset()
-        sync(rt)
-        t0 = time.perf_counter()
-        rt.decoder.forward(ids[:chunk], kv, last_only=True)
-        sync(rt)
-        seconds = time.perf_counter() - t0
-    t, miss_rate = rt.store.stats.totals(), rt.store.stats.miss_rate
-    kept = len(before & set(rt.store.resident_rows())) / len(before) if before else None
-    ext = {}
-    if extend:
-        with torch.inference_mode():
-            for i in range(chunk, chunk + answer):
-                int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
-            rt.store.stats.reset()
-            sync(rt)
-            t0 = time.perf_counter()
-            rt.decoder.forward(ids[n - extend:], kv, last_only=True)
-            sync(rt)
-            e = rt.store.stats.totals()
-            ext = {"extend": extend, "answer": answer, "extend_seconds": time.perf_counter() - t0,
-                   "extend_active": e.active, "extend_moved_gb": e.misses * rt.ftw.layout.slot_bytes / 1e9,
-                   "extend_cpu_gb": e.cpu * rt.ftw.layout.slot_bytes / 1e9}
+    turns = [_turn(rt, ids, kv, chunk, answer, extend) for _ in range(repeat)]
     if trace_to is not None:  # counted above: the profiled repeats do not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
@@ -204,22 +181,62 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
             if extend:
                 _profiled(rt, lambda: rt.decoder.forward(ids[n - extend:], kv, last_only=True),
                           trace_to.with_name(trace_to.stem + "-extend.txt"))
-    moved = t.misses * rt.ftw.layout.slot_bytes
+    out = {key: _summary(key, [t[key] for t in turns]) for key in turns[0]}
+    if repeat > 1:
+        out.update({key + "_all": [t[key] for t in turns] for key in turns[0] if key.endswith("seconds")})
+    moved = out.pop("missed_bytes")
     pcie = figures.pcie_solo_gbps or figures.pcie_gbps
     bound = moved / (pcie * 1e9) if pcie and moved else None
     return {
         "chunk": chunk,
-        "seconds": seconds,
         "first_seconds": first,
-        "tok_s": chunk / seconds,
-        "miss_rate": miss_rate,
+        "tok_s": chunk / out["seconds"],
         "missed_gb": moved / 1e9,
         "pcie_bound_s": bound,
-        "of_bound": bound / seconds if bound else None,
+        "of_bound": bound / out["seconds"] if bound else None,
         "streaming": rt.store.prefetcher is not None,
-        "resident_kept": kept,
-        **ext,
+        **out,
     }
+
+
+def _summary(key: str, values: list):
+    if any(v is None for v in values) or key in ("extend", "answer"):
+        return values[0]
+    return statistics.median(values) if key.endswith("seconds") else statistics.fmean(values)
+
+
+def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: int) -> dict:
+    """One timed turn of `prefill`: `answer` untimed decode steps (a previous turn's), the chunk
+    timed from position 0 of `kv`, then with `extend`: `answer` steps and the extend timed."""
+    n = chunk + answer + extend
+    with torch.inference_mode():
+        scratch = rt.new_kv(answer + 1)
+        for i in range(chunk, chunk + answer):
+            int(rt.decoder.forward(ids[i : i + 1], scratch)[-1].argmax())
+        del scratch
+        before = set(rt.store.resident_rows())
+        kv.truncate(0)
+        rt.store.stats.reset()
+        sync(rt)
+        t0 = time.perf_counter()
+        rt.decoder.forward(ids[:chunk], kv, last_only=True)
+        sync(rt)
+        seconds = time.perf_counter() - t0
+        t, slot = rt.store.stats.totals(), rt.ftw.layout.slot_bytes
+        out = {"seconds": seconds, "miss_rate": rt.store.stats.miss_rate, "missed_bytes": t.misses * slot,
+               "resident_kept": len(before & set(rt.store.resident_rows())) / len(before) if before else None}
+        if not extend:
+            return out
+        for i in range(chunk, chunk + answer):
+            int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
+        rt.store.stats.reset()
+        sync(rt)
+        t0 = time.perf_counter()
+        rt.decoder.forward(ids[n - extend:], kv, last_only=True)
+        sync(rt)
+        e = rt.store.stats.totals()
+        return {**out, "extend": extend, "answer": answer, "extend_seconds": time.perf_counter() - t0,
+                "extend_active": e.active, "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9}
 
 
 def hbm_gbps(device: torch.device) -> float | None:
