@@ -391,6 +391,35 @@ def test_sampled_pipeline_matches_step_by_step(model, cfg):
     rt.close()
 
 
+def _turns(path, turns: list[list[int]], fused: bool, capacity: int = 128, **cfg):
+    """Each turn's logits (the third only the last row's), the K/V rows, and the lengths of the
+    turns that GraphDecode.extend ran (fused: graph decode set up, eager on CPU)."""
+    rt = Runtime(path, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32",
+                                      graphs=fused, **cfg))
+    if fused and not CUDA:
+        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=capacity, capture=False)
+    kv = rt.new_kv(sum(map(len, turns)) + 1)
+    taken = []
+    if fused:
+        def counted(ids, cache, last=False, real=rt.decoder.graphs.extend):
+            taken.append(len(ids))
+            return real(ids, cache, last)
+
+        rt.decoder.graphs.extend = counted
+    with torch.inference_mode():
+        out = [rt.decoder.forward(torch.tensor(t, device=rt.device), kv, last_only=n == 2).float().cpu()
+               for n, t in enumerate(turns)]
+    rows = {i: kv.k[i][: kv.length].float().cpu() for i in kv.k}
+    rt.close()
+    return out, rows, taken
+
+
+def _same_turns(ref, got) -> None:
+    for a, b in zip(ref[0], got[0], strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+    assert all(torch.allclose(ref[1][i], got[1][i], rtol=1e-4, atol=1e-5) for i in ref[1])
+
+
 @pytest.mark.parametrize("capacity", [128, 8], ids=["in-tables", "past-tables"])
 def test_a_short_extend_runs_the_fused_dense_part(model, capacity):
     """A few tokens behind the cache (a short prompt, an agent turn after a prefix hit) take
@@ -399,29 +428,22 @@ def test_a_short_extend_runs_the_fused_dense_part(model, capacity):
     capacity); more tokens than the few-query kernel takes go the eager way."""
     cfg = dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
     turns = [PROMPT, [33], MORE, list(range(70, 136))]  # the last: 66 tokens, past the kernel's 64
-    outs, rows = [], []
-    for fused in (False, True):
-        rt = Runtime(model, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32",
-                                           graphs=fused, **cfg))
-        if fused and not CUDA:
-            rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=capacity, capture=False)
-        kv = rt.new_kv(sum(map(len, turns)) + 1)
-        taken = []
-        if fused:
-            def counted(ids, cache, last=False, real=rt.decoder.graphs.extend, taken=taken):
-                taken.append(len(ids))
-                return real(ids, cache, last)
+    ref = _turns(model, turns, False, **cfg)
+    got = _turns(model, turns, True, capacity, **cfg)
+    assert got[2] == [len(PROMPT), len(MORE)]
+    _same_turns(ref, got)
 
-            rt.decoder.graphs.extend = counted
-        with torch.inference_mode():
-            outs.append([rt.decoder.forward(torch.tensor(t, device=rt.device), kv, last_only=n == 2).float().cpu()
-                         for n, t in enumerate(turns)])
-        rows.append({i: kv.k[i][: kv.length].float().cpu() for i in kv.k})
-        rt.close()
-    assert taken == [len(PROMPT), len(MORE)]
-    for ref, got in zip(*outs, strict=True):
-        assert ref.shape == got.shape and torch.allclose(ref, got, rtol=1e-3, atol=1e-4)
-    assert all(torch.allclose(rows[0][i], rows[1][i], rtol=1e-4, atol=1e-5) for i in rows[0])
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe_rope", "qwen3_moe_sparse"])
+def test_a_short_extend_matches_across_families(hf_checkpoint, tmp_path, family):
+    """Q/K/V biases without Q/K norms (Qwen2-MoE), YaRN's scaled rotary tables, dense layers
+    between MoE ones (sparse Qwen3-MoE): the extend path against the eager forward pass."""
+    path = tmp_path / "m.ftw"
+    convert(make_plan(hf_checkpoint(family)), path)
+    turns = [PROMPT, [33], MORE]
+    got = _turns(path, turns, True, strategy="offload", cache_experts=6)
+    assert got[2] == [len(PROMPT), len(MORE)]
+    _same_turns(_turns(path, turns, False, strategy="offload", cache_experts=6), got)
 
 
 @pytest.mark.gpu
