@@ -94,9 +94,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.
     """q [T, heads*D], k, v [T, kv_heads*D] (projections; rows may be strided, as the column
     views of one Q/K/V product are); q_norm, k_norm: per-head RMSNorm weights [D] or None; cos,
     sin [positions, R]: row r holds position table_start + r; pos int64 [1] on the device: the
-    first token's position; k_cache,
-    v_cache [positions, kv_heads, D]. Writes rows pos..pos+T of the caches; returns the rotated
-    q [T, heads, D]."""
+    first token's position; k_cache, v_cache [positions, kv_heads, D]. Writes rows pos..pos+T of
+    the caches; returns the rotated q [T, heads, D]."""
     kv_heads, d = k_cache.shape[1], k_cache.shape[2]
     t, heads = q.shape[0], q.shape[-1] // d
     if any(a.stride(-1) != 1 for a in (q, k, v)):
@@ -105,9 +104,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.
     norm = q_norm is not None
     _rope_store[(heads + kv_heads, t)](q, k, v, q_norm if norm else q, k_norm if norm else k, cos, sin, pos, out,
                                        k_cache, v_cache, eps, q.stride(0), k.stride(0), v.stride(0), table_start,
-                                       HEADS=heads,
-                                       KV_HEADS=kv_heads, D=d, R=cos.shape[-1], BLOCK_D=triton.next_power_of_2(d),
-                                       NORM=norm)
+                                       HEADS=heads, KV_HEADS=kv_heads, D=d, R=cos.shape[-1],
+                                       BLOCK_D=triton.next_power_of_2(d), NORM=norm)
     return out
 
 

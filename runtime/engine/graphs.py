@@ -274,23 +274,21 @@ class GraphDecode:
         """Logits for a few tokens at cache.length.. (an agent turn after a prefix hit), eager,
         with the experts planned on the host as for any chunk, but the dense part as a graph
         step has it: one Q/K/V product, norms, RoPE and the cache writes in one launch, the
-        few-query attention kernel, each residual add fused with the RMSNorm after it. About
-        ten launches per layer instead of some thirty: with a layer's expert traffic down to a
-        couple of milliseconds, the host's launches were a third of an extend's time."""
-        dec, t = self.decoder, input_ids.shape[0]
-        start = cache.length
-        if start + t > cache.max_tokens:
-            raise ValueError(f"KV cache full: {start + t} positions needed, {cache.max_tokens} allocated")
+        few-query attention kernel, each residual add fused with the RMSNorm after it (8
+        kernels a layer instead of ~23; docs/benchmarks.md has what that did to an extend's
+        time: nothing measurable yet, hybrid's host waits on its split either way)."""
+        dec, t, start = self.decoder, input_ids.shape[0], cache.length
+        end = cache.room(t)
         self.pos.fill_(start)
         # rotary tables: the static ones, or this run's beyond them (sequences past the capacity)
-        table = (self.cos, self.sin, 0) if start + t <= self.capacity else (*dec.rope(start, t, self.cos.dtype), start)
+        table = (self.cos, self.sin, 0) if end <= self.capacity else (*dec.rope(start, t, self.cos.dtype), start)
 
         def attend(i: int, h: torch.Tensor) -> torch.Tensor:
             k_all, v_all = cache.k[i], cache.v[i]
             q = self._rope_store(i, h, k_all, v_all, table)
-            return self.few.few_query_attention(q, k_all[: start + t], v_all[: start + t], start, dec.window(i))
+            return self.few.few_query_attention(q, k_all[:end], v_all[:end], start, dec.window(i))
 
-        x, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), attend)
+        _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), attend)
         cache.advance(t)
         return F.linear(h[-1:] if last_only else h, dec.lm_head)
 

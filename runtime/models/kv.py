@@ -38,12 +38,17 @@ class KVCache:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [T, kv_heads, head_dim] at positions length..length+T; returns the
         layer's keys and values for positions 0..length+T (views, not copies)."""
-        end = self.length + k.shape[0]
-        if end > self.max_tokens:
-            raise ValueError(f"KV cache full: {end} positions needed, {self.max_tokens} allocated")
+        end = self.room(k.shape[0])
         self.k[layer][self.length : end] = k
         self.v[layer][self.length : end] = v
         return self.k[layer][:end], self.v[layer][:end]
+
+    def room(self, n: int) -> int:
+        """The end position of n more tokens; a ValueError when the cache cannot hold them."""
+        end = self.length + n
+        if end > self.max_tokens:
+            raise ValueError(f"KV cache full: {end} positions needed, {self.max_tokens} allocated")
+        return end
 
     def advance(self, n: int) -> None:
         self.length += n

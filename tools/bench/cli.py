@@ -145,7 +145,8 @@ def decode(
             opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile,
                                   bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy), graphs=graphs_on,
                                   stream_prefill={"on": True, "off": False}.get(stream_prefill))
-            longest = max([prompt + tokens + 10] + [int(c) + answer + extend + 1 for c in chunks.split(",") if c])
+            longest = max([run.decode_length(prompt, tokens)]
+                          + [run.prefill_length(int(c), answer, extend) for c in chunks.split(",") if c])
             rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, longest))
             try:
                 figs = _figures(rt, profile, pcie_gbps, cpu_gbps)

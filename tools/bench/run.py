@@ -43,9 +43,22 @@ def dense_bytes(rt: Runtime) -> int:
     return sum(t.numel() * t.element_size() for t in rt.decoder.w.values())
 
 
+WARMUP = 2  # untimed decode steps before the timed ones (kernel compilation, graph capture)
+
+
+def decode_length(prompt: int, tokens: int) -> int:
+    """The KV rows `decode` uses (4 spare steps for the profiled table)."""
+    return prompt + WARMUP + tokens + 8
+
+
+def prefill_length(chunk: int, answer: int, extend: int) -> int:
+    """The KV rows `prefill` uses."""
+    return chunk + answer + extend + 1
+
+
 def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | None, figures: Figures,
-           trace_to: Path | None = None, warmup: int = 2, sampler: Sampler | None = None) -> dict:
-    """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill and `warmup`
+           trace_to: Path | None = None, sampler: Sampler | None = None) -> dict:
+    """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill and WARMUP
     untimed steps (kernel compilation, graph capture); `trace_to` also writes a torch.profiler
     table of 4 further steps (where the per-token time goes).
 
@@ -55,8 +68,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     With graph decode the timed steps run as generation does (`GraphDecode.pipeline`: the next
     step is queued before a token is read), the random tokens fed on the device."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, rt.spec.vocab_size, (prompt + warmup + tokens + 4,), generator=gen).to(rt.device)
-    kv = rt.new_kv(prompt + warmup + tokens + 8)
+    ids = torch.randint(0, rt.spec.vocab_size, (prompt + WARMUP + tokens + 4,), generator=gen).to(rt.device)
+    kv = rt.new_kv(decode_length(prompt, tokens))
 
     def step(i: int) -> None:
         if routing:
@@ -68,9 +81,9 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         if routing:
             routing.next_step()
         int(rt.decoder.forward(ids[:prompt], kv, last_only=True)[-1].argmax())
-        for i in range(prompt, prompt + warmup):
+        for i in range(prompt, prompt + WARMUP):
             step(i)
-        start = prompt + warmup
+        start = prompt + WARMUP
         graphs = rt.decoder.graphs
         pipelined = (routing is None or routing.graph_safe) and graphs is not None and graphs.accepts(kv)
         first = int(ids[start])
@@ -91,7 +104,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     bound = _decode_bound(rt, stats, tokens, figures)
     if trace_to is not None:  # the 4 spare ids past the timed steps
         with torch.inference_mode():
-            _profiled(rt, lambda: [step(i) for i in range(prompt + warmup + tokens, len(ids))], trace_to)
+            _profiled(rt, lambda: [step(i) for i in range(prompt + WARMUP + tokens, len(ids))], trace_to)
     return {
         "tokens": tokens,
         "graphs": rt.decoder.graphs is not None,
@@ -160,7 +173,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
     gen = torch.Generator().manual_seed(1)
     n = chunk + answer + extend
     ids = torch.randint(0, rt.spec.vocab_size, (n,), generator=gen).to(rt.device)
-    kv = rt.new_kv(n + 1)
+    kv = rt.new_kv(prefill_length(chunk, answer, extend))
     with torch.inference_mode():
         scratch = rt.new_kv(chunk + 1)
         sync(rt)
