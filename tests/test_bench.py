@@ -47,6 +47,9 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
         assert 0 <= p["resident_kept"] <= 1 and p["first_seconds"] > 0
         for key in ("seconds", "extend_seconds"):  # the median of three timed turns
             assert len(p[key + "_all"]) == 3 and p[key] == sorted(p[key + "_all"])[1]
+        # the extend's layer phases (host clock marks) lie within its timed span
+        phases = [p[f"extend_{name}_ms"] for name in ("routing", "plan", "split", "cpu_wait", "merge", "between")]
+        assert min(phases) >= 0 and 0 < sum(phases) <= 1000 * max(p["extend_seconds_all"])
 
 
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):

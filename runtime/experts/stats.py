@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,3 +76,36 @@ class ExpertStats:
     def reset(self) -> None:
         self.per_layer().clear()
         self.steps.clear()
+
+
+class LayerClock:
+    """Host clock marks through each host-planned MoE layer (ft-bench turns it on for an
+    extend): where a layer's time goes, without a profiler's 2-3x overhead on host work.
+    Phases, summed over layers: `routing` (inputs staged, the routing read back: the device's
+    merge, dense part and router of the layer before), `plan` (to the first fill or CPU start),
+    `split` (to the end of the fills' hand-out: the shared split met), `cpu_wait` (the device's
+    launches, then waiting for the CPU branch), `merge` (its rows copied in) and `between` (the
+    model's launches up to the next MoE layer)."""
+
+    MARKS = ("enter", "routed", "started", "met", "cpu_done", "exit")
+
+    def __init__(self) -> None:
+        self.layers: list[dict[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        if name == "enter":
+            self.layers.append({})
+        self.layers[-1].setdefault(name, time.perf_counter())
+
+    def phases_ms(self) -> dict[str, float]:
+        """Milliseconds per phase, summed over the marked layers."""
+        out = dict.fromkeys(("routing", "plan", "split", "cpu_wait", "merge", "between"), 0.0)
+        for i, m in enumerate(self.layers):
+            t = [m.get(name) for name in self.MARKS]
+            for j in range(1, len(t)):  # a mark a layer skipped takes the one before's time
+                t[j] = t[j - 1] if t[j] is None else t[j]
+            for name, a, b in zip(out, t, t[1:], strict=False):
+                out[name] += 1e3 * (b - a)
+            if i + 1 < len(self.layers):
+                out["between"] += 1e3 * (self.layers[i + 1]["enter"] - t[-1])
+        return out

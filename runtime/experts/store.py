@@ -36,7 +36,7 @@ from .cpu import CPUExecutor
 from .planner import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES, LayerPlan, Planner
 from .pool import HostPool, expert_forward, expert_weights
 from .prefill import LayerPrefetcher
-from .stats import ExpertStats
+from .stats import ExpertStats, LayerClock
 
 if TYPE_CHECKING:
     from .device_plan import DevicePlan
@@ -125,6 +125,7 @@ class ExpertStore:
         self.in_graph = False  # set while a graph decode step is being recorded or run eagerly
         self.version = 0  # bumped when the cache is rebuilt (captured graphs point at its slots)
         self.holding = False  # a chunk-sized forward holds the hottest rows (`_hold_hottest`)
+        self.clock: LayerClock | None = None  # marks each host-planned layer's phases when set
         if self.strategy == FUSED:
             for row in range(rows):
                 self.cache.fill(self.cache.claim(row, set()), pool.slot(row))
@@ -139,11 +140,13 @@ class ExpertStore:
             if self.in_graph:
                 return self.device_plan.run(layer, hidden, topk_ids, topk_weights)
             self.device_plan.to_host()  # the host planner takes over again (prefill, batches)
+        self._mark("enter")
         t, k = topk_ids.shape
         moe = self.spec.moe_index(layer)
         base = moe * self.spec.num_experts
         staged = self._stage(hidden, topk_weights)  # before the read-back below, which it rides on
         order, counts = self._sorted(topk_ids.reshape(-1))
+        self._mark("routed")
         groups: dict[int, np.ndarray] = {}  # row -> flat assignment indices (t * k + j)
         start = 0
         for e, n in enumerate(counts):
@@ -170,7 +173,9 @@ class ExpertStore:
             fills = [(r, s) for r, s in plan.fills if r not in streamed]
             self._fill(fills[:1])  # the copy engine starts now; the CPU branch while it copies
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged)
+            self._mark("started")
             self._fill(fills[1:])
+            self._mark("met")
         self.stats.record(layer, plan)
         self._stream_ahead(moe, len(rows), t * k, 1)
         resident = plan.hits + plan.fills
@@ -187,12 +192,18 @@ class ExpertStore:
         if moe == self.spec.num_moe_layers - 1:
             self._release()
         busy = wait_cpu()
+        self._mark("cpu_done")
         if busy:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, busy)
         if host_y is not None:  # the CPU set's rows, disjoint from the device's: copied in place
             rows_y, idx = host_y
             y.index_copy_(0, idx.to(y.device, non_blocking=True), rows_y.to(y.device, non_blocking=True).to(y.dtype))
+        self._mark("exit")
         return y.view(t, k, -1).sum(dim=1)
+
+    def _mark(self, name: str) -> None:
+        if self.clock is not None:
+            self.clock.mark(name)
 
     def _stage(self, hidden: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On a GPU, queue the CPU branch's inputs (float32 activations and router weights) into
@@ -387,8 +398,10 @@ class ExpertStore:
             taken += 1
             if wait_cpu is None:  # the first copy is under way: start the CPU branch meanwhile
                 wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
+                self._mark("started")
         if wait_cpu is None:
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
+        self._mark("met")
         plan.cpu = misses[taken:]
         if host_y is not None:  # only the rows of the experts the CPU took come back
             done = sum(len(groups[r]) for r in misses[:taken])

@@ -18,11 +18,14 @@ from rich.table import Table
 from ftkit.kernels.cpu import load
 from ftkit.tools.calibrate.measure import (
     QWEN3_30B_A3B,
+    Copier,
     ExpertCycle,
     cpu_experts_gbps,
     dram_read_gbps,
     expert_bytes,
     layout_for,
+    overlapped_gbps,
+    shared_experts_gbps,
     torch_experts_gbps,
     working_set,
 )
@@ -39,6 +42,10 @@ def main() -> None:
     ap.add_argument("--experts-per-call", type=int, default=8, help="experts per kernel call (a layer's CPU set)")
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     ap.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
+    ap.add_argument("--shared", action="store_true",
+                    help="also the runner's shared-split schedule (hybrid's: one expert at a time)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also each kernel figure while pinned host-to-device copies run (needs CUDA)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     console = Console()
@@ -49,6 +56,8 @@ def main() -> None:
     layout = layout_for(hidden, inter, args.dtype)
     slots = working_set(layout, int(args.gib * 2**30))
     cycle = ExpertCycle(layout, slots, args.tokens, args.experts_per_call)
+    runner = kernel.runner() if args.shared else None
+    copier = _copier(args.overlap, args.gib)
     rows = []
     with console.status("measuring") as status:
         for t in (int(v) for v in args.threads.split(",")):
@@ -57,23 +66,48 @@ def main() -> None:
                    "dram_read_gbps": dram_read_gbps(kernel, slots, t, args.seconds),
                    "ftkit_gbps": cpu_experts_gbps(kernel, cycle, t, args.seconds),
                    "torch_gbps": None if args.no_torch else torch_experts_gbps(cycle, t, args.seconds)}
+            steps = {"ftkit": cycle.kernel_step(kernel, t)}
+            if runner is not None:
+                steps["shared"] = cycle.shared_step(kernel, runner, t)
+                row["shared_gbps"] = shared_experts_gbps(kernel, runner, cycle, t, args.seconds)
+            if copier is not None:
+                for name, step in steps.items():
+                    pcie, cpu = overlapped_gbps(copier, kernel, cycle, t, args.seconds, step)
+                    row[f"{name}_overlapped_gbps"], row[f"pcie_with_{name}_gbps"] = cpu, pcie
             rows.append(row)
+    if runner is not None:
+        runner.close()
     result = {
         "cpu": cpu_model(), "host": platform.node(), "isa": kernel.isa, "dtype": args.dtype,
         "shape": [hidden, inter], "expert_bytes": expert_bytes(layout), "working_set_bytes": slots.nbytes,
         "tokens": args.tokens, "experts_per_call": cycle.per_call, "rows": rows,
     }
     table = Table(title=f"CPU experts {args.dtype} H={hidden} I={inter}, {args.tokens} token(s), "
-                        f"{slots.nbytes / 2**30:.1f} GiB working set, {kernel.isa}")
-    for col in ("threads", "ftkit GB/s", "torch GB/s", "DRAM read GB/s", "ftkit / DRAM"):
+                        f"{cycle.per_call} per call, {slots.nbytes / 2**30:.1f} GiB working set, {kernel.isa}")
+    extra = [c for c in ("shared_gbps", "ftkit_overlapped_gbps", "pcie_with_ftkit_gbps", "shared_overlapped_gbps",
+                         "pcie_with_shared_gbps") if c in rows[0]]
+    for col in ("threads", "ftkit GB/s", "torch GB/s", "DRAM read GB/s", "ftkit / DRAM",
+                *(c.removesuffix("_gbps").replace("_", " ") + " GB/s" for c in extra)):
         table.add_column(col, justify="right")
     for r in rows:
         torch_gbps = "-" if r["torch_gbps"] is None else f"{r['torch_gbps']:.1f}"
         table.add_row(str(r["threads"]), f"{r['ftkit_gbps']:.1f}", torch_gbps, f"{r['dram_read_gbps']:.1f}",
-                      f"{r['ftkit_gbps'] / r['dram_read_gbps']:.0%}")
+                      f"{r['ftkit_gbps'] / r['dram_read_gbps']:.0%}", *(f"{r[c]:.1f}" for c in extra))
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _copier(overlap: bool, gib: float) -> Copier | None:
+    """Fills' copies to run beside the kernel: pinned host slots of their own (the kernel's
+    working set stays pageable, as the host pool's reads are not what is measured here)."""
+    if not overlap:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--overlap needs CUDA (it measures the kernel while host-to-device copies run)")
+    return Copier(working_set(layout_for(*QWEN3_30B_A3B, "bfloat16"), int(gib * 2**30), pin=True))
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ fi
 if has extend; then
   q12
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
-      --tokens 32 --chunks 8192 --answer 32 --extend 32 --strategies offload,hybrid --routing reuse:0.9 \
+      --tokens 32 --chunks 8192 --answer 32 --extend 32 --strategies ${EXTEND_STRATEGIES:-offload,hybrid} --routing reuse:0.9 \
       --repeat ${REPEAT:-5} --graphs ${GRAPHS:-on} --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
 fi
 true

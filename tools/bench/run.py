@@ -19,6 +19,7 @@ import torch
 
 from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
+from ftkit.runtime.experts.stats import LayerClock
 
 from .routing import RoutingOverride
 
@@ -243,13 +244,17 @@ def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: i
         for i in range(chunk, chunk + answer):
             int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
         rt.store.stats.reset()
+        rt.store.clock = clock = LayerClock()
         sync(rt)
         t0 = time.perf_counter()
         rt.decoder.forward(ids[n - extend:], kv, last_only=True)
         sync(rt)
+        seconds = time.perf_counter() - t0
+        rt.store.clock = None
         e = rt.store.stats.totals()
-        return {**out, "extend": extend, "answer": answer, "extend_seconds": time.perf_counter() - t0,
-                "extend_active": e.active, "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9}
+        phases = {f"extend_{name}_ms": ms for name, ms in clock.phases_ms().items()}
+        return {**out, "extend": extend, "answer": answer, "extend_seconds": seconds, "extend_active": e.active,
+                "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9, **phases}
 
 
 def hbm_gbps(device: torch.device) -> float | None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ftkit.kernels.cpu import Kernel
+from ftkit.kernels.cpu import Kernel, Runner
 from ftkit.runtime.experts.pool import expert_forward, expert_weights
 from ftkit.runtime.ftw.manifest import SlotLayout, slot_layout
 from ftkit.runtime.ftw.random_model import demo_spec
@@ -96,6 +96,16 @@ class ExpertCycle:
             return self.bytes_per_call
         return step
 
+    def shared_step(self, kernel: Kernel, runner: Runner, threads: int) -> Callable[[], int]:
+        """The same call on the runner through a shared split the caller leaves whole: the
+        kernel's one-expert-at-a-time schedule that hybrid's shared split runs."""
+        def step() -> int:
+            kernel.start_experts(runner, self.layout, self.take(), self.groups, self.x, self.w, self.out,
+                                 self.per_call, threads, split=kernel.new_split(self.per_call))
+            runner.wait()
+            return self.bytes_per_call
+        return step
+
     def torch_step(self) -> Callable[[], int]:
         """The same experts through torch matmuls in the stored dtype (what the runtime did)."""
         dtype = torch.float32 if self.layout.dtype == "q8_0" else getattr(torch, self.layout.dtype)
@@ -111,6 +121,10 @@ class ExpertCycle:
 
 def cpu_experts_gbps(kernel: Kernel, cycle: ExpertCycle, threads: int, seconds: float) -> float:
     return _rate(cycle.kernel_step(kernel, threads), seconds)
+
+
+def shared_experts_gbps(kernel: Kernel, runner: Runner, cycle: ExpertCycle, threads: int, seconds: float) -> float:
+    return _rate(cycle.shared_step(kernel, runner, threads), seconds)
 
 
 def torch_experts_gbps(cycle: ExpertCycle, threads: int, seconds: float) -> float:
@@ -150,8 +164,9 @@ def h2d_gbps(copier: Copier, seconds: float) -> float:
 
 
 def overlapped_gbps(copier: Copier, kernel: Kernel, cycle: ExpertCycle, threads: int,
-                    seconds: float) -> tuple[float, float]:
-    """(B_P, B_H) measured while both run at once, as in a hybrid decode step."""
+                    seconds: float, step: Callable[[], int] | None = None) -> tuple[float, float]:
+    """(B_P, B_H) measured while both run at once, as in a hybrid decode step. `step`: the CPU
+    side (default: the cycle's plain kernel call)."""
     result: dict[str, float] = {}
     stop, go = threading.Event(), threading.Barrier(2)
 
@@ -162,7 +177,7 @@ def overlapped_gbps(copier: Copier, kernel: Kernel, cycle: ExpertCycle, threads:
     side = threading.Thread(target=copies)
     side.start()
     go.wait()
-    result["cpu"] = _rate(cycle.kernel_step(kernel, threads), seconds)
+    result["cpu"] = _rate(step or cycle.kernel_step(kernel, threads), seconds)
     stop.set()
     side.join()
     return result["pcie"], result["cpu"]
