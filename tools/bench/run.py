@@ -140,6 +140,27 @@ def _profiled(rt: Runtime, fn, path: Path) -> None:
         prof.export_chrome_trace(str(Path(path).with_suffix(".trace.json.gz")))
 
 
+def _host_profiled(rt: Runtime, fn, path: Path, rows: int = 40) -> None:
+    """Run fn under cProfile (the host's Python, which torch.profiler does not see); write its
+    functions sorted by own time and by cumulative time, in milliseconds."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    sync(rt)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, own s, cumulative s, callers)
+    lines = []
+    for title, col in (("own", 2), ("cumulative", 3)):
+        lines.append(f"{'calls':>7} {'own ms':>9} {'cum ms':>9}  function (by {title} time)")
+        for (file, line, name), v in sorted(stats.items(), key=lambda kv: -kv[1][col])[:rows]:
+            lines.append(f"{v[1]:>7} {1e3 * v[2]:>9.3f} {1e3 * v[3]:>9.3f}  {name} {Path(file).name}:{line}")
+        lines.append("")
+    Path(path).write_text("\n".join(lines))
+
+
 def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
     s = rt.ftw.layout.slot_bytes
     per_layer = 0.0
@@ -193,8 +214,10 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         with torch.inference_mode():
             _profiled(rt, lambda: rt.decoder.forward(ids[:chunk], kv, last_only=True), trace_to)
             if extend:
-                _profiled(rt, lambda: rt.decoder.forward(ids[n - extend:], kv, last_only=True),
-                          trace_to.with_name(trace_to.stem + "-extend.txt"))
+                extend_fn = lambda: rt.decoder.forward(ids[n - extend:], kv, last_only=True)  # noqa: E731
+                _profiled(rt, extend_fn, trace_to.with_name(trace_to.stem + "-extend.txt"))
+                kv.truncate(chunk)  # the same extend again, behind the same chunk
+                _host_profiled(rt, extend_fn, trace_to.with_name(trace_to.stem + "-extend-host.txt"))
     out = {key: _summary(key, [t[key] for t in turns]) for key in turns[0]}
     if repeat > 1:
         out.update({key + "_all": [t[key] for t in turns] for key in turns[0] if key.endswith("seconds")})
