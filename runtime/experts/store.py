@@ -50,13 +50,14 @@ HOST_SORT_ITEMS = 4096  # routed items up to which the host sorts them by expert
 CPU_MAX_TOKENS = 16  # routed tokens per active expert above which hybrid fills every miss
 
 
-def _triton(name: str):
-    """A module of ftkit.kernels.triton (`experts`: the grouped expert kernels, `zero_copy`: the
-    mapped-memory waits), or None where Triton is missing (torch per expert then)."""
+def _load_grouped():
+    """The Triton grouped expert kernels module, or None where Triton is missing (torch per
+    expert then)."""
     try:
-        return importlib.import_module(f"ftkit.kernels.triton.{name}")
+        from ftkit.kernels.triton import experts
     except ImportError:
         return None
+    return experts
 
 
 def resolve_strategy(strategy: str, ratio: float | None, device: torch.device) -> str:
@@ -111,14 +112,7 @@ class ExpertStore:
         self.runner = self.kernel.runner() if self.kernel is not None else None  # the CPU branch's thread
         self.stats = ExpertStats()
         float_slots = pool.layout.dtype != "q8_0"
-        self.grouped = _triton("experts") if self.device.type == "cuda" and float_slots else None
-        # On a GPU the shared split's CPU branch signals its end through a mapped done word the
-        # stream waits on before the merge (`_done_word`), so the host does not wait for it.
-        cuda_runner = self.device.type == "cuda" and self.runner is not None
-        self.zero_copy = _triton("zero_copy") if cuda_runner else None
-        self._done: tuple[torch.Tensor, object] | None = None  # the done word, and its mapped view
-        self._done_value = 0
-        self._signalled: int | None = None  # a signalled CPU call not yet ended: the bytes it ran
+        self.grouped = _load_grouped() if self.device.type == "cuda" and float_slots else None
         if stream_prefill is None:
             stream_prefill = self.device.type == "cuda" and self.strategy in (OFFLOAD, HYBRID)
         self.prefetcher = LayerPrefetcher(pool, self.device) if stream_prefill else None
@@ -153,7 +147,6 @@ class ExpertStore:
         staged = self._stage(hidden, topk_weights)  # before the read-back below, which it rides on
         order, counts = self._sorted(topk_ids.reshape(-1))
         self._mark("routed")
-        self._collect_cpu()
         groups: dict[int, np.ndarray] = {}  # row -> flat assignment indices (t * k + j)
         start = 0
         for e, n in enumerate(counts):
@@ -204,8 +197,6 @@ class ExpertStore:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, busy)
         if host_y is not None:  # the CPU set's rows, disjoint from the device's: copied in place
             rows_y, idx = host_y
-            if self._signalled is not None:  # the stream waits for the signalled CPU call's rows
-                self.zero_copy.wait_word(self._done[1], self._done_value)
             y.index_copy_(0, idx.to(y.device, non_blocking=True), rows_y.to(y.device, non_blocking=True).to(y.dtype))
         self._mark("exit")
         return y.view(t, k, -1).sum(dim=1)
@@ -380,10 +371,8 @@ class ExpertStore:
         the one before, until the two meet. A
         split fixed in advance from measured rates was off by up to a millisecond per layer in
         an extend: the rates move with the split itself (DMA and the CPU share host memory
-        bandwidth) and with the tokens per expert. On a GPU the CPU's end is signalled to the
-        stream (`_done_word`), so once the two meet the host goes on to launch the device's work,
-        the merge and the next layer while the CPU finishes its last experts. Leaves `plan` as
-        it ended; returns as `_start_cpu`."""
+        bandwidth) and with the tokens per expert. Leaves `plan` as it ended; returns as
+        `_start_cpu`."""
         misses, split = plan.cpu, self.kernel.new_split(len(plan.cpu))
         protected = {r for r, _ in plan.hits + plan.fills}
         pending: deque = deque()  # CUDA events of the fills queued and not yet known to have started
@@ -416,8 +405,6 @@ class ExpertStore:
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, split)
         self._mark("met")
         plan.cpu = misses[taken:]
-        if self._signalled is not None:  # its time covers the experts it took
-            self._signalled = len(plan.cpu) * self.pool.layout.slot_bytes
         if host_y is not None:  # only the rows of the experts the CPU took come back
             done = sum(len(groups[r]) for r in misses[:taken])
             host_y = (host_y[0][done:], host_y[1][done:])
@@ -447,14 +434,9 @@ class ExpertStore:
             rows = None  # the compact rows of `out`, in order
         host = None if out is y else (out, torch.from_numpy(np.concatenate(idxs)))
         if self.runner is not None and x.dtype == out.dtype == torch.float32:
-            self._collect_cpu()
-            signal = split is not None and self.zero_copy is not None and host is not None
             out_rows = np.arange(out.shape[0]) if rows is None else np.concatenate(rows)
-            if self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
-                                         self.cpu.threads, out_rows, split,
-                                         self._done_word() if signal else None) and signal:
-                self._signalled = len(slots) * self.pool.layout.slot_bytes
-                return lambda: None, host
+            self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
+                                      self.cpu.threads, out_rows, split)
             return self.runner.wait, host
         if rows is None:  # the torch path hands each expert its own rows
             rows = np.split(np.arange(out.shape[0]), ends[:-1])
@@ -475,24 +457,6 @@ class ExpertStore:
             CPUExecutor.wait(futures)
             return max(end for _, end in spans) - min(start for start, _ in spans)
         return wait, host
-
-    def _done_word(self) -> tuple[int, int]:
-        """(host address, value) of the done word for the next signalled CPU call."""
-        if self._done is None:
-            word = torch.zeros(16, dtype=torch.int32, pin_memory=True)  # a 64-byte line of its own
-            self._done = word, self.zero_copy.Mapped(word)
-        self._done_value = self._done_value % (2**31 - 1) + 1  # never 0: the cleared state
-        return self._done[0].data_ptr(), self._done_value
-
-    def _collect_cpu(self) -> None:
-        """End the last signalled CPU call and give the planner its time. After a routing
-        read-back the stream has waited for the call, so it has ended; elsewhere (the runner's
-        next call) this may wait for it."""
-        if self._signalled is not None:
-            busy = self.runner.wait()
-            if busy:
-                self.planner.observe_cpu(self._signalled, busy)
-            self._signalled = None
 
     def resident_rows(self) -> list[int]:
         """The resident rows, least recently used first (takes the residency back from graph
