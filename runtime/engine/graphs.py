@@ -276,7 +276,8 @@ class GraphDecode:
         step has it: one Q/K/V product, norms, RoPE and the cache writes in one launch, the
         few-query attention kernel, each residual add fused with the RMSNorm after it (8
         kernels a layer instead of ~23; docs/benchmarks.md has what that did to an extend's
-        time: nothing measurable yet, hybrid's host waits on its split either way)."""
+        time: nothing measurable, as the launches and planning in Python still take more of
+        each layer than its fills and CPU reads)."""
         dec, t, start = self.decoder, input_ids.shape[0], cache.length
         end = cache.room(t)
         self.pos.fill_(start)
