@@ -117,6 +117,8 @@ class ExpertStore:
         self._done: tuple[torch.Tensor, object] | None = None  # the done word, and its mapped view
         self._done_value = 0
         self._signalled: int | None = None  # a signalled CPU call not yet ended: the bytes it runs
+        # its layer's fills (start and end events) and how long after they started the CPU did
+        self._fill_span: tuple[torch.cuda.Event, torch.cuda.Event, float] | None = None
         if stream_prefill is None:
             stream_prefill = self.device.type == "cuda" and self.strategy in (OFFLOAD, HYBRID)
         self.prefetcher = LayerPrefetcher(pool, self.device) if stream_prefill else None
@@ -183,10 +185,15 @@ class ExpertStore:
         else:
             fills = [(r, s) for r, s in plan.fills if r not in streamed]
             timed = bool(plan.cpu)  # the planner weighs fills by their time beside a CPU branch
+            span = _timing_event() if signal and timed else None
+            t0 = time.perf_counter()  # the device is idle here: its first copy starts at once
             self._fill(fills[:1], timed)  # the copy engine starts now; the CPU branch while it copies
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, signal=signal)
+            lead = time.perf_counter() - t0
             self._mark("started")
             self._fill(fills[1:], timed)
+            if span is not None and self._signalled is not None:  # `balance` weighs the two
+                self._fill_span = span, _timing_event(), lead
             self._mark("met")
         self.stats.record(layer, plan)
         self._stream_ahead(moe, len(rows), t * k, 1)
@@ -498,7 +505,10 @@ class ExpertStore:
             busy = self.runner.wait()
             if busy:
                 self.planner.observe_cpu(self._signalled, busy)
-            self._signalled = None
+                span = self._fill_span
+                if span is not None and span[1].query():  # both ends from the first fill's start
+                    self.planner.balance(span[0].elapsed_time(span[1]) / 1e3, span[2] + busy)
+            self._signalled = self._fill_span = None
 
     def resident_rows(self) -> list[int]:
         """The resident rows, least recently used first (takes the residency back from graph
@@ -576,6 +586,13 @@ class ExpertStore:
         self.cpu.close()
         if self.runner is not None:
             self.runner.close()
+
+
+def _timing_event() -> torch.cuda.Event:
+    """A timing event recorded on the current stream now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
