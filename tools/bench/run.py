@@ -189,9 +189,9 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
     as a server's previous turn leaves them. `extend`: then an agent turn: `answer` tokens
     decoded (the turn's reply), then that many more tokens timed on top (the next turn after a
     prefix hit); its shape also runs once untimed before. `repeat`: the timed turn (answer,
-    chunk, answer, extend) runs this many times; times are medians (every run's in `*_all`),
-    counts are means. `trace_to` also writes torch.profiler tables of a further chunk (and
-    extend)."""
+    chunk, answer, extend) runs this many times; times are medians, counts are means (every
+    turn's times, moved bytes and layer phases in `*_all`). `trace_to` also writes
+    torch.profiler tables of a further chunk (and extend)."""
     gen = torch.Generator().manual_seed(1)
     n = chunk + answer + extend
     ids = torch.randint(0, rt.spec.vocab_size, (n,), generator=gen).to(rt.device)
@@ -220,7 +220,8 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
                 _host_profiled(rt, extend_fn, trace_to.with_name(trace_to.stem + "-extend-host.txt"))
     out = {key: _summary(key, [t[key] for t in turns]) for key in turns[0]}
     if repeat > 1:
-        out.update({key + "_all": [t[key] for t in turns] for key in turns[0] if key.endswith("seconds")})
+        # every turn's times, moved bytes and layer phases, in turn order (a drift shows there)
+        out.update({key + "_all": [t[key] for t in turns] for key in turns[0] if key.endswith(("seconds", "_gb", "_ms"))})
     moved = out.pop("missed_bytes")
     pcie = figures.pcie_solo_gbps or figures.pcie_gbps
     bound = moved / (pcie * 1e9) if pcie and moved else None
