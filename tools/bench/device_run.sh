@@ -9,7 +9,7 @@
 # on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound, layer
 # streaming on and off, each followed by a 32-token answer and a 32-token extend), extend (an
 # agent turn with concentrated synthetic routing, reuse 0.9: 32 decode steps, an 8192-token
-# chunk, a 32-token answer, the 32-token extend), sampled (hybrid decode as above, each token
+# chunk, a 32-token answer, the 32-token extend; EXTEND_STRATEGIES, REPEAT turns, GRAPHS), sampled (hybrid decode as above, each token
 # sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's attention behind cached
 # keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
 # back few files); the tables also go to stdout.
