@@ -115,6 +115,32 @@ def test_runner_thread_gives_the_same_bits_into_compact_rows():
         runner.close()
 
 
+def test_runner_signals_its_end_through_a_done_word():
+    """A call given a done word writes its value there once its rows are written: the GPU's
+    stream waits on it (zero_copy.wait_word) instead of the host. With TRITON_INTERPRET=1 the
+    wait runs on the CPU word itself."""
+    kernel, layout, slots, x, w, k, groups, direct = _three_experts(10)
+    word = torch.zeros(16, dtype=torch.int32)
+    runner = kernel.runner()
+    try:
+        for value in (7, 8):
+            compact = torch.full((15, 131), float("nan"))
+            kernel.start_experts(runner, layout, slots, groups, x, w, compact, k, 2, torch.arange(15),
+                                 done=(word.data_ptr(), value))
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                from ftkit.kernels.triton.zero_copy import wait_word
+
+                wait_word(word, value)  # returns once the runner has written the value, and clears it
+                assert int(word[0]) == 0
+                assert torch.equal(compact, direct[torch.cat(groups)])
+            assert runner.wait() is not None
+            assert int(word[0]) in (0, value)
+            assert torch.equal(compact, direct[torch.cat(groups)])
+            word.zero_()
+    finally:
+        runner.close()
+
+
 def test_a_shared_split_runs_each_expert_once():
     """Hybrid's shared split: the caller takes experts from the front while the runner runs;
     the runner computes exactly the rest, with the same bits, and leaves the caller's rows."""

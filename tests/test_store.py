@@ -210,3 +210,21 @@ def test_a_short_extend_moves_only_its_misses(hf_checkpoint, tmp_path):
     assert all(c.active == e and c.misses == e for c in store.stats.steps[0].values())
     assert not ahead
     rt.close()
+
+
+@pytest.mark.parametrize("prior", [0.15, 0.5, 0.85])
+def test_balance_ends_both_branches_together(prior):
+    """The up-front split from outcomes: 20 misses a layer, fills cost 1.0 per expert beside the
+    CPU (0.8 alone), the CPU 1.2 (0.7 alone) and starts 0.5 later; from any prior the split
+    settles where the two end within one expert of each other."""
+    def layer(q: int, m: int = 20, lead: float = 0.5) -> tuple[float, float]:
+        fills, cpu = q * 1.0, lead + (m - q) * 1.2
+        if fills < cpu:  # the fills end first; the CPU's rest runs alone
+            return fills, fills + (cpu - fills) * 0.7 / 1.2
+        return cpu + (fills - cpu) * 0.8, cpu
+
+    p = Planner("hybrid", ratio=prior)
+    for _ in range(30):
+        p.balance(*layer(p.fill_count(20)))
+    fills, cpu = layer(p.fill_count(20))
+    assert abs(fills - cpu) <= 1.2 and p.ratio == prior  # the rates' ratio is left to graph decode

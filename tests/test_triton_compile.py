@@ -49,6 +49,7 @@ KERNELS = [
                       "eps": "fp32"}, dict(BLOCK=2048, ADD=True)),
     (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64"}, dict(TIMER=True)),
     (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
+    (zero_copy._wait_word, {"ctrl_ptr": "*i32", "value": "i32"}, {}),
     *((experts._gate_up, {**GEMV, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32", "up_off": "i32",
                           "down_off": "i32", "n_gu": "i32"},
        dict(FILL=fill, BLOCK_N=32, BLOCK_K=128, COPY_PROGS=24, COPY_BLOCK=2048)) for fill in (True, False)),

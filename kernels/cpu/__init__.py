@@ -95,7 +95,7 @@ class Kernel:
                                               _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self.lib.ftk_worker_stop.argtypes = [_ptr]
         self.lib.ftk_runner_start.restype = _ptr
-        self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes, _ptr]
+        self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes, _ptr, _ptr, ctypes.c_int32]
         self.lib.ftk_take_front.restype = ctypes.c_int
         self.lib.ftk_take_front.argtypes = [_ptr]
         self.lib.ftk_runner_wait.restype = ctypes.c_int
@@ -118,17 +118,20 @@ class Kernel:
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
                       assignments: Sequence[Indices], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                       k: int, threads: int, out_rows: Indices | None = None,
-                      split: np.ndarray | None = None) -> None:
+                      split: np.ndarray | None = None, done: tuple[int, int] | None = None) -> bool:
         """As `experts`, on the runner's native thread: returns at once; `runner.wait()` ends it.
         The caller keeps x, out and the slots alive until then. `split` (from `new_split`): the
         call shares its experts with the caller, who takes them from the front (`take_front`)
-        while the call takes them from the back; it runs only those it takes."""
+        while the call takes them from the back; it runs only those it takes. `done`: (address
+        of an int32 word, value): the call writes the value there when its rows are written.
+        Returns whether a call was submitted (False: no experts, nothing runs or is written)."""
         call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
         if call is not None:
-            call.args += (None if split is None else split.ctypes.data,)
+            call.args += (None if split is None else split.ctypes.data, *(done or (None, 0)))
             if split is not None:
                 call.keep += (split,)
         runner.submit(call)
+        return call is not None
 
     @staticmethod
     def new_split(n: int) -> np.ndarray:

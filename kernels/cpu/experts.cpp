@@ -433,6 +433,8 @@ struct Runner {
   int dtype = 0, rc = 0;
   Call call{};
   int64_t busy_ns = 0;
+  volatile int32_t* done = nullptr;  // where to write `done_value` when the call ends (a GPU polls it)
+  int32_t done_value = 0;
   std::thread thread;
 
   // Sleep on `cv` until `ready`, after spinning on it for SPIN.
@@ -462,6 +464,10 @@ struct Runner {
       const auto t0 = std::chrono::steady_clock::now();
       rc = dispatch(dtype, call);
       busy_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+      if (done) {  // also after a failed call: a GPU waiting on the word must not hang
+        std::atomic_thread_fence(std::memory_order_release);
+        *done = done_value;
+      }
       busy.store(false, std::memory_order_release);
       wake();
     }
@@ -516,11 +522,15 @@ void* ftk_runner_start() {
 // Hand one `ftk_experts` call to the runner (which must be idle: submit, then wait, in turn). The
 // arrays must stay valid until `ftk_runner_wait` returns. `claim`: null, or a split shared with
 // the caller (`ftk_take_front`): the call then runs only the experts it takes from the back.
+// `done`: null, or a word (in mapped memory) the call sets to `done_value` once its rows are
+// written, so a GPU can wait for them with no host thread in between.
 void ftk_runner_submit(void* handle, int dtype, int H, int I, const int64_t* part_off, int n,
                        const uint8_t* const* slots, const int64_t* start, const int64_t* tok, const float* weight,
-                       const int64_t* out_row, const float* x, float* out, int threads, int64_t* claim) {
+                       const int64_t* out_row, const float* x, float* out, int threads, int64_t* claim,
+                       int32_t* done, int32_t done_value) {
   auto* r = static_cast<Runner*>(handle);
   r->dtype = dtype;
+  r->done = done, r->done_value = done_value;
   r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim};
   r->busy.store(true);
   r->pending.store(true, std::memory_order_release);

@@ -45,11 +45,16 @@ def _ring(ctrl_ptr, value, stamp_ptr, TIMER: tl.constexpr):
 
 
 @triton.jit
-def _wait(ctrl_ptr, value, stamp_ptr, count_ptr, gpu_ns_ptr, TIMER: tl.constexpr):
-    gpu = _now(TIMER) - tl.load(stamp_ptr)
+def _spin(ctrl_ptr, value):
     while tl.load(ctrl_ptr, volatile=True) != value:
         pass
     tl.store(ctrl_ptr, 0)
+
+
+@triton.jit
+def _wait(ctrl_ptr, value, stamp_ptr, count_ptr, gpu_ns_ptr, TIMER: tl.constexpr):
+    gpu = _now(TIMER) - tl.load(stamp_ptr)
+    _spin(ctrl_ptr, value)
     if tl.load(count_ptr + 1) > 0:  # the CPU had work: time the device side against it
         tl.store(gpu_ns_ptr, tl.load(gpu_ns_ptr) + gpu)
         tl.store(gpu_ns_ptr + 1, tl.load(gpu_ns_ptr + 1) + 1)
@@ -65,6 +70,17 @@ def wait_done(ctrl, value: int, stamp: torch.Tensor, count: torch.Tensor, gpu_ns
     """Spin until the done word equals `value` and clear it; if count[1] (the layer's CPU items)
     > 0, add the GPU time since `ring` to gpu_ns[0] and 1 to gpu_ns[1] (mapped int64 [2])."""
     _wait[(1,)](ctrl, value, stamp, count, gpu_ns, TIMER=not interpreting())
+
+
+@triton.jit
+def _wait_word(ctrl_ptr, value):
+    _spin(ctrl_ptr, value)
+
+
+def wait_word(ctrl, value: int) -> None:
+    """Spin until the mapped int32 word equals `value` and clear it: the stream's next work runs
+    after whoever writes it (the host-planned CPU branch, `Runner` with a done word)."""
+    _wait_word[(1,)](ctrl, value)
 
 
 class Mapped:

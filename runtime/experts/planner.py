@@ -9,9 +9,13 @@ The ratio starts from the profile and is then corrected from the runtime's own c
 Fills and CPU work balance when q * t_fill = (m - q) * t_cpu, so q / m = t_cpu / (t_fill + t_cpu).
 A profile that is wrong for this machine or workload therefore costs a few layers, not the run.
 
-With `shared` (hybrid on the native CPU runner) no ratio decides: every miss is left for the
-store to split while both branches run (`ExpertStore._share`). The ratio then serves graph decode
-as its starting fill fraction.
+With `shared` (hybrid on the native CPU runner, host slots) no ratio decides: every miss is left
+for the store to split while both branches run (`ExpertStore._share`). On a GPU the split is
+decided up front (the host must not wait on either branch), and from outcomes rather than rates
+(`balance`): rates leave out when each branch starts (the CPU call is put together after the first
+fill is queued) and flatter whichever branch runs alone at the end; with the split from rates the
+CPU took ~63% of an extend's misses and the device waited for it every layer. The rate ratio still
+serves graph decode as its starting fill fraction.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Planner:
         self.strategy, self.prior, self.adapt, self.smoothing = strategy, ratio, adapt, smoothing
         self.fill_s_per_byte: float | None = None  # EWMA of measured fill time per byte
         self.cpu_s_per_byte: float | None = None  # EWMA of measured CPU-expert time per byte
+        self.split: float | None = None  # the fill fraction `balance` corrects; over `ratio` once set
 
     @property
     def ratio(self) -> float | None:
@@ -71,11 +76,24 @@ class Planner:
         if nbytes > 0 and seconds > 0:
             self.cpu_s_per_byte = self._ewma(self.cpu_s_per_byte, seconds / nbytes)
 
+    def balance(self, fill_seconds: float, cpu_seconds: float, gain: float = 0.3) -> None:
+        """Correct the fill fraction from one layer's outcome: when its fills and its CPU branch
+        ended, both counted from the first fill's start (the CPU's from its own later start plus
+        that lead). The fraction moves by `gain` times the relative difference, toward the fills
+        when the CPU ended later, so the two end together whatever the rates."""
+        if fill_seconds < 0 or cpu_seconds <= 0:
+            return
+        f = self.split if self.split is not None else self.ratio or 0.5
+        err = (cpu_seconds - fill_seconds) / (cpu_seconds + fill_seconds)
+        self.split = min(1.0, max(0.0, f + gain * err))
+
     def fill_count(self, misses: int) -> int:
         """How many of `misses` to fill; the rest run on the CPU."""
         if self.strategy in (OFFLOAD, FUSED):
             return misses
-        return 0 if self.strategy == CPU else hybrid_fill_count(misses, self.ratio)
+        if self.strategy == CPU:
+            return 0
+        return hybrid_fill_count(misses, self.split if self.split is not None else self.ratio)
 
     def plan(self, cache: SlotCache, rows: list[int], fill_all: bool = False, shared: bool = False) -> LayerPlan:
         """`rows`: the layer's distinct active experts, most-used first (they are filled first);

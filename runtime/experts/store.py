@@ -50,14 +50,13 @@ HOST_SORT_ITEMS = 4096  # routed items up to which the host sorts them by expert
 CPU_MAX_TOKENS = 16  # routed tokens per active expert above which hybrid fills every miss
 
 
-def _load_grouped():
-    """The Triton grouped expert kernels module, or None where Triton is missing (torch per
-    expert then)."""
+def _triton(name: str):
+    """A module of ftkit.kernels.triton (`experts`: the grouped expert kernels, `zero_copy`: the
+    mapped-memory waits), or None where Triton is missing (torch per expert then)."""
     try:
-        from ftkit.kernels.triton import experts
+        return importlib.import_module(f"ftkit.kernels.triton.{name}")
     except ImportError:
         return None
-    return experts
 
 
 def resolve_strategy(strategy: str, ratio: float | None, device: torch.device) -> str:
@@ -112,7 +111,14 @@ class ExpertStore:
         self.runner = self.kernel.runner() if self.kernel is not None else None  # the CPU branch's thread
         self.stats = ExpertStats()
         float_slots = pool.layout.dtype != "q8_0"
-        self.grouped = _load_grouped() if self.device.type == "cuda" and float_slots else None
+        self.grouped = _triton("experts") if self.device.type == "cuda" and float_slots else None
+        cuda_runner = self.device.type == "cuda" and self.runner is not None
+        self.zero_copy = _triton("zero_copy") if cuda_runner else None
+        self._done: tuple[torch.Tensor, object] | None = None  # the done word, and its mapped view
+        self._done_value = 0
+        self._signalled: int | None = None  # a signalled CPU call not yet ended: the bytes it runs
+        # its layer's fills (start and end events) and how long after they started the CPU did
+        self._fill_span: tuple[torch.cuda.Event, torch.cuda.Event, float] | None = None
         if stream_prefill is None:
             stream_prefill = self.device.type == "cuda" and self.strategy in (OFFLOAD, HYBRID)
         self.prefetcher = LayerPrefetcher(pool, self.device) if stream_prefill else None
@@ -147,6 +153,7 @@ class ExpertStore:
         staged = self._stage(hidden, topk_weights)  # before the read-back below, which it rides on
         order, counts = self._sorted(topk_ids.reshape(-1))
         self._mark("routed")
+        self._collect_cpu()
         groups: dict[int, np.ndarray] = {}  # row -> flat assignment indices (t * k + j)
         start = 0
         for e, n in enumerate(counts):
@@ -158,7 +165,13 @@ class ExpertStore:
         self._hold_hottest(moe, len(rows), t * k)
         streamed = set(self.prefetcher.wait(moe)) if self.prefetcher else set()
         fill_all = t * k > CPU_MAX_TOKENS * len(rows)
-        shared = not fill_all and self._shares(hidden)
+        native = not fill_all and self._shares(hidden)
+        # On a GPU the CPU branch's end is signalled to the stream, which waits for it before the
+        # merge, so the host goes straight on to launch the layer's device work and the next
+        # layer's while both branches run: the split is then decided up front, from the rates
+        # measured while both ran. With host slots the split is shared while both run (`_share`).
+        signal = native and self.zero_copy is not None
+        shared = native and not signal
         plan = self.planner.plan(self.cache, rows, fill_all=fill_all, shared=shared)
         if streamed:  # copied in ahead for this layer: count them as this layer's fills
             plan.fills += [(r, s) for r, s in plan.hits if r in streamed]
@@ -171,10 +184,16 @@ class ExpertStore:
             wait_cpu, host_y = self._share(plan, groups, hidden, weights, y, k, staged)
         else:
             fills = [(r, s) for r, s in plan.fills if r not in streamed]
-            self._fill(fills[:1])  # the copy engine starts now; the CPU branch while it copies
-            wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged)
+            timed = bool(plan.cpu)  # the planner weighs fills by their time beside a CPU branch
+            span = _timing_event() if signal and timed else None
+            t0 = time.perf_counter()  # the device is idle here: its first copy starts at once
+            self._fill(fills[:1], timed)  # the copy engine starts now; the CPU branch while it copies
+            wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, signal=signal)
+            lead = time.perf_counter() - t0
             self._mark("started")
-            self._fill(fills[1:])
+            self._fill(fills[1:], timed)
+            if span is not None and self._signalled is not None:  # `balance` weighs the two
+                self._fill_span = span, _timing_event(), lead
             self._mark("met")
         self.stats.record(layer, plan)
         self._stream_ahead(moe, len(rows), t * k, 1)
@@ -197,6 +216,8 @@ class ExpertStore:
             self.planner.observe_cpu(len(plan.cpu) * self.pool.layout.slot_bytes, busy)
         if host_y is not None:  # the CPU set's rows, disjoint from the device's: copied in place
             rows_y, idx = host_y
+            if self._signalled is not None:  # the stream waits for the signalled CPU call's rows
+                self.zero_copy.wait_word(self._done[1], self._done_value)
             y.index_copy_(0, idx.to(y.device, non_blocking=True), rows_y.to(y.device, non_blocking=True).to(y.dtype))
         self._mark("exit")
         return y.view(t, k, -1).sum(dim=1)
@@ -311,21 +332,23 @@ class ExpertStore:
             start = end
         y[idx_d] = out * w[idx_d]
 
-    def _fill(self, fills: list[tuple[int, int]]) -> None:
-        """Copy the fills in and time them for the planner (CUDA: with events, read when done)."""
+    def _fill(self, fills: list[tuple[int, int]], timed: bool = True) -> None:
+        """Copy the fills in and, if `timed`, time them for the planner (CUDA: with events, read
+        when done)."""
         if not fills:
             return
         nbytes = len(fills) * self.pool.layout.slot_bytes
-        if self.device.type == "cuda":
+        cuda = timed and self.device.type == "cuda"
+        if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
         for row, slot in fills:
             self.cache.fill(slot, self.pool.slot(row))
-        if self.device.type == "cuda":
+        if cuda:
             end.record()
             self._fill_events.append((nbytes, start, end))
-        else:
+        elif timed:
             self.planner.observe_fill(nbytes, time.perf_counter() - t0)
 
     def _time_cuda_fills(self) -> None:
@@ -413,13 +436,16 @@ class ExpertStore:
     def _start_cpu(self, plan: LayerPlan, groups: dict[int, np.ndarray], hidden: torch.Tensor,
                    weights: torch.Tensor, y: torch.Tensor, k: int,
                    staged: tuple[torch.Tensor, torch.Tensor] | None, split: np.ndarray | None = None,
+                   signal: bool = False,
                    ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Start the CPU set from the host pool: one kernel call on the runner's native thread,
         or one torch job per expert on the thread pool without the kernel. Returns a wait that
         gives the branch's own compute time (the planner weighs it by that, as it weighs fills
         by their copy time, not by the hand-over before them) and, on a GPU, the page-locked
         buffer it fills (the set's rows in `plan.cpu` order) with their rows of `y` (None: it
-        writes `y`, in host memory). `split`: the set is shared with `_share`'s fills."""
+        writes `y`, in host memory). `split`: the set is shared with `_share`'s fills. `signal`
+        (a GPU, the native runner): the call writes the done word the stream waits on before
+        the merge; the wait returned is a no-op and `_collect_cpu` reads its time later."""
         if not plan.cpu:
             return lambda: None, None
         idxs = [groups[r] for r in plan.cpu]
@@ -434,9 +460,14 @@ class ExpertStore:
             rows = None  # the compact rows of `out`, in order
         host = None if out is y else (out, torch.from_numpy(np.concatenate(idxs)))
         if self.runner is not None and x.dtype == out.dtype == torch.float32:
+            self._collect_cpu()
+            signal = signal and host is not None
             out_rows = np.arange(out.shape[0]) if rows is None else np.concatenate(rows)
-            self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
-                                      self.cpu.threads, out_rows, split)
+            if self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
+                                         self.cpu.threads, out_rows, split,
+                                         self._done_word() if signal else None) and signal:
+                self._signalled = len(slots) * self.pool.layout.slot_bytes
+                return lambda: None, host
             return self.runner.wait, host
         if rows is None:  # the torch path hands each expert its own rows
             rows = np.split(np.arange(out.shape[0]), ends[:-1])
@@ -457,6 +488,27 @@ class ExpertStore:
             CPUExecutor.wait(futures)
             return max(end for _, end in spans) - min(start for start, _ in spans)
         return wait, host
+
+    def _done_word(self) -> tuple[int, int]:
+        """(host address, value) of the done word for the next signalled CPU call."""
+        if self._done is None:
+            word = torch.zeros(16, dtype=torch.int32, pin_memory=True)  # a 64-byte line of its own
+            self._done = word, self.zero_copy.Mapped(word)
+        self._done_value = self._done_value % (2**31 - 1) + 1  # never 0: the cleared state
+        return self._done[0].data_ptr(), self._done_value
+
+    def _collect_cpu(self) -> None:
+        """End the last signalled CPU call and give the planner its time. After a routing
+        read-back the stream has waited for the call, so it has ended; before the runner's next
+        call this may wait for it."""
+        if self._signalled is not None:
+            busy = self.runner.wait()
+            if busy:
+                self.planner.observe_cpu(self._signalled, busy)
+                span = self._fill_span
+                if span is not None and span[1].query():  # both ends from the first fill's start
+                    self.planner.balance(span[0].elapsed_time(span[1]) / 1e3, span[2] + busy)
+            self._signalled = self._fill_span = None
 
     def resident_rows(self) -> list[int]:
         """The resident rows, least recently used first (takes the residency back from graph
@@ -534,6 +586,13 @@ class ExpertStore:
         self.cpu.close()
         if self.runner is not None:
             self.runner.close()
+
+
+def _timing_event() -> torch.cuda.Event:
+    """A timing event recorded on the current stream now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
