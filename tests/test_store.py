@@ -212,19 +212,37 @@ def test_a_short_extend_moves_only_its_misses(hf_checkpoint, tmp_path):
     rt.close()
 
 
+def _layer(q: int, m: int = 20, lead: float = 0.5) -> tuple[float, float]:
+    """When a layer's fills and its CPU branch end, from the first fill's start, with q of m misses
+    filled: fills cost 1.0 per expert beside the CPU (0.8 alone), the CPU 1.2 (0.7 alone) and
+    starts `lead` later; a branch given nothing ends at 0."""
+    fills, cpu = q * 1.0, lead + (m - q) * 1.2 if q < m else 0.0
+    if not cpu:
+        return fills * 0.8, 0.0
+    if fills < cpu:  # the fills end first; the CPU's rest runs alone
+        return fills, fills + (cpu - fills) * 0.7 / 1.2
+    return cpu + (fills - cpu) * 0.8, cpu
+
+
 @pytest.mark.parametrize("prior", [0.15, 0.5, 0.85])
 def test_balance_ends_both_branches_together(prior):
-    """The up-front split from outcomes: 20 misses a layer, fills cost 1.0 per expert beside the
-    CPU (0.8 alone), the CPU 1.2 (0.7 alone) and starts 0.5 later; from any prior the split
+    """The up-front split from outcomes (20 misses a layer, `_layer`): from any prior the split
     settles where the two end within one expert of each other."""
-    def layer(q: int, m: int = 20, lead: float = 0.5) -> tuple[float, float]:
-        fills, cpu = q * 1.0, lead + (m - q) * 1.2
-        if fills < cpu:  # the fills end first; the CPU's rest runs alone
-            return fills, fills + (cpu - fills) * 0.7 / 1.2
-        return cpu + (fills - cpu) * 0.8, cpu
-
     p = Planner("hybrid", ratio=prior)
     for _ in range(30):
-        p.balance(*layer(p.fill_count(20)))
-    fills, cpu = layer(p.fill_count(20))
+        p.balance(*_layer(p.fill_count(20)))
+    fills, cpu = _layer(p.fill_count(20))
     assert abs(fills - cpu) <= 1.2 and p.ratio == prior  # the rates' ratio is left to graph decode
+
+
+def test_balance_comes_back_after_filling_every_miss():
+    """A few slow CPU layers (a cold start) can push the split to filling every miss; the
+    layers after them, whose CPU got nothing and so took 0 s, bring it back."""
+    p = Planner("hybrid", ratio=0.5)
+    for _ in range(5):
+        p.balance(0.001, 1.0)
+    assert p.fill_count(20) == 20 and _layer(20)[1] == 0
+    for _ in range(30):
+        p.balance(*_layer(p.fill_count(20)))
+    fills, cpu = _layer(p.fill_count(20))
+    assert p.fill_count(20) < 20 and abs(fills - cpu) <= 1.2

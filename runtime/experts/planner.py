@@ -80,8 +80,10 @@ class Planner:
         """Correct the fill fraction from one layer's outcome: when its fills and its CPU branch
         ended, both counted from the first fill's start (the CPU's from its own later start plus
         that lead). The fraction moves by `gain` times the relative difference, toward the fills
-        when the CPU ended later, so the two end together whatever the rates."""
-        if fill_seconds < 0 or cpu_seconds <= 0:
+        when the CPU ended later, so the two end together whatever the rates. A branch given
+        nothing counts 0 s: without that, a split that once gave every miss to the fills would
+        never hear from the CPU again."""
+        if fill_seconds < 0 or cpu_seconds < 0 or fill_seconds + cpu_seconds <= 0:
             return
         f = self.split if self.split is not None else self.ratio or 0.5
         err = (cpu_seconds - fill_seconds) / (cpu_seconds + fill_seconds)

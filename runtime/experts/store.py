@@ -185,15 +185,19 @@ class ExpertStore:
         else:
             fills = [(r, s) for r, s in plan.fills if r not in streamed]
             timed = bool(plan.cpu)  # the planner weighs fills by their time beside a CPU branch
-            span = _timing_event() if signal and timed else None
+            # looked up once a layer: torch.cuda.current_stream() costs ~30 us of Python a call
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             t0 = time.perf_counter()  # the device is idle here: its first copy starts at once
-            self._fill(fills[:1], timed)  # the copy engine starts now; the CPU branch while it copies
+            first = self._fill(fills[:1], timed, stream, signal)  # the copy engine starts now; the CPU while it copies
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, signal=signal)
             lead = time.perf_counter() - t0
             self._mark("started")
-            self._fill(fills[1:], timed)
-            if span is not None and self._signalled is not None:  # `balance` weighs the two
-                self._fill_span = span, _timing_event(), lead
+            rest = self._fill(fills[1:], timed, stream, signal)
+            # `balance` weighs the two branches, also when one got nothing (it took no time)
+            if signal and (first is not None or self._signalled is not None):
+                if first is None:
+                    first = (_timing_event(stream),) * 2
+                self._fill_span = first[0], (rest or first)[1], lead
             self._mark("met")
         self.stats.record(layer, plan)
         self._stream_ahead(moe, len(rows), t * k, 1)
@@ -235,8 +239,9 @@ class ExpertStore:
             return None
         if self.strategy == HYBRID and weights.numel() > CPU_MAX_TOKENS * self.spec.num_experts:
             return None
-        x = torch.empty(hidden.shape, dtype=torch.float32, pin_memory=True)
-        w = torch.empty((weights.numel(), 1), dtype=torch.float32, pin_memory=True)
+        n = hidden.numel()  # one page-locked block for both (an allocation costs ~40 us of Python)
+        both = torch.empty(n + weights.numel(), dtype=torch.float32, pin_memory=True)
+        x, w = both[:n].view(hidden.shape), both[n:].view(-1, 1)
         x.copy_(hidden.float(), non_blocking=True)
         w.copy_(weights.reshape(-1, 1), non_blocking=True)
         return x, w
@@ -332,24 +337,29 @@ class ExpertStore:
             start = end
         y[idx_d] = out * w[idx_d]
 
-    def _fill(self, fills: list[tuple[int, int]], timed: bool = True) -> None:
-        """Copy the fills in and, if `timed`, time them for the planner (CUDA: with events, read
-        when done)."""
+    def _fill(self, fills: list[tuple[int, int]], timed: bool = True, stream: torch.cuda.Stream | None = None,
+              spanned: bool = False) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """Copy the fills in and, if `timed`, time them for the planner (CUDA: with events on
+        `stream`, the current one, read when done). Returns those events (CUDA, `timed` or
+        `spanned`: the up-front split's balance needs when the fills ran, timed or not)."""
         if not fills:
-            return
+            return None
         nbytes = len(fills) * self.pool.layout.slot_bytes
-        cuda = timed and self.device.type == "cuda"
+        cuda = (timed or spanned) and self.device.type == "cuda"
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = stream or torch.cuda.current_stream(self.device)
+            start = _timing_event(stream)
         t0 = time.perf_counter()
         for row, slot in fills:
             self.cache.fill(slot, self.pool.slot(row))
         if cuda:
-            end.record()
-            self._fill_events.append((nbytes, start, end))
-        elif timed:
+            end = _timing_event(stream)
+            if timed:
+                self._fill_events.append((nbytes, start, end))
+            return start, end
+        if timed:
             self.planner.observe_fill(nbytes, time.perf_counter() - t0)
+        return None
 
     def _time_cuda_fills(self) -> None:
         """Feed the planner the fills that have completed since the last layer (never waits)."""
@@ -501,14 +511,16 @@ class ExpertStore:
         """End the last signalled CPU call and give the planner its time. After a routing
         read-back the stream has waited for the call, so it has ended; before the runner's next
         call this may wait for it."""
+        cpu_seconds = 0.0  # a layer that left the CPU nothing: it ended at once, idle while fills ran
         if self._signalled is not None:
             busy = self.runner.wait()
             if busy:
                 self.planner.observe_cpu(self._signalled, busy)
-                span = self._fill_span
-                if span is not None and span[1].query():  # both ends from the first fill's start
-                    self.planner.balance(span[0].elapsed_time(span[1]) / 1e3, span[2] + busy)
-            self._signalled = self._fill_span = None
+            cpu_seconds = self._fill_span[2] + busy if busy and self._fill_span else -1.0
+        span = self._fill_span
+        if span is not None and cpu_seconds >= 0 and span[1].query():  # both from the first fill's start
+            self.planner.balance(span[0].elapsed_time(span[1]) / 1e3, cpu_seconds)
+        self._signalled = self._fill_span = None
 
     def resident_rows(self) -> list[int]:
         """The resident rows, least recently used first (takes the residency back from graph
@@ -588,10 +600,10 @@ class ExpertStore:
             self.runner.close()
 
 
-def _timing_event() -> torch.cuda.Event:
-    """A timing event recorded on the current stream now."""
+def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A timing event recorded on `stream` now."""
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(stream)
     return event
 
 
