@@ -61,27 +61,21 @@ def test_matches_float64_reference_and_writes_every_element():
     kernel = _kernel()
     for dtype in EXPERT_DTYPES:
         for h, i in SHAPES[dtype]:
-            # 19 tokens: several blocks; bf16_x: x of bf16 values (a bf16 runtime's), which bf16
-            # slots may multiply in pairs (AVX512_BF16) with the same float32 accuracy
-            for n_tok, n_exp, threads in ((1, 3, 1), (5, 2, 2), (19, 4, 2)):
-                for bf16_x in (False, True):
-                    k = 2
-                    layout, slots = make_slots(dtype, h, i, n_exp, seed=h * i + n_tok)
-                    x = torch.randn(n_tok, h)
-                    x = x.bfloat16().float() if bf16_x else x
-                    w = torch.rand(n_tok * k)
-                    # Expert e takes assignments e, e + n_exp, ...: every row of out belongs to one expert.
-                    groups = [torch.arange(e, n_tok * k, n_exp) for e in range(n_exp)]
-                    out = torch.full((n_tok * k, h), float("nan"))
-                    kernel.experts(layout, slots, groups, x, w, out, k, threads, bf16_x=bf16_x)
-                    at = f"{dtype} H={h} I={i} T={n_tok} bf16_x={bf16_x}"
-                    assert not out.isnan().any(), (at, "unwritten output")
-                    for slot, idx in zip(slots, groups, strict=True):
-                        if len(idx):
-                            ref = reference(layout, slot, x, w, idx, k)
-                            torch.testing.assert_close(out[idx].double(), ref, rtol=1e-4,
-                                                       atol=1e-5 * ref.abs().max().item(),
-                                                       msg=lambda m, at=at: f"{at}: {m}")
+            for n_tok, n_exp, threads in ((1, 3, 1), (5, 2, 2), (19, 4, 2)):  # 19 tokens: several blocks
+                k = 2
+                layout, slots = make_slots(dtype, h, i, n_exp, seed=h * i + n_tok)
+                x = torch.randn(n_tok, h)
+                w = torch.rand(n_tok * k)
+                # Expert e takes assignments e, e + n_exp, ...: every row of out belongs to one expert.
+                groups = [torch.arange(e, n_tok * k, n_exp) for e in range(n_exp)]
+                out = torch.full((n_tok * k, h), float("nan"))
+                kernel.experts(layout, slots, groups, x, w, out, k, threads)
+                assert not out.isnan().any(), (dtype, h, i, "unwritten output")
+                for slot, idx in zip(slots, groups, strict=True):
+                    if len(idx):
+                        ref = reference(layout, slot, x, w, idx, k)
+                        torch.testing.assert_close(out[idx].double(), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item(),
+                                                   msg=lambda m, at=f"{dtype} H={h} I={i} T={n_tok}": f"{at}: {m}")
 
 
 def test_untouched_rows_and_empty_experts():
@@ -94,15 +88,14 @@ def test_untouched_rows_and_empty_experts():
     kernel.experts(layout, [], [], x, w, out, 1, 2)  # nothing to do is not an error
 
 
-def _three_experts(seed: int, bf16_x: bool = False):
+def _three_experts(seed: int):
     """A call of three bf16 experts over 11 tokens (top-2), and its result in assignment rows."""
     kernel = _kernel()
     layout, slots = make_slots("bfloat16", 131, 200, 3, seed=seed)
     x, w, k = torch.randn(11, 131), torch.rand(22), 2
-    x = x.bfloat16().float() if bf16_x else x
     groups = [torch.arange(0, 22, 2), torch.tensor([1, 5, 9]), torch.tensor([3])]
     out = torch.zeros(22, 131)
-    kernel.experts(layout, slots, groups, x, w, out, k, 2, bf16_x=bf16_x)
+    kernel.experts(layout, slots, groups, x, w, out, k, 2)
     return kernel, layout, slots, x, w, k, groups, out
 
 
@@ -174,13 +167,12 @@ def test_a_shared_split_runs_each_expert_once():
 
 def test_result_does_not_depend_on_batching_or_threads():
     """The store relies on it: an assignment's bits must not depend on what shares the call."""
-    for bf16_x in (False, True):
-        kernel, layout, slots, x, w, k, groups, together = _three_experts(7, bf16_x)
-        for slot, idx in zip(slots, groups, strict=True):
-            for sub in (idx, idx[:1], idx[-3:]):
-                alone = torch.zeros(22, 131)
-                kernel.experts(layout, [slot], [sub], x, w, alone, k, 1, bf16_x=bf16_x)
-                assert torch.equal(alone[sub], together[sub])
+    kernel, layout, slots, x, w, k, groups, together = _three_experts(7)
+    for slot, idx in zip(slots, groups, strict=True):
+        for sub in (idx, idx[:1], idx[-3:]):
+            alone = torch.zeros(22, 131)
+            kernel.experts(layout, [slot], [sub], x, w, alone, k, 1)
+            assert torch.equal(alone[sub], together[sub])
 
 
 def test_rejects_bad_input():

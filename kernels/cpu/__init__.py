@@ -88,11 +88,11 @@ class Kernel:
         self.lib.ftk_isa.restype = ctypes.c_char_p
         self.lib.ftk_experts.restype = ctypes.c_int
         self.lib.ftk_experts.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int, _ptr,
-                                         _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
+                                         _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self.lib.ftk_read.restype = ctypes.c_double
         self.lib.ftk_worker_start.restype = _ptr
         self.lib.ftk_worker_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, ctypes.c_int,
-                                              _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
+                                              _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self.lib.ftk_worker_stop.argtypes = [_ptr]
         self.lib.ftk_runner_start.restype = _ptr
         self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes, _ptr, _ptr, ctypes.c_int32]
@@ -103,34 +103,29 @@ class Kernel:
         self.lib.ftk_runner_stop.argtypes = [_ptr]
         self.lib.ftk_read.argtypes = [_ptr, _i64, ctypes.c_int]
         self.isa: str = self.lib.ftk_isa().decode()
-        # bf16 slots multiply a bf16 x in pairs (AVX512_BF16) when a call says x is bf16
-        self.bf16_pairs = self.isa.endswith("+bf16")
 
     def experts(self, layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
                 x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
-                out_rows: Indices | None = None, bf16_x: bool = False) -> None:
+                out_rows: Indices | None = None) -> None:
         """For each expert (its uint8 slot) and its flat assignments `a` (token * k + j):
         out[a] = weights[a] * expert(x[a // k]). float32 `x` [T, H], `weights` [T * k] and
         `out` [T * k, H]; rows of `out` no assignment names are left untouched. `out_rows`: the
-        row of `out` for each assignment in order instead (a compact `out` of just these rows).
-        `bf16_x`: every value of x is a bf16 (a bf16 runtime's activations): bf16 slots may then
-        multiply it in pairs (`bf16_pairs`; x would be rounded to bf16 if it were not)."""
-        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows, bf16_x)
+        row of `out` for each assignment in order instead (a compact `out` of just these rows)."""
+        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
         if call is not None and self.lib.ftk_experts(*call.args):
             raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
 
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
                       assignments: Sequence[Indices], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                       k: int, threads: int, out_rows: Indices | None = None,
-                      split: np.ndarray | None = None, done: tuple[int, int] | None = None,
-                      bf16_x: bool = False) -> bool:
+                      split: np.ndarray | None = None, done: tuple[int, int] | None = None) -> bool:
         """As `experts`, on the runner's native thread: returns at once; `runner.wait()` ends it.
         The caller keeps x, out and the slots alive until then. `split` (from `new_split`): the
         call shares its experts with the caller, who takes them from the front (`take_front`)
         while the call takes them from the back; it runs only those it takes. `done`: (address
         of an int32 word, value): the call writes the value there when its rows are written.
         Returns whether a call was submitted (False: no experts, nothing runs or is written)."""
-        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows, bf16_x)
+        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
         if call is not None:
             call.args += (None if split is None else split.ctypes.data, *(done or (None, 0)))
             if split is not None:
@@ -167,7 +162,7 @@ class Kernel:
     @staticmethod
     def _call(layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
               x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
-              out_rows: Indices | None, bf16_x: bool = False) -> _Call | None:
+              out_rows: Indices | None) -> _Call | None:
         """The checked arguments of one call (None: nothing to do). The index arithmetic is numpy:
         the store makes one call per layer, and torch's per-call overhead on arrays of a few
         hundred elements added up to a tenth of a millisecond there."""
@@ -197,24 +192,21 @@ class Kernel:
         keep = (rows, starts, tok, w, ptrs, offsets, x, out, *slots)
         return _Call((DTYPE_CODES[layout.dtype], hidden, inter, offsets.ctypes.data, len(slots), ptrs.ctypes.data,
                       starts.ctypes.data, tok.ctypes.data, w.ctypes.data, rows.ctypes.data, x.data_ptr(),
-                      out.data_ptr(), threads, int(bf16_x)), keep)
+                      out.data_ptr(), threads), keep)
 
     def start_worker(self, layout: SlotLayout, row_ptrs: torch.Tensor, k: int, ctrl: torch.Tensor,
-                     payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int,
-                     bf16_x: bool = False) -> Worker:
+                     payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int) -> Worker:
         """Start the doorbell worker of device-driven decode (see `Worker` in experts.cpp).
         row_ptrs: int64 host address of every expert row; ctrl: int32 control block (bell at
         word 0, done at word 16); payload: float32 [H + 3k]; out: float32 [k, H]; busy_ns: int64
-        [2] (compute time and count of the layers that had CPU items). All are host tensors that must outlive the worker.
-        `bf16_x`: the payload's x holds bf16 values (as for `experts`)."""
+        [2] (compute time and count of the layers that had CPU items). All are host tensors that must outlive the worker."""
         inter, hidden = layout.parts[0].shape
         if payload.numel() != hidden + 3 * k or out.shape != (k, hidden) or ctrl.numel() < 32 or busy_ns.numel() < 2:
             raise ValueError("worker buffers do not match the layout")
         offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
         handle = self.lib.ftk_worker_start(
             DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), row_ptrs.numel(), row_ptrs.data_ptr(), k,
-            ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(), busy_ns.data_ptr(), threads,
-            int(bf16_x))
+            ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(), busy_ns.data_ptr(), threads)
         return Worker(self.lib, handle, (row_ptrs, ctrl, payload, out, busy_ns))
 
     def read(self, buf: torch.Tensor, threads: int) -> float:

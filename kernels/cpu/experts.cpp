@@ -15,9 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
-#include <string>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -117,19 +115,16 @@ inline void pause() {
 
 // Weight rows by stored dtype: `vec` loads W weights at element i as floats, `one` a single one.
 struct LoadF32 {
-  using Act = float;  // what the dot reads activations as
   static size_t row_bytes(int n) { return size_t(n) * 4; }
   static V vec(const uint8_t* r, int i) { return vload((const float*)r + i); }
   static float one(const uint8_t* r, int i) { float f; std::memcpy(&f, r + 4 * size_t(i), 4); return f; }
 };
 struct LoadBF16 {
-  using Act = float;
   static size_t row_bytes(int n) { return size_t(n) * 2; }
   static V vec(const uint8_t* r, int i) { return load_bf16(r + 2 * size_t(i)); }
   static float one(const uint8_t* r, int i) { uint16_t b; std::memcpy(&b, r + 2 * size_t(i), 2); return bf16_to_float(b); }
 };
 struct LoadF16 {
-  using Act = float;
   static size_t row_bytes(int n) { return size_t(n) * 2; }
   static V vec(const uint8_t* r, int i) { return load_f16(r + 2 * size_t(i)); }
   static float one(const uint8_t* r, int i) { uint16_t b; std::memcpy(&b, r + 2 * size_t(i), 2); return half_to_float(b); }
@@ -137,7 +132,6 @@ struct LoadF16 {
 // q8_0: blocks of 34 bytes, an fp16 scale then 32 int8. W divides 32, so a vector never crosses a
 // block; q * scale is exact in float32 (8 + 11 significant bits), as in dequantize_q8_0.
 struct LoadQ8 {
-  using Act = float;
   static size_t row_bytes(int n) { return size_t(n / 32) * 34; }
   static float scale(const uint8_t* b) { uint16_t h; std::memcpy(&h, b, 2); return half_to_float(h); }
   static V vec(const uint8_t* r, int i) {
@@ -149,31 +143,6 @@ struct LoadQ8 {
     return float(int8_t(b[2 + i % 32])) * scale(b);
   }
 };
-
-// bf16 weights and an x that is bf16 already (a bf16 runtime's activations, widened to float32 by
-// the caller: `Call::bf16_x`), on a CPU with AVX512_BF16: gate and up take x as bf16 pairs and
-// VDPBF16PS multiplies 32 weight-activation pairs per instruction straight from the stored weights.
-// The float path widens every weight vector and reloads float activations for each token, and is
-// compute-bound from a few tokens per expert on (H200 host, 15 threads: 84 GB/s at one token, 58 at
-// nine), which is an extend's CPU set. Products are exact in float32 either way and x loses nothing,
-// so only the summation order differs. down keeps float32 h (rounding it would change the results).
-#if defined(__AVX512BF16__)
-struct LoadBF16Pairs : LoadBF16 {
-  using Act = uint16_t;
-};
-const char* const DOT = "+bf16";
-#else
-using LoadBF16Pairs = LoadBF16;
-const char* const DOT = "";
-#endif
-
-// float -> bf16, rounded to nearest even (NaN stays a NaN); exact for the x `bf16_x` promises.
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // Bytes ahead of the current load to prefetch: the hardware prefetchers alone left a third of
 // DRAM bandwidth unused (H200 host, 16 threads: 61% of a plain read without, 75-90% with 4096;
@@ -206,42 +175,13 @@ void dot(const uint8_t* const* rows, int n, const float* const* xs, float (*s)[T
     }
 }
 
-#if defined(__AVX512BF16__)
-// As `dot`, for bf16 weights and bf16 activations (`LoadBF16Pairs`): 32 pairs per instruction; the
-// last partial vector is read masked (zeros add nothing), so there is no scalar tail.
-template <int R, int TB>
-void dot_pairs(const uint8_t* const* rows, int n, const uint16_t* const* xs, float (*s)[TBMAX]) {
-  __m512 acc[R][TB];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
-  auto step = [&](int i, __mmask32 m) {
-    __m512bh x[TB];
-    for (int t = 0; t < TB; ++t) x[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, xs[t] + i);
-    for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(rows[r] + 2 * size_t(i) + PREFETCH);
-      const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(m, rows[r] + 2 * size_t(i));
-      for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w, x[t]);
-    }
-  };
-  int i = 0;
-  for (; i + 32 <= n; i += 32) step(i, ~__mmask32(0));
-  if (i < n) step(i, __mmask32((1u << (n - i)) - 1));
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TB; ++t) s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
-}
-#endif
-
-// dot<L, R, tb> for a runtime tb in 1..TB, with L's activations.
+// dot<L, R, tb> for a runtime tb in 1..TB.
 template <class L, int R, int TB = TBMAX>
-void dot_n(int tb, const uint8_t* const* rows, int n, const typename L::Act* const* xs, float (*s)[TBMAX]) {
+void dot_n(int tb, const uint8_t* const* rows, int n, const float* const* xs, float (*s)[TBMAX]) {
   if constexpr (TB > 1) {
     if (tb < TB) return dot_n<L, R, TB - 1>(tb, rows, n, xs, s);
   }
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<L, LoadBF16Pairs>) return dot_pairs<R, TB>(rows, n, xs, s);
-  else
-#endif
-    dot<L, R, TB>(rows, n, xs, s);
+  dot<L, R, TB>(rows, n, xs, s);
 }
 
 struct Call {
@@ -257,7 +197,6 @@ struct Call {
   float* out;              // [rows, H] float32
   int threads;
   int64_t* claim;          // null: run every expert; else the split shared with the GPU (`take`)
-  int bf16_x = 0;          // x holds bf16 values (bf16 weights then take the pairs path)
 };
 
 // A split of experts 0..n-1 shared by two branches while they run: the GPU's side takes fills
@@ -286,15 +225,15 @@ int chunk_rows(int rows, long experts, int threads, int lo, int hi) {
 
 // h[a] = silu(gate x) * (up x) for expert e's assignments a, rows i0..i1-1 of gate and up.
 template <class L>
-void gate_up_rows(const Call& c, long e, int i0, int i1, const typename L::Act* x, float* h) {
+void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const int H = c.H, I = c.I;
   const size_t rb = L::row_bytes(H);
   const uint8_t* gate = c.slots[e] + c.part_off[0];
   const uint8_t* up = c.slots[e] + c.part_off[1];
   for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
     const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
-    const typename L::Act* xs[TBMAX];
-    for (int t = 0; t < tb; ++t) xs[t] = x + size_t(c.tok[a0 + t]) * H;
+    const float* xs[TBMAX];
+    for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
     for (int i = i0; i < i1; ++i) {
       const uint8_t* rows[2] = {gate + i * rb, up + i * rb};
       float s[2][TBMAX];
@@ -304,11 +243,9 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, const typename L::Act* 
   }
 }
 
-// out[out_row[a]][j0..j1-1] = weight[a] * (down h[a]) for expert e's assignments a (float h, so
-// with float activations whatever L's are).
+// out[out_row[a]][j0..j1-1] = weight[a] * (down h[a]) for expert e's assignments a.
 template <class L>
 void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
-  using F = std::conditional_t<std::is_same_v<L, LoadBF16Pairs>, LoadBF16, L>;
   const int H = c.H, I = c.I;
   const size_t rb = L::row_bytes(I);
   const uint8_t* down = c.slots[e] + c.part_off[2];
@@ -320,8 +257,8 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
       const uint8_t* rows[2] = {down + j * rb, down + (j + 1) * rb};
       float s[2][TBMAX];
       const int r = j + 1 < j1 ? 2 : 1;
-      if (r == 2) dot_n<F, 2>(tb, rows, I, hs, s);
-      else dot_n<F, 1>(tb, rows, I, hs, s);
+      if (r == 2) dot_n<L, 2>(tb, rows, I, hs, s);
+      else dot_n<L, 1>(tb, rows, I, hs, s);
       for (int t = 0; t < tb; ++t) {
         float* o = c.out + size_t(c.out_row[a0 + t]) * H;
         for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * s[q][t];
@@ -332,7 +269,7 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
 
 // Every expert of the call: all gate/up rows, a barrier, all down rows.
 template <class L>
-void run_all(const Call& c, const typename L::Act* x, float* h) {
+void run_all(const Call& c, float* h) {
   const int I = c.I, H = c.H;
   const int cg = chunk_rows(I, c.n, c.threads, 4, 16), cd = chunk_rows(H, c.n, c.threads, 16, 64);
   const long chunks_gu = (I + cg - 1) / cg, chunks_d = (H + cd - 1) / cd;
@@ -341,7 +278,7 @@ void run_all(const Call& c, const typename L::Act* x, float* h) {
 #pragma omp for schedule(dynamic, 1)
     for (long k = 0; k < c.n * chunks_gu; ++k) {
       const int i0 = int(k % chunks_gu) * cg;
-      gate_up_rows<L>(c, k / chunks_gu, i0, std::min(I, i0 + cg), x, h);
+      gate_up_rows<L>(c, k / chunks_gu, i0, std::min(I, i0 + cg), h);
     }  // implicit barrier: every h row is complete before any down row reads it
 #pragma omp for schedule(dynamic, 1)
     for (long k = 0; k < c.n * chunks_d; ++k) {
@@ -358,7 +295,7 @@ void run_all(const Call& c, const typename L::Act* x, float* h) {
 // the down items of the one before, whose gate/up items all went out a stage earlier. The s-th
 // expert is taken from the split by the first thread to reach its stage.
 template <class L>
-void run_shared(const Call& c, const typename L::Act* x, float* h) {
+void run_shared(const Call& c, float* h) {
   const int I = c.I, H = c.H;
   const int cg = chunk_rows(I, 1, c.threads, 4, 16), cd = chunk_rows(H, 1, c.threads, 16, 64);
   const long n_gu = (I + cg - 1) / cg, n_d = (H + cd - 1) / cd, per_stage = n_gu + n_d;
@@ -384,7 +321,7 @@ void run_shared(const Call& c, const typename L::Act* x, float* h) {
       const int e = resolve(s);
       if (e < 0) continue;  // nothing left to take: this stage's down items end the loop
       const int i0 = int(r) * cg;
-      gate_up_rows<L>(c, e, i0, std::min(I, i0 + cg), x, h);
+      gate_up_rows<L>(c, e, i0, std::min(I, i0 + cg), h);
       gu_left[s].fetch_sub(1, std::memory_order_acq_rel);
     } else {
       const int e = s == 0 ? -1 : resolve(s - 1);
@@ -403,23 +340,9 @@ void run_shared(const Call& c, const typename L::Act* x, float* h) {
 
 template <class L>
 void run(const Call& c) {
-  using A = typename L::Act;
   std::vector<float> h(size_t(c.start[c.n]) * c.I);  // silu(gate x) * (up x), one row per assignment
-  const A* x;
-  std::vector<A> pairs;
-  if constexpr (std::is_same_v<A, float>) {
-    x = c.x;
-  } else {  // the rows of x the call reads, as bf16
-    int64_t rows = 0;
-    for (int64_t a = c.start[0]; a < c.start[c.n]; ++a) rows = std::max(rows, c.tok[a] + 1);
-    pairs.resize(size_t(rows) * c.H);
-    const int64_t count = int64_t(pairs.size());
-#pragma omp parallel for schedule(static) num_threads(c.threads) if (count > (1 << 16))
-    for (int64_t i = 0; i < count; ++i) pairs[i] = to_bf16(c.x[i]);
-    x = pairs.data();
-  }
-  if (c.claim) run_shared<L>(c, x, h.data());
-  else run_all<L>(c, x, h.data());
+  if (c.claim) run_shared<L>(c, h.data());
+  else run_all<L>(c, h.data());
 }
 
 int dispatch(int dtype, const Call& c) {
@@ -427,7 +350,7 @@ int dispatch(int dtype, const Call& c) {
   switch (dtype) {
     case F32: run<LoadF32>(c); return 0;
     case F16: run<LoadF16>(c); return 0;
-    case BF16: c.bf16_x ? run<LoadBF16Pairs>(c) : run<LoadBF16>(c); return 0;
+    case BF16: run<LoadBF16>(c); return 0;
     case Q8_0: run<LoadQ8>(c); return 0;
   }
   return -1;
@@ -438,7 +361,7 @@ int dispatch(int dtype, const Call& c) {
 // nonzero value; the worker clears the bell, runs the flagged items from the host pool into
 // `out` [k, H] and writes the value to `done`, which the GPU polls. No Python on the way.
 struct Worker {
-  int dtype, H, I, k, threads, bf16_x;
+  int dtype, H, I, k, threads;
   int64_t part_off[3];
   std::vector<const uint8_t*> row_ptr;  // host address of every expert row
   volatile int32_t* bell;
@@ -480,7 +403,7 @@ struct Worker {
       }
       start[n] = n;
       const Call c{H, I, part_off, n, slots.data(), start.data(), tok.data(), w.data(), row.data(), x, out,
-                   threads, nullptr, bf16_x};
+                   threads, nullptr};
       dispatch(dtype, c);
       const auto t1 = std::chrono::steady_clock::now();
       if (n > 0) {
@@ -557,9 +480,9 @@ extern "C" {
 
 void* ftk_worker_start(int dtype, int H, int I, const int64_t* part_off, int64_t rows, const int64_t* row_ptr,
                        int k, int32_t* bell, int32_t* done, const float* payload, float* out, int64_t* busy_ns,
-                       int threads, int bf16_x) {
+                       int threads) {
   auto* w = new Worker();
-  w->dtype = dtype, w->H = H, w->I = I, w->k = k, w->threads = std::max(1, threads), w->bf16_x = bf16_x;
+  w->dtype = dtype, w->H = H, w->I = I, w->k = k, w->threads = std::max(1, threads);
   std::copy(part_off, part_off + 3, w->part_off);
   w->row_ptr.assign((const uint8_t* const*)row_ptr, (const uint8_t* const*)row_ptr + rows);
   w->bell = bell, w->done = done, w->payload = payload, w->out = out, w->busy_ns = busy_ns;
@@ -574,20 +497,16 @@ void ftk_worker_stop(void* handle) {
   delete w;
 }
 
-// The vector ISA, "+bf16" where bf16 weights meet a bf16 x in pairs (`LoadBF16Pairs`).
-const char* ftk_isa() {
-  static const std::string isa = std::string(ISA) + DOT;
-  return isa.c_str();
-}
+const char* ftk_isa() { return ISA; }
 
 // out[out_row[a]] = weight[a] * down(silu(gate x[tok[a]]) * up x[tok[a]]) for every assignment a
-// of every expert; rows of out that no assignment names are left untouched. `bf16_x`: every value
-// of x is a bf16 (see `LoadBF16Pairs`). Returns 0, or -1 for an unknown dtype.
+// of every expert; rows of out that no assignment names are left untouched. Returns 0, or -1 for
+// an unknown dtype.
 int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const uint8_t* const* slots,
                 const int64_t* start, const int64_t* tok, const float* weight, const int64_t* out_row,
-                const float* x, float* out, int threads, int bf16_x) {
+                const float* x, float* out, int threads) {
   return dispatch(dtype, Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads),
-                              nullptr, bf16_x});
+                              nullptr});
 }
 
 // The GPU side's turn at a shared split (see `take`): the next expert to fill, or -1 once the
@@ -607,12 +526,12 @@ void* ftk_runner_start() {
 // written, so a GPU can wait for them with no host thread in between.
 void ftk_runner_submit(void* handle, int dtype, int H, int I, const int64_t* part_off, int n,
                        const uint8_t* const* slots, const int64_t* start, const int64_t* tok, const float* weight,
-                       const int64_t* out_row, const float* x, float* out, int threads, int bf16_x,
-                       int64_t* claim, int32_t* done, int32_t done_value) {
+                       const int64_t* out_row, const float* x, float* out, int threads, int64_t* claim,
+                       int32_t* done, int32_t done_value) {
   auto* r = static_cast<Runner*>(handle);
   r->dtype = dtype;
   r->done = done, r->done_value = done_value;
-  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim, bf16_x};
+  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim};
   r->busy.store(true);
   r->pending.store(true, std::memory_order_release);
   r->wake();

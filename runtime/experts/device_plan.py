@@ -37,9 +37,8 @@ MODES = {FUSED: plan.OFFLOAD_MODE, OFFLOAD: plan.OFFLOAD_MODE, CPU: plan.CPU_MOD
 
 class DevicePlan:
     def __init__(self, spec: ModelSpec, pool: HostPool, cache: SlotCache, strategy: str, ratio: float | None,
-                 kernel, threads: int, stats: ExpertStats, bf16_x: bool = False):
-        """`kernel`: the loaded CPU kernel (its doorbell worker runs the CPU set); `bf16_x`: the
-        activations it gets are bf16 values (`Kernel.experts`)."""
+                 kernel, threads: int, stats: ExpertStats):
+        """`kernel`: the loaded CPU kernel (its doorbell worker runs the CPU set)."""
         if strategy not in (FUSED, OFFLOAD, CPU, HYBRID):
             raise ValueError(f"device planning needs a resolved strategy, not {strategy}")
         k, cap = spec.top_k, cache.capacity
@@ -77,7 +76,7 @@ class DevicePlan:
             self.d_bell, self.d_done = view(self.ctrl, zero_copy.BELL), view(self.ctrl, zero_copy.DONE)
             self.d_payload, self.d_out, self.d_gpu_ns = view(self.payload), view(self.out), view(self.gpu_ns)
             self.worker = kernel.start_worker(pool.layout, host_addr, k, self.ctrl, self.payload, self.out,
-                                              self.busy_ns, threads, bf16_x)
+                                              self.busy_ns, threads)
         self._seen = (0, 0, 0)  # (gpu ns, cpu ns, layers) at the last ratio update
 
     # ---- host <-> device state ---------------------------------------------------------------

@@ -100,7 +100,6 @@ class ExpertStore:
         """`stream_prefill`: copy whole layers ahead during long prefill chunks (default: on CUDA
         with a cache of at least two layers)."""
         self.spec, self.pool, self.dtype = spec, pool, dtype
-        self.bf16_x = dtype == torch.bfloat16  # the CPU kernel's x is then exact in bf16 (its pairs path)
         self.device = torch.device(device)
         self.strategy = resolve_strategy(strategy, ratio, self.device)
         rows = spec.num_expert_rows
@@ -386,8 +385,7 @@ class ExpertStore:
             self.kernel.experts(self.pool.layout, slots, idxs, x.contiguous(), w, y, k, self.cpu.threads, row)
             return
         out = torch.zeros(y.shape, dtype=torch.float32)
-        self.kernel.experts(self.pool.layout, slots, idxs, x.float(), w, out, k, self.cpu.threads, row,
-                            bf16_x=x.dtype == torch.bfloat16)
+        self.kernel.experts(self.pool.layout, slots, idxs, x.float(), w, out, k, self.cpu.threads, row)
         row_t = torch.from_numpy(row)
         y[row_t] = out[row_t].to(y.dtype)
 
@@ -477,7 +475,7 @@ class ExpertStore:
             out_rows = np.arange(out.shape[0]) if rows is None else np.concatenate(rows)
             if self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
                                          self.cpu.threads, out_rows, split,
-                                         self._done_word() if signal else None, self.bf16_x) and signal:
+                                         self._done_word() if signal else None) and signal:
                 self._signalled = len(slots) * self.pool.layout.slot_bytes
                 return lambda: None, host
             return self.runner.wait, host
@@ -559,7 +557,7 @@ class ExpertStore:
             from .device_plan import DevicePlan  # imports Triton
 
             self.device_plan = DevicePlan(self.spec, self.pool, self.cache, self.strategy, self.planner.ratio,
-                                          self.kernel, self.cpu.threads, self.stats, self.bf16_x)
+                                          self.kernel, self.cpu.threads, self.stats)
             self.stats.pull = self.device_plan.flush_stats
         return self.device_plan
 

@@ -77,10 +77,7 @@ class ExpertCycle:
         ft-calibrate counts whole slots, the unit fills move)."""
         self.layout, self.slots, self.tokens, self.per_call = layout, slots, tokens, min(per_call, len(slots))
         hidden = layout.parts[0].shape[1]
-        # bf16 slots get bf16 activations, as from a bf16 runtime (the kernel's pairs path)
-        self.bf16_x = layout.dtype == "bfloat16"
         self.x = torch.randn(tokens, hidden)
-        self.x = self.x.bfloat16().float() if self.bf16_x else self.x
         self.w = torch.rand(tokens * self.per_call)
         self.out = torch.empty(tokens * self.per_call, hidden)
         # Expert e of a call takes token t as assignment t * per_call + e (k = per_call).
@@ -95,8 +92,7 @@ class ExpertCycle:
 
     def kernel_step(self, kernel: Kernel, threads: int) -> Callable[[], int]:
         def step() -> int:
-            kernel.experts(self.layout, self.take(), self.groups, self.x, self.w, self.out, self.per_call, threads,
-                           bf16_x=self.bf16_x)
+            kernel.experts(self.layout, self.take(), self.groups, self.x, self.w, self.out, self.per_call, threads)
             return self.bytes_per_call
         return step
 
@@ -105,7 +101,7 @@ class ExpertCycle:
         kernel's one-expert-at-a-time schedule that hybrid's shared split runs."""
         def step() -> int:
             kernel.start_experts(runner, self.layout, self.take(), self.groups, self.x, self.w, self.out,
-                                 self.per_call, threads, split=kernel.new_split(self.per_call), bf16_x=self.bf16_x)
+                                 self.per_call, threads, split=kernel.new_split(self.per_call))
             runner.wait()
             return self.bytes_per_call
         return step
