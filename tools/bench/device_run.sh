@@ -9,7 +9,8 @@
 # on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound, layer
 # streaming on and off, each followed by a 32-token answer and a 32-token extend), extend (an
 # agent turn with concentrated synthetic routing, reuse 0.9: 32 decode steps, an 8192-token
-# chunk, a 32-token answer, the 32-token extend; EXTEND_STRATEGIES, REPEAT turns, GRAPHS), sampled (hybrid decode as above, each token
+# chunk, a 32-token answer, the 32-token extend; EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (that
+# hybrid extend for each tree of AB in turn, alternated on one machine), sampled (hybrid decode as above, each token
 # sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's attention behind cached
 # keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
 # back few files); the tables also go to stdout.
@@ -84,10 +85,25 @@ if has prefill; then
         --json "$OUT/prefill-$sp.json" --trace-dir "$OUT/prefill-$sp-trace" 2>&1 | tee "$OUT/prefill-$sp.txt"
   done
 fi
+extend() {  # the agent turn of the extend part; $1: strategies, $2: turns, then more ft-bench flags
+  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
+      --tokens 32 --chunks 8192 --answer 32 --extend 32 --strategies "$1" --routing reuse:0.9 --repeat "$2" \
+      --graphs ${GRAPHS:-on} "${@:3}"
+}
 if has extend; then
   q12
-  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
-      --tokens 32 --chunks 8192 --answer 32 --extend 32 --strategies ${EXTEND_STRATEGIES:-offload,hybrid} --routing reuse:0.9 \
-      --repeat ${REPEAT:-5} --graphs ${GRAPHS:-on} --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
+  extend ${EXTEND_STRATEGIES:-offload,hybrid} ${REPEAT:-5} --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
+fi
+if has ab; then  # trees alternated on one machine, hybrid extends: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
+  q12            # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
+  for run in ${AB:-}; do
+    d=${run%%=*} name=${run#*=}
+    $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
+    extend hybrid ${REPEAT:-10} --json "$OUT/ab-$name.json" > "$OUT/ab-$name.txt" 2>&1 &&
+      $PY -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]['prefill'][0]
+print(f\"{sys.argv[2]}: extend {1e3 * r['extend_seconds']:.1f} ms\")" "$OUT/ab-$name.json" "$name ($d)" ||
+      echo "$name ($d): failed, see ab-$name.txt"
+  done
+  $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/ab-pip.txt" 2>&1  # this tree again
 fi
 true
