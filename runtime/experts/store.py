@@ -168,8 +168,9 @@ class ExpertStore:
         native = not fill_all and self._shares(hidden)
         # On a GPU the CPU branch's end is signalled to the stream, which waits for it before the
         # merge, so the host goes straight on to launch the layer's device work and the next
-        # layer's while both branches run: the split is then decided up front, from the rates
-        # measured while both ran. With host slots the split is shared while both run (`_share`).
+        # layer's while both branches run: the split is then decided up front, from how the
+        # last layers' branches ended (`Planner.balance`). With host slots the split is shared
+        # while both run (`_share`).
         signal = native and self.zero_copy is not None
         shared = native and not signal
         plan = self.planner.plan(self.cache, rows, fill_all=fill_all, shared=shared)
