@@ -50,6 +50,8 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
         # the extend's layer phases (host clock marks) lie within its timed span
         phases = [p[f"extend_{name}_ms"] for name in ("routing", "plan", "split", "cpu_wait", "merge", "between")]
         assert min(phases) >= 0 and 0 < sum(phases) <= 1000 * max(p["extend_seconds_all"])
+        # the CPU tier shares its split at run time: no up-front fill fraction to report
+        assert p["extend_fill_fraction"] is None and p["extend_fill_fraction_all"] == [None] * 3
 
 
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):

@@ -190,7 +190,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
     decoded (the turn's reply), then that many more tokens timed on top (the next turn after a
     prefix hit); its shape also runs once untimed before. `repeat`: the timed turn (answer,
     chunk, answer, extend) runs this many times; times are medians, counts are means (every
-    turn's times, moved bytes and layer phases in `*_all`). `trace_to` also writes
+    turn's times, moved bytes, layer phases and fill fraction in `*_all`). `trace_to` also writes
     torch.profiler tables of a further chunk (and extend)."""
     gen = torch.Generator().manual_seed(1)
     n = chunk + answer + extend
@@ -220,8 +220,8 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
                 _host_profiled(rt, extend_fn, trace_to.with_name(trace_to.stem + "-extend-host.txt"))
     out = {key: _summary(key, [t[key] for t in turns]) for key in turns[0]}
     if repeat > 1:
-        # every turn's times, moved bytes and layer phases, in turn order (a drift shows there)
-        out.update({key + "_all": [t[key] for t in turns] for key in turns[0] if key.endswith(("seconds", "_gb", "_ms"))})
+        # every turn's times, moved bytes, layer phases and fill fraction, in turn order (a drift shows there)
+        out.update({key + "_all": [t[key] for t in turns] for key in turns[0] if key.endswith(("seconds", "_gb", "_ms", "_fraction"))})
     moved = out.pop("missed_bytes")
     pcie = figures.pcie_solo_gbps or figures.pcie_gbps
     bound = moved / (pcie * 1e9) if pcie and moved else None
@@ -278,7 +278,9 @@ def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: i
         e = rt.store.stats.totals()
         phases = {f"extend_{name}_ms": ms for name, ms in clock.phases_ms().items()}
         return {**out, "extend": extend, "answer": answer, "extend_seconds": seconds, "extend_active": e.active,
-                "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9, **phases}
+                "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9, **phases,
+                # hybrid's up-front split after the extend (None: not balanced from outcomes)
+                "extend_fill_fraction": rt.store.planner.split}
 
 
 def hbm_gbps(device: torch.device) -> float | None:
