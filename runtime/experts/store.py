@@ -188,14 +188,16 @@ class ExpertStore:
             timed = bool(plan.cpu)  # the planner weighs fills by their time beside a CPU branch
             # looked up once a layer: torch.cuda.current_stream() costs ~30 us of Python a call
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            # `balance` weighs the two branches, also one given nothing (it took no time), where the
+            # split decided it: a single miss is filled whatever the split
+            weigh = signal and len(fills) + len(plan.cpu) > 1
             t0 = time.perf_counter()  # the device is idle here: its first copy starts at once
-            first = self._fill(fills[:1], timed, stream, signal)  # the copy engine starts now; the CPU while it copies
+            first = self._fill(fills[:1], timed, stream, weigh)  # the copy engine starts now; the CPU while it copies
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, signal=signal)
             lead = time.perf_counter() - t0
             self._mark("started")
-            rest = self._fill(fills[1:], timed, stream, signal)
-            # `balance` weighs the two branches, also when one got nothing (it took no time)
-            if signal and (first is not None or self._signalled is not None):
+            rest = self._fill(fills[1:], timed, stream, weigh)
+            if weigh and (first is not None or self._signalled is not None):
                 if first is None:
                     first = (_timing_event(stream),) * 2
                 self._fill_span = first[0], (rest or first)[1], lead
