@@ -118,20 +118,18 @@ class Kernel:
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
                       assignments: Sequence[Indices], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                       k: int, threads: int, out_rows: Indices | None = None,
-                      split: np.ndarray | None = None, done: tuple[int, int] | None = None) -> bool:
+                      split: np.ndarray | None = None, done: tuple[int, int] | None = None) -> None:
         """As `experts`, on the runner's native thread: returns at once; `runner.wait()` ends it.
         The caller keeps x, out and the slots alive until then. `split` (from `new_split`): the
         call shares its experts with the caller, who takes them from the front (`take_front`)
         while the call takes them from the back; it runs only those it takes. `done`: (address
-        of an int32 word, value): the call writes the value there when its rows are written.
-        Returns whether a call was submitted (False: no experts, nothing runs or is written)."""
+        of an int32 word, value): the call writes the value there when its rows are written."""
         call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
         if call is not None:
             call.args += (None if split is None else split.ctypes.data, *(done or (None, 0)))
             if split is not None:
                 call.keep += (split,)
         runner.submit(call)
-        return call is not None
 
     @staticmethod
     def new_split(n: int) -> np.ndarray:

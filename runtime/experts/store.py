@@ -192,11 +192,11 @@ class ExpertStore:
             # split decided it: a single miss is filled whatever the split
             weigh = signal and len(fills) + len(plan.cpu) > 1
             t0 = time.perf_counter()  # the device is idle here: its first copy starts at once
-            first = self._fill(fills[:1], timed, stream, weigh)  # the copy engine starts now; the CPU while it copies
+            first = self._fill(fills[:1], timed, stream)  # the copy engine starts now; the CPU while it copies
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, signal=signal)
             lead = time.perf_counter() - t0
             self._mark("started")
-            rest = self._fill(fills[1:], timed, stream, weigh)
+            rest = self._fill(fills[1:], timed, stream)
             if weigh and (first is not None or self._signalled is not None):
                 if first is None:
                     first = (_timing_event(stream),) * 2
@@ -341,14 +341,14 @@ class ExpertStore:
         y[idx_d] = out * w[idx_d]
 
     def _fill(self, fills: list[tuple[int, int]], timed: bool = True, stream: torch.cuda.Stream | None = None,
-              spanned: bool = False) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+              ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """Copy the fills in and, if `timed`, time them for the planner (CUDA: with events on
-        `stream`, the current one, read when done). Returns those events (CUDA, `timed` or
-        `spanned`: the up-front split's balance needs when the fills ran, timed or not)."""
+        `stream`, the current one, read when done). Returns those events on CUDA (the up-front
+        split's balance needs when the fills ran, timed or not)."""
         if not fills:
             return None
         nbytes = len(fills) * self.pool.layout.slot_bytes
-        cuda = (timed or spanned) and self.device.type == "cuda"
+        cuda = self.device.type == "cuda"
         if cuda:
             stream = stream or torch.cuda.current_stream(self.device)
             start = _timing_event(stream)
@@ -473,12 +473,11 @@ class ExpertStore:
             rows = None  # the compact rows of `out`, in order
         host = None if out is y else (out, torch.from_numpy(np.concatenate(idxs)))
         if self.runner is not None and x.dtype == out.dtype == torch.float32:
-            self._collect_cpu()
             signal = signal and host is not None
             out_rows = np.arange(out.shape[0]) if rows is None else np.concatenate(rows)
-            if self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
-                                         self.cpu.threads, out_rows, split,
-                                         self._done_word() if signal else None) and signal:
+            self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
+                                      self.cpu.threads, out_rows, split, self._done_word() if signal else None)
+            if signal:
                 self._signalled = len(slots) * self.pool.layout.slot_bytes
                 return lambda: None, host
             return self.runner.wait, host
@@ -511,19 +510,19 @@ class ExpertStore:
         return self._done[0].data_ptr(), self._done_value
 
     def _collect_cpu(self) -> None:
-        """End the last signalled CPU call and give the planner its time. After a routing
-        read-back the stream has waited for the call, so it has ended; before the runner's next
-        call this may wait for it."""
+        """End the last layer's signalled CPU call (after the routing read-back the stream has
+        waited for it, so it has ended) and give the planner its time and the layer's outcome."""
+        span, self._fill_span = self._fill_span, None
         cpu_seconds = 0.0  # a layer that left the CPU nothing: it ended at once, idle while fills ran
         if self._signalled is not None:
+            nbytes, self._signalled = self._signalled, None
             busy = self.runner.wait()
-            if busy:
-                self.planner.observe_cpu(self._signalled, busy)
-            cpu_seconds = self._fill_span[2] + busy if busy and self._fill_span else -1.0
-        span = self._fill_span
-        if span is not None and cpu_seconds >= 0 and span[1].query():  # both from the first fill's start
+            if not busy:
+                return
+            self.planner.observe_cpu(nbytes, busy)
+            cpu_seconds = span[2] + busy if span else 0.0
+        if span is not None and span[1].query():  # both from the first fill's start
             self.planner.balance(span[0].elapsed_time(span[1]) / 1e3, cpu_seconds)
-        self._signalled = self._fill_span = None
 
     def resident_rows(self) -> list[int]:
         """The resident rows, least recently used first (takes the residency back from graph
