@@ -48,9 +48,6 @@ STREAM_ITEMS = 4  # ... if it also routes this many items per expert: the next l
 GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the grouped GEMV
 HOST_SORT_ITEMS = 4096  # routed items up to which the host sorts them by expert (beyond: the device)
 CPU_MAX_TOKENS = 16  # routed tokens per active expert above which hybrid fills every miss
-# fills queued before the CPU call is put together: one expert's copy (~0.17 ms at PCIe 5.0)
-# is about what the set-up takes, so with one the copy engine could idle before the rest
-FILL_LEAD = 2
 
 
 def _triton(name: str):
@@ -156,6 +153,7 @@ class ExpertStore:
         staged = self._stage(hidden, topk_weights)  # before the read-back below, which it rides on
         order, counts = self._sorted(topk_ids.reshape(-1))
         self._mark("routed")
+        self._collect_cpu()
         groups: dict[int, np.ndarray] = {}  # row -> flat assignment indices (t * k + j)
         start = 0
         for e, n in enumerate(counts):
@@ -175,33 +173,30 @@ class ExpertStore:
         # while both run (`_share`).
         signal = native and self.zero_copy is not None
         shared = native and not signal
-        # The device idles from the routing read-back to the first fill, so that fill is queued
-        # before the last layer's outcome is collected: the split lags the balance by a layer.
         plan = self.planner.plan(self.cache, rows, fill_all=fill_all, shared=shared)
         if streamed:  # copied in ahead for this layer: count them as this layer's fills
             plan.fills += [(r, s) for r, s in plan.hits if r in streamed]
             plan.hits = [(r, s) for r, s in plan.hits if r not in streamed]
-        if not shared:
+
+        weights = topk_weights.reshape(-1, 1)
+        y = torch.zeros((t * k, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
+        self._time_cuda_fills()
+        if shared:
+            wait_cpu, host_y = self._share(plan, groups, hidden, weights, y, k, staged)
+        else:
             fills = [(r, s) for r, s in plan.fills if r not in streamed]
             timed = bool(plan.cpu)  # the planner weighs fills by their time beside a CPU branch
             # looked up once a layer: torch.cuda.current_stream() costs ~30 us of Python a call
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            t0 = time.perf_counter()
-            first = self._fill(fills[:FILL_LEAD], timed, stream)  # the copy engine starts now
-        self._collect_cpu()
-        self._time_cuda_fills()
-        weights = topk_weights.reshape(-1, 1)
-        y = torch.zeros((t * k, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
-        if shared:
-            wait_cpu, host_y = self._share(plan, groups, hidden, weights, y, k, staged)
-        else:
             # `balance` weighs the two branches, also one given nothing (it took no time), where the
             # split decided it: a single miss is filled whatever the split
             weigh = signal and len(fills) + len(plan.cpu) > 1
+            t0 = time.perf_counter()  # the device is idle here: its first copy starts at once
+            first = self._fill(fills[:1], timed, stream)  # the copy engine starts now; the CPU while it copies
             wait_cpu, host_y = self._start_cpu(plan, groups, hidden, weights, y, k, staged, signal=signal)
             lead = time.perf_counter() - t0
             self._mark("started")
-            rest = self._fill(fills[FILL_LEAD:], timed, stream)
+            rest = self._fill(fills[1:], timed, stream)
             if weigh and (first is not None or self._signalled is not None):
                 if first is None:
                     first = (_timing_event(stream),) * 2
