@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -73,3 +74,35 @@ def test_reuse_knob_moves_the_hit_rate(tiny):
         rates.append(run.decode(rt, 24, 4, Synthetic(rt.decoder, reuse, seed=1), FIGS)["miss_rate"])
         rt.close()
     assert rates[1] < rates[0] / 2
+
+
+def test_timeline_splits_a_trace_by_routing_read_back(tmp_path):
+    """Two host-planned layers in a Chrome trace as torch.profiler writes it (times in us)."""
+    from ftkit.tools.bench import timeline
+
+    def ev(name, ts, dur, cat="gpu_memcpy", nbytes=0):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"bytes": nbytes}}
+
+    back, fill, mib = "Memcpy DtoH (Device -> Pageable)", "Memcpy HtoD (Pinned -> Device)", 2**20
+    events = [
+        ev(back, 0, 10), ev(fill, 110, 200, nbytes=10 * mib), ev("Memcpy HtoD (Pinned -> Device)", 320, 5, nbytes=64),
+        ev(fill, 400, 200, nbytes=10 * mib), ev("_wait_word", 650, 50, cat="kernel"),
+        ev(back, 890, 10), ev(fill, 1200, 100, nbytes=5 * mib), ev(back, 1500, 20),
+        ev(fill, 1600, 100, nbytes=mib // 2),  # below --min-bytes: not a fill, so no third layer
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": [{"ph": "M", "name": "process_name"}, *reversed(events)]}, f)
+    rows = timeline.layers(timeline.load(path))
+    assert len(rows) == 2
+    first, second = rows
+    assert first["plan"] == pytest.approx(0.1) and first["lead_idle"] == pytest.approx(0.09)
+    assert first["fills"] == pytest.approx(0.49) and first["copying"] == pytest.approx(0.4)
+    assert first["fill_gbps"] == pytest.approx(20 * mib / 400 / 1e3)
+    assert first["done_wait"] == pytest.approx(0.05) and first["tail"] == pytest.approx(0.3)
+    assert second["lead_idle"] is None and second["tail"] == pytest.approx(0.22)
+    assert timeline.means(rows)["lead_idle"] == pytest.approx(0.09)
+    out = subprocess.run([sys.executable, "-m", "ftkit.tools.bench.timeline", str(path), "--json", str(tmp_path / "t.json")],
+                         capture_output=True, text=True, check=True)
+    assert "2 layers with fills" in out.stdout
+    assert json.loads((tmp_path / "t.json").read_text())["means"]["plan"] == pytest.approx((0.1 + 0.3) / 2)
