@@ -250,6 +250,35 @@ def test_hybrid_split_follows_the_slower_side(model):
     rt.close()
 
 
+def test_a_layer_without_cpu_items_skips_the_doorbell():
+    """`ring` and `wait_done` do nothing where the plan gave the CPU no items (count[1] == 0):
+    no bell for the worker, no wait for a done word nobody writes, no GPU time counted."""
+    from ftkit.kernels.triton import zero_copy
+
+    dev = "cuda" if CUDA else "cpu"
+    pin = dict(pin_memory=CUDA)
+    ctrl, gpu_ns = torch.zeros(32, dtype=torch.int32, **pin), torch.zeros(2, dtype=torch.int64, **pin)
+    view = (lambda t, off=0: zero_copy.Mapped(t, off)) if CUDA else (lambda t, off=0: t[off:])
+    bell, done = view(ctrl, zero_copy.BELL), view(ctrl, zero_copy.DONE)
+    stamp = torch.full((1,), -1, dtype=torch.int64, device=dev)
+    count = torch.tensor([3, 0], dtype=torch.int32, device=dev)  # 3 device items, none on the CPU
+    zero_copy.ring(bell, 5, stamp, count)
+    zero_copy.wait_done(done, 5, stamp, count, view(gpu_ns))  # would spin forever if it waited
+    if CUDA:
+        torch.cuda.synchronize()
+    assert int(ctrl[zero_copy.BELL]) == 0 and int(stamp) == -1 and gpu_ns.tolist() == [0, 0]
+    count[1] = 2  # with CPU items: rung, then waited for (the worker's part played here)
+    zero_copy.ring(bell, 6, stamp, count)
+    if CUDA:
+        torch.cuda.synchronize()
+    assert int(ctrl[zero_copy.BELL]) == 6
+    ctrl[zero_copy.DONE] = 6
+    zero_copy.wait_done(done, 6, stamp, count, view(gpu_ns))
+    if CUDA:
+        torch.cuda.synchronize()
+    assert int(ctrl[zero_copy.DONE]) == 0 and int(gpu_ns[1]) == 1
+
+
 @pytest.mark.gpu
 def test_sequences_past_the_graph_capacity_decode_eagerly_and_say_so(model, capsys):
     rt = Runtime(model, RuntimeOptions(threads=2, strategy="offload", cache_experts=20, dtype="float32"))

@@ -47,7 +47,7 @@ KERNELS = [
                       "n": "i32", "eps": "fp32"}, dict(BLOCK=2048, ADD=False)),
     (norm._rms_norm, {**{n: "*bf16" for n in ("x_ptr", "d_ptr", "w_ptr", "sum_ptr", "out_ptr")}, "n": "i32",
                       "eps": "fp32"}, dict(BLOCK=2048, ADD=True)),
-    (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64"}, dict(TIMER=True)),
+    (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64", "count_ptr": "*i32"}, dict(TIMER=True)),
     (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
     (zero_copy._wait_word, {"ctrl_ptr": "*i32", "value": "i32"}, {}),
     *((experts._gate_up, {**GEMV, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32", "up_off": "i32",

@@ -6,7 +6,7 @@ copies or start the CPU branch. Instead:
   table holds each row's address (`device_pointer`), and the grouped GEMV (experts.py) reads a
   missed expert from there and writes it into its victim slot on the way;
 - `ring` writes a doorbell word the CPU worker polls, `wait_done` spins until the worker writes
-  the matching word back. Kernel boundaries order these against the payload written before
+  the matching word back (both only in a layer that gives the CPU items). Kernel boundaries order these against the payload written before
   (and read after) them. Between the two the GPU runs the layer's device work; on CUDA both
   read the GPU clock, so `wait_done` can add that time (for layers that gave the CPU work) to a
   mapped counter the host reads without a sync: with the worker's own busy time it says which
@@ -39,9 +39,10 @@ def _now(TIMER: tl.constexpr):
 
 
 @triton.jit
-def _ring(ctrl_ptr, value, stamp_ptr, TIMER: tl.constexpr):
-    tl.store(stamp_ptr, _now(TIMER))
-    tl.store(ctrl_ptr, value)
+def _ring(ctrl_ptr, value, stamp_ptr, count_ptr, TIMER: tl.constexpr):
+    if tl.load(count_ptr + 1) > 0:  # a layer that gives the CPU nothing does not wake it
+        tl.store(stamp_ptr, _now(TIMER))
+        tl.store(ctrl_ptr, value)
 
 
 @triton.jit
@@ -53,22 +54,23 @@ def _spin(ctrl_ptr, value):
 
 @triton.jit
 def _wait(ctrl_ptr, value, stamp_ptr, count_ptr, gpu_ns_ptr, TIMER: tl.constexpr):
-    gpu = _now(TIMER) - tl.load(stamp_ptr)
-    _spin(ctrl_ptr, value)
-    if tl.load(count_ptr + 1) > 0:  # the CPU had work: time the device side against it
+    if tl.load(count_ptr + 1) > 0:  # rung (see `_ring`): wait, and time the device side against the CPU
+        gpu = _now(TIMER) - tl.load(stamp_ptr)
+        _spin(ctrl_ptr, value)
         tl.store(gpu_ns_ptr, tl.load(gpu_ns_ptr) + gpu)
         tl.store(gpu_ns_ptr + 1, tl.load(gpu_ns_ptr + 1) + 1)
 
 
-def ring(ctrl, value: int, stamp: torch.Tensor) -> None:
-    """Write `value` into the doorbell word (ctrl: the mapped int32 control block); note the
-    GPU clock in stamp (int64 [1], device)."""
-    _ring[(1,)](ctrl, value, stamp, TIMER=not interpreting())
+def ring(ctrl, value: int, stamp: torch.Tensor, count: torch.Tensor) -> None:
+    """If count[1] (the layer's CPU items, int32 on the device) > 0, write `value` into the
+    doorbell word (ctrl: the mapped int32 control block) and note the GPU clock in stamp (int64
+    [1], device). Otherwise nothing: the worker's round trip (~20 us) is not paid for no work."""
+    _ring[(1,)](ctrl, value, stamp, count, TIMER=not interpreting())
 
 
 def wait_done(ctrl, value: int, stamp: torch.Tensor, count: torch.Tensor, gpu_ns) -> None:
-    """Spin until the done word equals `value` and clear it; if count[1] (the layer's CPU items)
-    > 0, add the GPU time since `ring` to gpu_ns[0] and 1 to gpu_ns[1] (mapped int64 [2])."""
+    """If count[1] > 0 (`ring` rang): spin until the done word equals `value` and clear it, add
+    the GPU time since `ring` to gpu_ns[0] and 1 to gpu_ns[1] (mapped int64 [2])."""
     _wait[(1,)](ctrl, value, stamp, count, gpu_ns, TIMER=not interpreting())
 
 

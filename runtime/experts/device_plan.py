@@ -7,7 +7,8 @@ a residency table (row -> slot), each slot's owner row and last-use stamp (LRU),
 MoE layer, six launches and no host work:
 - `plan` (one Triton program, kernels/triton/plan.py): hits, q fills, victims, table updates,
   the device work list and the CPU payload in mapped memory;
-- `ring`: the doorbell the C++ worker polls; it runs the CPU set from the host pool meanwhile;
+- `ring`: the doorbell the C++ worker polls; it runs the CPU set from the host pool meanwhile
+  (a layer that gives the CPU nothing rings no bell and waits for none);
 - the grouped GEMV over hits and fills (two kernels): hits read their slots, fills read the
   mapped host pool (zero-copy) and write their victim slots as they go;
 - `wait_done`, then `merge`: one row per routed item, summed in top-k order.
@@ -147,7 +148,7 @@ class DevicePlan:
                   self.stamp, self.clock, self.ratio, self.counts[moe], out,
                   self.d_payload if self.worker is not None else None, cap, MODES[self.strategy])
         if self.worker is not None:  # the CPU set starts first and runs while the GPU computes
-            zero_copy.ring(self.d_bell, moe + 1, self.rung)
+            zero_copy.ring(self.d_bell, moe + 1, self.rung, out.gcount)
         dev = None
         if cap:
             fills = (out.gfill, out.grow, self.addr) if self.strategy in (OFFLOAD, HYBRID) else None

@@ -4,7 +4,7 @@
 # without build isolation or deps; the CPU kernel is built with a plain g++ call.
 #   OUT=/tmp/out PARTS="kernels calibrate gpu read decode" bash tools/bench/device_run.sh
 # Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile), wrong
-# (wrong-profile convergence), gpu (the CUDA tests), zerocopy (decode fills vs DMA), read (FTW
+# (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files), zerocopy (decode fills vs DMA), read (FTW
 # read + pin), decode (qwen3-30b-a3b shape cut to 12 layers: decode per strategy, graphs off and
 # on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound, layer
 # streaming on and off, each followed by a 32-token answer and a 32-token extend), extend (an
@@ -47,7 +47,7 @@ if has wrong; then
   $PY -m ftkit.tools.bench.wrong_profile "$W" --profile "$PROFILE" --layers 4 --threads 15 --json "$OUT/wrong_profile.json" 2>&1 | tee "$OUT/wrong_profile.txt"
 fi
 if has gpu; then
-  $PY -m pytest -q --tb=short tests/test_gpu.py tests/test_triton_experts.py tests/test_triton_decode.py tests/test_triton_attention.py tests/test_graphs.py > "$OUT/gpu_tests.txt" 2>&1
+  $PY -m pytest -q --tb=short ${GPU_TESTS:-tests/test_gpu.py tests/test_triton_experts.py tests/test_triton_decode.py tests/test_triton_attention.py tests/test_graphs.py} > "$OUT/gpu_tests.txt" 2>&1
   tail -15 "$OUT/gpu_tests.txt"
 fi
 if has zerocopy; then
