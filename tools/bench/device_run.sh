@@ -10,7 +10,7 @@
 # streaming on and off, each followed by a 32-token answer and a 32-token extend), extend (an
 # agent turn with concentrated synthetic routing, reuse 0.9: 32 decode steps, an 8192-token
 # chunk, a 32-token answer, the 32-token extend; EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (that
-# hybrid extend for each tree of AB in turn, alternated on one machine), sampled (hybrid decode as above, each token
+# hybrid extend, or with AB_RUN=decode hybrid graph decode, for each tree of AB in turn, alternated on one machine), sampled (hybrid decode as above, each token
 # sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's attention behind cached
 # keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
 # back few files); the tables also go to stdout.
@@ -65,17 +65,17 @@ q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
 if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (machines differ)
   $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 4 2>&1 | tail -4
 fi
+decode() {  # decode on the q12 model; $1: strategies, $2: graphs, then more ft-bench flags
+  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
+      --tokens ${TOKENS:-32} --strategies "$1" --graphs "$2" "${@:3}"
+}
 if has decode; then
   q12
-  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
-      --tokens ${TOKENS:-32} --strategies ${STRATEGIES:-offload,cpu,hybrid} --graphs ${GRAPHS:-both} \
-      --json "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
+  decode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} --json "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
 fi
 if has sampled; then  # hybrid graph decode with each token sampled on the device (temperature, top-p)
   q12
-  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
-      --tokens ${TOKENS:-32} --strategies hybrid --graphs on --temperature 0.7 --top-p 0.95 \
-      --json "$OUT/sampled.json" 2>&1 | tee "$OUT/sampled.txt"
+  decode hybrid on --temperature 0.7 --top-p 0.95 --json "$OUT/sampled.json" 2>&1 | tee "$OUT/sampled.txt"
 fi
 if has prefill; then
   q12
@@ -94,15 +94,19 @@ if has extend; then
   q12
   extend ${EXTEND_STRATEGIES:-offload,hybrid} ${REPEAT:-5} --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
 fi
-if has ab; then  # trees alternated on one machine, hybrid extends: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
+if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
   q12            # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
-  for run in ${AB:-}; do
+  for run in ${AB:-}; do  # AB_RUN=extend (hybrid extends, REPEAT turns) or decode (hybrid graph decode)
     d=${run%%=*} name=${run#*=}
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
-    extend hybrid ${REPEAT:-10} --json "$OUT/ab-$name.json" > "$OUT/ab-$name.txt" 2>&1 &&
-      $PY -c "import json, sys; r = json.load(open(sys.argv[1]))['runs'][0]['prefill'][0]
-print(f\"{sys.argv[2]}: extend {1e3 * r['extend_seconds']:.1f} ms\")" "$OUT/ab-$name.json" "$name ($d)" ||
-      echo "$name ($d): failed, see ab-$name.txt"
+    if [ "${AB_RUN:-extend}" = decode ]; then
+      decode hybrid on --json "$OUT/ab-$name.json" > "$OUT/ab-$name.txt" 2>&1
+    else
+      extend hybrid ${REPEAT:-10} --json "$OUT/ab-$name.json" > "$OUT/ab-$name.txt" 2>&1
+    fi && $PY -c "import json, sys; run = json.load(open(sys.argv[1]))['runs'][0]
+d, p = run['decode'], (run['prefill'] or [{}])[0]
+what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound)\"
+print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name.json" "$name ($d)" || echo "$name ($d): failed, see ab-$name.txt"
   done
   $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/ab-pip.txt" 2>&1  # this tree again
 fi
