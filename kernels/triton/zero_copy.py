@@ -6,11 +6,11 @@ copies or start the CPU branch. Instead:
   table holds each row's address (`device_pointer`), and the grouped GEMV (experts.py) reads a
   missed expert from there and writes it into its victim slot on the way;
 - `ring` writes a doorbell word the CPU worker polls, `wait_done` spins until the worker writes
-  the matching word back (both only in a layer that gives the CPU items). Kernel boundaries order these against the payload written before
-  (and read after) them. Between the two the GPU runs the layer's device work; on CUDA both
-  read the GPU clock, so `wait_done` can add that time (for layers that gave the CPU work) to a
-  mapped counter the host reads without a sync: with the worker's own busy time it says which
-  side of the split finished last.
+  the matching word back; both do nothing in a layer that gives the CPU no items. Kernel
+  boundaries order these against the payload written before (and read after) them. Between the
+  two the GPU runs the layer's device work; on CUDA both read the GPU clock, so `wait_done` can
+  add that time to a mapped counter the host reads without a sync: with the worker's own busy
+  time it says which side of the split finished last.
 Every launch has a fixed shape and reads its work from device memory, so a decode step that
 uses them can be captured in a CUDA graph.
 

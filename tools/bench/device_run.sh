@@ -4,16 +4,18 @@
 # without build isolation or deps; the CPU kernel is built with a plain g++ call.
 #   OUT=/tmp/out PARTS="kernels calibrate gpu read decode" bash tools/bench/device_run.sh
 # Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile), wrong
-# (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files), zerocopy (decode fills vs DMA), read (FTW
-# read + pin), decode (qwen3-30b-a3b shape cut to 12 layers: decode per strategy, graphs off and
-# on, beside the bounds), prefill (4096- and 8192-token chunks beside the PCIe bound, layer
-# streaming on and off, each followed by a 32-token answer and a 32-token extend), extend (an
-# agent turn with concentrated synthetic routing, reuse 0.9: 32 decode steps, an 8192-token
-# chunk, a 32-token answer, the 32-token extend; EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (that
-# hybrid extend, or with AB_RUN=decode hybrid graph decode, for each tree of AB in turn, alternated on one machine), sampled (hybrid decode as above, each token
-# sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's attention behind cached
-# keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands
-# back few files); the tables also go to stdout.
+# (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files), zerocopy
+# (decode fills vs DMA), read (FTW read + pin), decode (qwen3-30b-a3b shape cut to 12 layers:
+# decode per strategy, graphs off and on, beside the bounds), prefill (4096- and 8192-token
+# chunks beside the PCIe bound, layer streaming on and off, each followed by a 32-token answer
+# and a 32-token extend), extend (an agent turn with concentrated synthetic routing, reuse 0.9:
+# 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
+# EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (that hybrid extend, or with AB_RUN=decode hybrid
+# graph decode, for each tree of AB in turn, alternated on one machine), sampled (hybrid decode
+# as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
+# attention behind cached keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s
+# at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
+# files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
