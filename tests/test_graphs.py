@@ -181,7 +181,7 @@ def test_plan_kernel_decisions():
     x = torch.arange(h, dtype=torch.float32)
     counts = torch.zeros(3, dtype=torch.int64)
     clock = torch.tensor([10])
-    payload = torch.zeros(h + 3 * k)
+    payload = torch.zeros(h + 4 * k + 1)  # worker_payload(1, k, h)
     ratio = torch.tensor([0.5])  # hybrid: q = round(2 * 0.5) = 1 fill, 1 on the CPU
     t = [v.to(dev) for v in (ids, w, x, table, owner, stamp, clock, ratio, counts, payload)]
     out = plan.LayerBuffers(k, torch.device(dev), w.dtype)
@@ -199,7 +199,8 @@ def test_plan_kernel_decisions():
     assert torch.equal(payload[:h], x)
     assert payload[h : h + k].tolist() == pytest.approx(w.tolist())
     assert payload[h + k : h + 2 * k].tolist() == [17, 25, 20, 28]
-    assert payload[h + 2 * k :].tolist() == [0, 0, 0, 1]
+    assert payload[h + 2 * k : h + 3 * k].tolist() == [0, 0, 0, 1]
+    assert payload[h + 3 * k :].tolist() == [0, 0, 0, 0, k]  # every item is token 0; k valid items
 
 
 @pytest.mark.gpu
@@ -228,6 +229,49 @@ def test_plan_kernel_evicts_the_oldest_slot_no_hit_holds():
     assert counts.tolist() == [1, 3, 0] and out.gcount.tolist() == [4, 0]
 
 
+def test_plan_tokens_decides_per_expert_across_tokens():
+    """A few tokens planned as one layer: an expert routed by several tokens is one decision;
+    misses are filled most-used first into the oldest slots, the rest go to the CPU; GEMM tiles
+    (fills first) hold each device expert's items in item order; the payload carries every
+    token's x and each item's token."""
+    from ftkit.kernels.triton import plan
+
+    dev = "cuda" if CUDA else "cpu"
+    experts, base, cap, h, max_tokens = 8, 8, 6, 4, 4
+    table = torch.full((3 * experts,), -1, dtype=torch.int32)
+    owner = torch.tensor([10, 20, 21, -1, 22, 23], dtype=torch.int32)
+    stamp = torch.tensor([5, 1, 3, -1, 2, 4])
+    for s_, r in enumerate(owner.tolist()):
+        if r >= 0:
+            table[r] = s_
+    ids = torch.tensor([[0, 1], [1, 2], [3, 1]])  # expert 1: three tokens; 2 (row 10) resident
+    w = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.8, 0.2]])
+    x = torch.arange(3 * h, dtype=torch.float32).view(3, h)
+    k = ids.shape[1]
+    payload = torch.zeros(max_tokens * h + 4 * max_tokens * k + 1)
+    t = [v.to(dev) for v in (ids, w, x, table, owner, stamp, torch.tensor([10]), torch.tensor([0.5]),
+                             torch.zeros(3, dtype=torch.int64), payload)]
+    out = plan.TokenBuffers(experts, max_tokens * k, torch.device(dev))
+    plan.plan_tokens(*t[:3], base, experts, *t[3:9], 16, out, t[9], cap, plan.HYBRID_MODE, max_tokens)
+    table, owner, stamp, clock, counts, payload = (v.cpu() for v in t[3:7] + t[8:])
+    # misses 0, 1, 3 ranked 1 (3 tokens), 0, 3; q = round(3 * 0.5) = 2: 1 -> free slot 3, 0 -> slot 1
+    assert int(table[9]) == 3 and int(table[8]) == 1 and int(table[11]) == -1 and int(table[20]) == -1
+    assert owner.tolist() == [10, 8, 21, 9, 22, 23]
+    assert int(clock) == 11 and [int(stamp[s_]) for s_ in (0, 1, 3)] == [11, 11, 11]
+    assert out.gcount.tolist() == [3, 1] and counts.tolist() == [1, 2, 1]
+    assert out.tiles.cpu()[:9].tolist() == [3, 0, 3, 1, 3, 1, 0, 4, 1]  # (slot, first, items): 1, 0, then hit 2
+    assert out.tfill.cpu()[:3].tolist() == [1, 1, 0] and out.trow.cpu()[:3].tolist() == [9, 8, 10]
+    assert out.dst.cpu()[:5].tolist() == [1, 2, 5, 0, 3] and out.tokens.cpu()[:5].tolist() == [0, 1, 2, 0, 1]
+    assert out.weights.cpu()[:5].tolist() == pytest.approx([0.4, 0.7, 0.2, 0.6, 0.3])
+    assert out.gpos.cpu()[:6].tolist() == [0, 1, 2, 3, -1, 5]  # item 4 (expert 3) on the CPU
+    xn, n = max_tokens * h, max_tokens * k
+    assert torch.equal(payload[: 3 * h], x.reshape(-1))
+    assert payload[xn : xn + 6].tolist() == pytest.approx(w.reshape(-1).tolist())
+    assert payload[xn + n : xn + n + 6].tolist() == [8, 9, 9, 10, 11, 9]
+    assert payload[xn + 2 * n : xn + 2 * n + 6].tolist() == [0, 0, 0, 0, 1, 0]
+    assert payload[xn + 3 * n : xn + 3 * n + 6].tolist() == [0, 0, 1, 1, 2, 2] and payload[-1] == 6
+
+
 @pytest.mark.gpu
 def test_hybrid_split_follows_the_slower_side(model):
     """Between tokens the fill fraction moves toward balance: a CPU side busier than the GPU's
@@ -238,15 +282,16 @@ def test_hybrid_split_follows_the_slower_side(model):
     start = plan.fill_fraction
 
     def after(gpu_ns: int, cpu_ns: int, layers: int) -> float:
-        plan.gpu_ns += torch.tensor([gpu_ns, layers])
-        plan.busy_ns += torch.tensor([cpu_ns, layers])
+        plan.gpu_ns[:2] += torch.tensor([gpu_ns, layers])
+        plan.busy_ns[:2] += torch.tensor([cpu_ns, layers])
         plan.adapt()
         return plan.fill_fraction
 
     assert after(1_000_000, 3_000_000, 12) == pytest.approx(start + 0.25)  # CPU 3x slower: fill more
     assert after(2_000_000, 1_000_000, 12) == pytest.approx(start + 0.25 - 0.5 / 3)  # CPU idle a third
     assert after(0, 0, 0) == pytest.approx(start + 0.25 - 0.5 / 3 - 0.02)
-    assert float(plan.ratio) == pytest.approx(plan.fill_fraction)
+    assert float(plan.splits[0].tensor) == pytest.approx(plan.fill_fraction)
+    assert plan.splits[1].fraction == start  # extends keep their own split
     rt.close()
 
 
@@ -421,8 +466,9 @@ def test_sampled_pipeline_matches_step_by_step(model, cfg):
 
 
 def _turns(path, turns: list[list[int]], fused: bool, capacity: int = 128, **cfg):
-    """Each turn's logits (the third only the last row's), the K/V rows, and the lengths of the
-    turns that GraphDecode.extend ran (fused: graph decode set up, eager on CPU)."""
+    """Each turn's logits (the third only the last row's), the K/V rows, and the turns that
+    GraphDecode.extend ran: (length, experts planned on the device) (fused: graph decode set
+    up, eager on CPU)."""
     rt = Runtime(path, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32",
                                       graphs=fused, **cfg))
     if fused and not CUDA:
@@ -431,8 +477,9 @@ def _turns(path, turns: list[list[int]], fused: bool, capacity: int = 128, **cfg
     taken = []
     if fused:
         def counted(ids, cache, last=False, real=rt.decoder.graphs.extend):
-            taken.append(len(ids))
-            return real(ids, cache, last)
+            out = real(ids, cache, last)
+            taken.append((len(ids), rt.store.device_plan.on_device))  # on_device: planned there
+            return out
 
         rt.decoder.graphs.extend = counted
     with torch.inference_mode():
@@ -449,17 +496,21 @@ def _same_turns(ref, got) -> None:
     assert all(torch.allclose(ref[1][i], got[1][i], rtol=1e-4, atol=1e-5) for i in ref[1])
 
 
-@pytest.mark.parametrize("capacity", [128, 8], ids=["in-tables", "past-tables"])
-def test_a_short_extend_runs_the_fused_dense_part(model, capacity):
+@pytest.mark.parametrize(("capacity", "cfg"), [
+    (128, dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)),
+    (8, dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)),
+    (128, dict(strategy="offload", cache_experts=24)),
+    (128, dict(strategy="cpu")),
+], ids=["hybrid-in-tables", "hybrid-past-tables", "offload", "cpu"])
+def test_a_short_extend_runs_the_fused_dense_part(model, capacity, cfg):
     """A few tokens behind the cache (a short prompt, an agent turn after a prefix hit) take
-    GraphDecode.extend, experts planned on the host: the logits and K/V rows of the eager
+    GraphDecode.extend, experts planned on the device: the logits and K/V rows of the eager
     forward pass, also past the static rotary tables (a sequence longer than the graph
     capacity); more tokens than the few-query kernel takes go the eager way."""
-    cfg = dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
     turns = [PROMPT, [33], MORE, list(range(70, 136))]  # the last: 66 tokens, past the kernel's 64
     ref = _turns(model, turns, False, **cfg)
     got = _turns(model, turns, True, capacity, **cfg)
-    assert got[2] == [len(PROMPT), len(MORE)]
+    assert got[2] == [(len(PROMPT), True), (len(MORE), True)]
     _same_turns(ref, got)
 
 
@@ -470,8 +521,8 @@ def test_a_short_extend_matches_across_families(hf_checkpoint, tmp_path, family)
     path = tmp_path / "m.ftw"
     convert(make_plan(hf_checkpoint(family)), path)
     turns = [PROMPT, [33], MORE]
-    got = _turns(path, turns, True, strategy="offload", cache_experts=6)
-    assert got[2] == [len(PROMPT), len(MORE)]
+    got = _turns(path, turns, True, strategy="offload", cache_experts=6)  # under a layer: host-planned
+    assert got[2] == [(len(PROMPT), False), (len(MORE), False)]
     _same_turns(_turns(path, turns, False, strategy="offload", cache_experts=6), got)
 
 

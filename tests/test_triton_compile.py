@@ -30,17 +30,26 @@ PLAN_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "base": "i32", "table_ptr": "*i32",
     "owner_ptr": "*i32", "stamp_ptr": "*i64", "clock_ptr": "*i64", "ratio_ptr": "*fp32", "counts_ptr": "*i64",
     "gslot_ptr": "*i32", "gw_ptr": "*bf16", "grow_ptr": "*i64", "gfill_ptr": "*i32", "gpos_ptr": "*i32",
-    "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32",
+    "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32", "XN": "i32", "NMAX": "i32",
+}
+PLAN_TOKENS_SIG = {
+    "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "n_items": "i32", "base": "i32", "table_ptr": "*i32",
+    "owner_ptr": "*i32", "stamp_ptr": "*i64", "clock_ptr": "*i64", "ratio_ptr": "*fp32", "counts_ptr": "*i64",
+    "fill_all_above": "i32", "e_tile_ptr": "*i32", "e_first_ptr": "*i32", "tiles_ptr": "*i32", "tfill_ptr": "*i32",
+    "trow_ptr": "*i64", "tok_ptr": "*i32", "sw_ptr": "*fp32", "dst_ptr": "*i32", "gpos_ptr": "*i32",
+    "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32", "XN": "i32", "NMAX": "i32",
 }
 WAIT_SIG = {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64", "count_ptr": "*i32", "gpu_ns_ptr": "*i64"}
 GEMV = {"w_ptr": "*bf16", "slot_ptr": "*i32", "count_ptr": "*i32", "fill_ptr": "*i32", "row_ptr": "*i64",
         "addr_ptr": "*i64", "H": "i32", "I": "i32", "slot_elems": "i32"}
-GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "H": "i32", "I": "i32", "slot_elems": "i32"}
+GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "count_ptr": "*i32", "H": "i32", "I": "i32", "slot_elems": "i32"}
 GEMM_CONSTS = dict(PREC="tf32", UPCAST=False, BLOCK_M=experts.GEMM_M, BLOCK_N=experts.GEMM_N, BLOCK_K=experts.GEMM_K)
 
 KERNELS = [
     (plan._plan, PLAN_SIG, dict(K=8, KP=8, CAP=1024, MODE=plan.HYBRID_MODE, HAS_CPU=True, BLOCK_H=1024)),
     (plan._plan, PLAN_SIG, dict(K=6, KP=8, CAP=0, MODE=plan.CPU_MODE, HAS_CPU=True, BLOCK_H=1024)),
+    (plan._plan_tokens, PLAN_TOKENS_SIG, dict(E=128, EP=128, K=8, NP=512, BN=64, CAP=1024, MODE=plan.HYBRID_MODE,
+                                              HAS_CPU=True, BLOCK_H=1024)),
     (plan._merge, {"out_ptr": "*bf16", "dev_ptr": "*bf16", "host_ptr": "*fp32", "gpos_ptr": "*i32", "H": "i32"},
      dict(K=8, HAS_DEV=True, HAS_CPU=True, BLOCK=256)),
     (norm._rms_norm, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*fp32", "sum_ptr": "*bf16", "out_ptr": "*fp32",
@@ -56,10 +65,12 @@ KERNELS = [
     (experts._down, {"h_ptr": "*fp32", "w_ptr": "*bf16", "slot_ptr": "*i32", "wt_ptr": "*bf16", "count_ptr": "*i32",
                      "y_ptr": "*bf16", "H": "i32", "I": "i32", "slot_elems": "i32", "down_off": "i32"},
      dict(BLOCK_M=32, BLOCK_K=128)),
-    (experts._gemm_gate_up, {**GEMM, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*bf16", "up_off": "i32"},
-     GEMM_CONSTS),
-    (experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
-                          "down_off": "i32"}, GEMM_CONSTS),
+    *((experts._gemm_gate_up, {**GEMM, "x_ptr": "*bf16", "tok_ptr": "*i32", "fill_ptr": "*i32", "row_ptr": "*i64",
+                               "addr_ptr": "*i64", "h_ptr": "*bf16", "up_off": "i32", "down_off": "i32"},
+       dict(GEMM_CONSTS, COUNT=count, FILL=fill, COPY_PROGS=copy, COPY_BLOCK=2048, **width))
+      for count, fill, copy, width in ((False, False, 1, {}), (True, True, 24, dict(BLOCK_N=experts.FILL_N)))),
+    *((experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
+                            "down_off": "i32"}, dict(GEMM_CONSTS, COUNT=count)) for count in (False, True)),
     (router._softmax_topk, {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32"},
      dict(K=8, KP=8, RENORM=True, BLOCK=128)),
     (decode._rope_store, {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",

@@ -122,6 +122,87 @@ def test_grouped_gemm_matches_reference(dtype, x_dtype, hidden, inter):
     assert _rel(y.cpu(), ref) < (2e-2 if x_dtype == "bfloat16" else 1e-5)
 
 
+def _host_pool(host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host rows as fills read them (pinned and mapped on CUDA), and each row's address for the device."""
+    from ftkit.kernels.triton import zero_copy
+
+    host = host.pin_memory() if CUDA else host
+    return host, torch.tensor([zero_copy.device_pointer(r.data_ptr()) if CUDA else r.data_ptr() for r in host])
+
+
+def _gemm_case(layout, host_rows: list[int], segments: list[tuple[int, int]], gen: torch.Generator, t: int = 6):
+    """A GEMM work list over `segments` (slot, items) whose tile j runs host row host_rows[j]:
+    x, tiles, tokens, dst (a permutation), weights and each item's row."""
+    from ftkit.kernels.triton.experts import gemm_tiles
+
+    n = sum(c for _, c in segments)
+    x = torch.randn((t, layout.parts[0].shape[1]), generator=gen).to(torch.bfloat16)
+    tiles = torch.tensor(gemm_tiles(segments), dtype=torch.int32)
+    assert tiles.numel() == 3 * len(host_rows)  # one tile per segment
+    tok = torch.randint(0, t, (n,), generator=gen, dtype=torch.int32)
+    dst = torch.randperm(n, generator=gen).to(torch.int32)
+    row = torch.tensor([r for r, (_, c) in zip(host_rows, segments, strict=True) for _ in range(c)])
+    return x, tiles, tok, dst, torch.rand(n, generator=gen), row
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])  # float32: the upcast path on CUDA too
+def test_gemm_fills_slots_as_it_reads(x_dtype):
+    """Flagged GEMM tiles read their expert from (mapped, pinned) host memory by address and
+    leave it in their slot (two tiles of one expert may both be flagged); the others read their
+    slot. Same results as all resident."""
+    from ftkit.kernels.triton.experts import grouped_expert_gemm
+
+    layout = _layout("bfloat16", 96, 40)
+    gen = torch.Generator().manual_seed(5)
+    host, parts = _random_slots(layout, 5, gen)
+    host, addr = _host_pool(host)
+    slots = torch.randint(0, 256, (4, layout.slot_bytes), generator=gen, dtype=torch.uint8)  # garbage
+    slots[1], slots[3] = host[3], host[0]  # resident: row 3 in slot 1, row 0 in slot 3
+    rows = torch.tensor([3, 2, 2, 0, 4])  # tiles 1, 2 fill slot 0 from row 2, tile 4 slot 2 from row 4
+    flags = torch.tensor([0, 1, 1, 0, 1], dtype=torch.int32)
+    x, tiles, tok, dst, wt, row = _gemm_case(layout, rows.tolist(), [(1, 3), (0, 4), (0, 2), (3, 5), (2, 3)], gen)
+    x = x.to(x_dtype)
+    dev = [t.to(DEV) for t in (x, slots, tiles, tok, dst, wt)]
+    y = torch.zeros((len(row), 96), dtype=x_dtype, device=DEV)
+    grouped_expert_gemm(*dev[:2], layout, *dev[2:], y, fills=(flags.to(DEV), rows.to(DEV), addr.to(DEV)))
+    got = dev[1].cpu()
+    for s, r in ((0, 2), (2, 4)):  # every part of a filled slot holds exactly the host bytes
+        for q in layout.parts:
+            assert torch.equal(got[s, q.offset:q.offset + q.nbytes], host[r, q.offset:q.offset + q.nbytes]), (s, q.name)
+    assert torch.equal(got[[1, 3]], slots[[1, 3]])
+    ref = torch.stack([_expert(parts[int(row[i])], x[tok[i]], float(wt[i])) for i in range(len(row))])
+    assert _rel(y.cpu()[dst.long()], ref) < (2e-2 if x_dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("fill", [False, True])
+def test_gemm_skips_tiles_past_the_device_count(fill):
+    """With a device count, tiles past it do nothing (y's rows of their items keep a sentinel,
+    a flagged one leaves its slot alone); the valid ones are computed as usual."""
+    from ftkit.kernels.triton.experts import grouped_expert_gemm
+
+    layout = _layout("bfloat16", 96, 40)
+    gen = torch.Generator().manual_seed(6)
+    slots, parts = _random_slots(layout, 4, gen)
+    rows = [2, 0, 3, 1]
+    x, tiles, tok, dst, wt, row = _gemm_case(layout, rows, [(2, 4), (0, 3), (3, 2), (1, 5)], gen)
+    valid = 7  # the items of the first two tiles
+    fills = None
+    if fill:  # tiles 1 (valid) and 3 (past the count) fill slots 0 and 1 from a host copy of the pool
+        host, addr = _host_pool(slots.clone())
+        slots[[0, 1]] = 0
+        fills = tuple(t.to(DEV) for t in (torch.tensor([0, 1, 0, 1], dtype=torch.int32), torch.tensor(rows), addr))
+    d_slots = slots.to(DEV)
+    y = torch.full((len(row), 96), 7.0, dtype=torch.bfloat16, device=DEV)
+    grouped_expert_gemm(x.to(DEV), d_slots, layout, *(t.to(DEV) for t in (tiles, tok, dst, wt)), y,
+                        count=torch.tensor([2], dtype=torch.int32, device=DEV), fills=fills)
+    out = y.cpu()[dst.long()]
+    assert (out[valid:] == 7.0).all()
+    ref = torch.stack([_expert(parts[int(row[i])], x[tok[i]], float(wt[i])) for i in range(valid)])
+    assert _rel(out[:valid], ref) < 2e-2
+    if fill:
+        assert torch.equal(d_slots.cpu()[0], host[0]) and not d_slots.cpu()[1].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_rms_norm_matches_torch(dtype):
     from ftkit.kernels.triton.norm import rms_norm as triton_rms_norm

@@ -39,6 +39,12 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 Indices = torch.Tensor | np.ndarray  # int64 index arrays, CPU
 
 
+def worker_payload(tokens: int, k: int, hidden: int) -> int:
+    """Floats in a doorbell worker's payload: x [tokens, H]; per item (tokens * k) its weight,
+    expert row, CPU flag and token; the valid item count."""
+    return tokens * hidden + 4 * tokens * k + 1
+
+
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "ftkit" / "kernels"
@@ -92,7 +98,7 @@ class Kernel:
         self.lib.ftk_read.restype = ctypes.c_double
         self.lib.ftk_worker_start.restype = _ptr
         self.lib.ftk_worker_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, ctypes.c_int,
-                                              _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+                                              ctypes.c_int, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
         self.lib.ftk_worker_stop.argtypes = [_ptr]
         self.lib.ftk_runner_start.restype = _ptr
         self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes, _ptr, _ptr, ctypes.c_int32]
@@ -192,19 +198,25 @@ class Kernel:
                       starts.ctypes.data, tok.ctypes.data, w.ctypes.data, rows.ctypes.data, x.data_ptr(),
                       out.data_ptr(), threads), keep)
 
-    def start_worker(self, layout: SlotLayout, row_ptrs: torch.Tensor, k: int, ctrl: torch.Tensor,
+    def start_worker(self, layout: SlotLayout, row_ptrs: torch.Tensor, tokens: int, k: int, ctrl: torch.Tensor,
                      payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int) -> Worker:
-        """Start the doorbell worker of device-driven decode (see `Worker` in experts.cpp).
+        """Start the doorbell worker of device-planned layers (see `Worker` in experts.cpp), for
+        up to `tokens` tokens of `k` routed items each (n = tokens * k items).
         row_ptrs: int64 host address of every expert row; ctrl: int32 control block (bell at
-        word 0, done at word 16); payload: float32 [H + 3k]; out: float32 [k, H]; busy_ns: int64
-        [2] (compute time and count of the layers that had CPU items). All are host tensors that must outlive the worker."""
+        word 0, done at word 16); payload: float32 [tokens * H + 4n + 1] (`worker_payload`);
+        out: float32 [n, H]; busy_ns: int64 [4] (compute time and count of the layers that had
+        CPU items: one-token layers, then multi-token ones). All are host tensors that must
+        outlive the worker."""
         inter, hidden = layout.parts[0].shape
-        if payload.numel() != hidden + 3 * k or out.shape != (k, hidden) or ctrl.numel() < 32 or busy_ns.numel() < 2:
+        n = tokens * k
+        if (payload.numel() != worker_payload(tokens, k, hidden) or out.shape != (n, hidden) or ctrl.numel() < 32
+                or busy_ns.numel() < 4):
             raise ValueError("worker buffers do not match the layout")
         offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
         handle = self.lib.ftk_worker_start(
-            DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), row_ptrs.numel(), row_ptrs.data_ptr(), k,
-            ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(), busy_ns.data_ptr(), threads)
+            DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), row_ptrs.numel(), row_ptrs.data_ptr(), n,
+            tokens, k, ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(),
+            busy_ns.data_ptr(), threads)
         return Worker(self.lib, handle, (row_ptrs, ctrl, payload, out, busy_ns))
 
     def read(self, buf: torch.Tensor, threads: int) -> float:

@@ -356,27 +356,35 @@ int dispatch(int dtype, const Call& c) {
   return -1;
 }
 
-// The CPU branch of device-driven decode. The GPU writes a layer's payload (x, then per routed
-// item its weight, row and a CPU flag, as floats) into mapped memory and rings `bell` with a
-// nonzero value; the worker clears the bell, runs the flagged items from the host pool into
-// `out` [k, H] and writes the value to `done`, which the GPU polls. No Python on the way.
+// The CPU branch of device-planned layers (graph decode, and a short extend planned the same
+// way). The GPU writes a layer's payload into mapped memory and rings `bell` with a nonzero
+// value; the worker clears the bell, runs the flagged items from the host pool into `out`
+// [items, H] (row j for item j) and writes the value to `done`, which the GPU polls. No Python
+// on the way. Payload, all float32: x [tokens, H], then per item its weight, expert row, CPU
+// flag and token (items sections of `items` each), then the number of valid items. Items of
+// one expert (several tokens routed to it) are run as one expert, its weights read once.
 struct Worker {
-  int dtype, H, I, k, threads;
+  int dtype, H, I, items, tokens, k, threads;
   int64_t part_off[3];
   std::vector<const uint8_t*> row_ptr;  // host address of every expert row
   volatile int32_t* bell;
   volatile int32_t* done;
-  const float* payload;  // [H + 3k]: x, weights, rows, flags
-  float* out;            // [k, H]
-  int64_t* busy_ns;      // [2]: compute time and count of layers that had CPU items (the split's balance)
+  const float* payload;
+  float* out;
+  // [4]: compute time and count of the layers that had CPU items, for one-token layers (decode)
+  // and for multi-token ones (the split's balance is kept apart for each)
+  int64_t* busy_ns;
   std::atomic<bool> stop{false};
   std::thread thread;
 
   void loop() {
     auto idle_since = std::chrono::steady_clock::now();
-    std::vector<const uint8_t*> slots(k);
-    std::vector<int64_t> start(k + 1), tok(k, 0), row(k);
-    std::vector<float> w(k);
+    std::vector<const uint8_t*> slots(items);
+    std::vector<int64_t> start(items + 1), tok(items), row(items), expert(items);
+    std::vector<float> w(items);
+    std::vector<int> order(items);
+    const float *x = payload, *weight = x + int64_t(tokens) * H, *rows = weight + items, *flag = rows + items,
+                *token = flag + items, *valid = token + items;
     while (!stop.load(std::memory_order_relaxed)) {
       const int32_t v = *bell;
       if (v == 0) {
@@ -391,24 +399,31 @@ struct Worker {
       *bell = 0;
       std::atomic_thread_fence(std::memory_order_acquire);
       const auto t0 = std::chrono::steady_clock::now();
-      const float* x = payload;
+      const int n_valid = std::min(items, int(*valid));
+      int m = 0;
+      for (int j = 0; j < n_valid; ++j)
+        if (flag[j] != 0.0f) order[m++] = j;
+      std::stable_sort(order.begin(), order.begin() + m,
+                       [&](int a, int b) { return rows[a] < rows[b]; });  // an expert's items together
       int n = 0;
-      for (int j = 0; j < k; ++j) {
-        if (payload[H + 2 * k + j] == 0.0f) continue;
-        slots[n] = row_ptr[int64_t(payload[H + k + j])];
-        w[n] = payload[H + j];
-        row[n] = j;
-        start[n] = n;
-        ++n;
+      for (int a = 0; a < m; ++a) {
+        const int j = order[a];
+        const int64_t r = int64_t(rows[j]);
+        if (n == 0 || expert[n - 1] != r) {
+          expert[n] = r, slots[n] = row_ptr[r], start[n] = a;
+          ++n;
+        }
+        tok[a] = int64_t(token[j]), w[a] = weight[j], row[a] = j;
       }
-      start[n] = n;
+      start[n] = m;
       const Call c{H, I, part_off, n, slots.data(), start.data(), tok.data(), w.data(), row.data(), x, out,
                    threads, nullptr};
       dispatch(dtype, c);
       const auto t1 = std::chrono::steady_clock::now();
       if (n > 0) {
-        busy_ns[0] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-        busy_ns[1] += 1;
+        int64_t* b = busy_ns + (n_valid > k ? 2 : 0);
+        b[0] += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+        b[1] += 1;
       }
       std::atomic_thread_fence(std::memory_order_release);
       *done = v;
@@ -479,10 +494,11 @@ struct Runner {
 extern "C" {
 
 void* ftk_worker_start(int dtype, int H, int I, const int64_t* part_off, int64_t rows, const int64_t* row_ptr,
-                       int k, int32_t* bell, int32_t* done, const float* payload, float* out, int64_t* busy_ns,
-                       int threads) {
+                       int items, int tokens, int k, int32_t* bell, int32_t* done, const float* payload, float* out,
+                       int64_t* busy_ns, int threads) {
   auto* w = new Worker();
-  w->dtype = dtype, w->H = H, w->I = I, w->k = k, w->threads = std::max(1, threads);
+  w->dtype = dtype, w->H = H, w->I = I, w->items = items, w->tokens = tokens, w->k = k;
+  w->threads = std::max(1, threads);
   std::copy(part_off, part_off + 3, w->part_off);
   w->row_ptr.assign((const uint8_t* const*)row_ptr, (const uint8_t* const*)row_ptr + rows);
   w->bell = bell, w->done = done, w->payload = payload, w->out = out, w->busy_ns = busy_ns;

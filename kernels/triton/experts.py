@@ -16,6 +16,11 @@ goes: an item flagged as a fill reads its gate and up matrices from mapped pinne
 extra programs of the same launch copy its down matrix across; the second launch reads down
 from the slot. So a miss crosses PCIe once, the whole expert in one launch (two launches with
 a gap between them reached ~42 GB/s), and the hits' work overlaps the transfer.
+
+The GEMM takes the same two options for a multi-token step planned on the device: an optional
+valid tile count (the grid is the tile list's capacity; tiles past the count do nothing) and
+fill-through tiles, which read their expert from host memory and leave it in their slot as the
+GEMV's fills do.
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ from ftkit.runtime.ftw.manifest import SlotLayout
 
 TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GEMM_M, GEMM_N, GEMM_K = 64, 128, 64  # prefill tile: items x output columns x reduction step
+FILL_N = 32  # gate/up output columns of a GEMM tile when it may fill (the GEMV's width)
 
 
 @triton.jit
-def _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL: tl.constexpr):
-    """(where item i's expert is read from, its slot, whether to write what is read into the slot)."""
-    dst = w_ptr + tl.load(slot_ptr + i).to(tl.int64) * slot_elems
+def _source(w_ptr, slot, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL: tl.constexpr):
+    """(where item (or tile) i's expert is read from, its slot `slot`, whether to write what is
+    read into the slot)."""
+    dst = w_ptr + slot.to(tl.int64) * slot_elems
     src = dst
     copy = False
     if FILL:
@@ -45,23 +52,27 @@ def _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL: t
 
 
 @triton.jit
+def _copy_down(src, dst, down_off, total, p, COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
+    """Copy program p's share (of COPY_PROGS) of a fill's down matrix (`total` elements) into its
+    slot, so PCIe streams the whole expert in the gate/up launch; the down launch reads the slot."""
+    chunk = tl.cdiv(tl.cdiv(total, COPY_PROGS), COPY_BLOCK) * COPY_BLOCK
+    lo = p * chunk
+    for o in range(0, chunk, COPY_BLOCK):
+        e = lo + o + tl.arange(0, COPY_BLOCK)
+        tl.store(dst + down_off + e, tl.load(src + down_off + e, mask=e < total), mask=e < total)
+
+
+@triton.jit
 def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741 (I: the FFN width)
              slot_elems, up_off, down_off, n_gu, FILL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
         return
-    src, dst, copy = _source(w_ptr, slot_ptr, fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL)
-    if FILL and tl.program_id(1) >= n_gu:
-        # The programs past the gate/up tiles copy a fill's down matrix into its slot meanwhile,
-        # so PCIe streams the whole expert in this one launch; `_down` then reads the slot.
+    src, dst, copy = _source(w_ptr, tl.load(slot_ptr + i), fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL)
+    if FILL and tl.program_id(1) >= n_gu:  # the programs past the gate/up tiles copy a fill's down matrix
         if copy:
-            total = H * I
-            chunk = tl.cdiv(tl.cdiv(total, COPY_PROGS), COPY_BLOCK) * COPY_BLOCK
-            lo = (tl.program_id(1) - n_gu) * chunk
-            for o in range(0, chunk, COPY_BLOCK):
-                e = lo + o + tl.arange(0, COPY_BLOCK)
-                tl.store(dst + down_off + e, tl.load(src + down_off + e, mask=e < total), mask=e < total)
+            _copy_down(src, dst, down_off, H * I, tl.program_id(1) - n_gu, COPY_PROGS, COPY_BLOCK)
         return
     t = tl.load(tok_ptr + i).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,21 +165,32 @@ def grouped_expert_gemv(
 
 
 @triton.jit
-def _tile(w_ptr, tile_ptr, slot_elems, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile(tile_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's tile: (its expert's slot, first item, item lanes, their mask, output
     columns, their mask)."""
     tile = tile_ptr + 3 * tl.program_id(0)
     first, rows = tl.load(tile + 1), tl.load(tile + 2)
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return w_ptr + tl.load(tile).to(tl.int64) * slot_elems, first, m, m < rows, n, n < N
+    return tl.load(tile), first, m, m < rows, n, n < N
 
 
 @triton.jit
-def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, h_ptr, H, I, slot_elems, up_off,  # noqa: E741
-                  PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    gate, first, m, mmask, n, nmask = _tile(w_ptr, tile_ptr, slot_elems, I, BLOCK_M, BLOCK_N)
+def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741
+                  slot_elems, up_off, down_off, COUNT: tl.constexpr, FILL: tl.constexpr, PREC: tl.constexpr,
+                  UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    if COUNT:
+        if t >= tl.load(count_ptr):  # past the valid tiles (whose fields may be garbage)
+            return
+    slot, first, m, mmask, n, nmask = _tile(tile_ptr, I, BLOCK_M, BLOCK_N)
+    gate, dst, copy = _source(w_ptr, slot, fill_ptr, row_ptr, addr_ptr, t, slot_elems, FILL)
+    n_gu = tl.cdiv(I, BLOCK_N)
+    if FILL and tl.program_id(1) >= n_gu:  # the programs past the gate/up tiles copy a fill's down matrix
+        if copy:
+            _copy_down(gate, dst, down_off, H * I, tl.program_id(1) - n_gu, COPY_PROGS, COPY_BLOCK)
+        return
     tok = tl.load(tok_ptr + first + m, mask=mmask, other=0).to(tl.int64)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -180,6 +202,9 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, h_ptr, H, I, slot_elems, up_o
         wmask = kmask[:, None] & nmask[None, :]
         g = tl.load(gate + offs, mask=wmask, other=0.0)
         u = tl.load(gate + up_off + offs, mask=wmask, other=0.0)
+        if copy:  # a fill: what was read (in the slot's dtype) goes into the slot at the same offsets
+            tl.store(dst + offs, g, mask=wmask)
+            tl.store(dst + up_off + offs, u, mask=wmask)
         if UPCAST:
             xt, g, u = xt.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(xt, g, acc_g, input_precision=PREC)
@@ -190,11 +215,14 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, h_ptr, H, I, slot_elems, up_o
 
 
 @triton.jit
-def _gemm_down(h_ptr, w_ptr, tile_ptr, dst_ptr, wt_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
-               PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    slot, first, m, mmask, n, nmask = _tile(w_ptr, tile_ptr, slot_elems, H, BLOCK_M, BLOCK_N)
-    down = slot + down_off
+def _gemm_down(h_ptr, w_ptr, tile_ptr, count_ptr, dst_ptr, wt_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
+               COUNT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    if COUNT:
+        if tl.program_id(0) >= tl.load(count_ptr):
+            return
+    slot, first, m, mmask, n, nmask = _tile(tile_ptr, H, BLOCK_M, BLOCK_N)
+    down = w_ptr + slot.to(tl.int64) * slot_elems + down_off  # fills are in their slots by now
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -223,11 +251,17 @@ def gemm_tiles(segments: list[tuple[int, int]]) -> list[int]:
 
 
 def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout, tiles: torch.Tensor,
-                        tokens: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> None:
-    """y[dst[i]] = weights[i] * expert_{slot(i)}(x[tokens[i]]) for every item i of every tile.
+                        tokens: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, y: torch.Tensor,
+                        count: torch.Tensor | None = None,
+                        fills: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """y[dst[i]] = weights[i] * expert_{slot(i)}(x[tokens[i]]) for every item i of every valid tile.
 
     x [T, H]; slots [C, slot_bytes] uint8; tiles int32 [n * 3] from `gemm_tiles` (items sorted
     by expert); tokens, dst int32 [N] (dst: the row of y, distinct per item); weights [N]; y [R, H].
+    count: None (every tile valid) or int32 [1] on the device, the valid number of tiles (the
+    rest are skipped unread; y's rows of their items are untouched). `fills`: (flags int32 [n],
+    rows int64 [n], addr int64 [rows]): a flagged tile reads its expert from the host address
+    `addr[rows[t]]` and copies it into its slot on the way. No host synchronisation either way.
     """
     w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts
@@ -241,9 +275,20 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     # tl.dot takes one dtype: a float32 runtime over 16-bit slots multiplies in float32. Triton's
     # interpreter (CPU tests) multiplies 16-bit tiles wrongly in tl.dot (3.9): upcast there too.
     upcast = x.dtype != w.dtype or (interpreting() and x.dtype != torch.float32)
-    cfg = dict(PREC=prec, UPCAST=upcast, BLOCK_M=GEMM_M, BLOCK_N=GEMM_N, BLOCK_K=GEMM_K, num_warps=4, num_stages=3)
+    cfg = dict(COUNT=count is not None, PREC=prec, UPCAST=upcast, BLOCK_M=GEMM_M, BLOCK_N=GEMM_N, BLOCK_K=GEMM_K,
+               num_warps=4, num_stages=3)
+    count = count if count is not None else tiles
+    flag, rows, addr = fills if fills is not None else (tiles, tiles, tiles)
+    # Reads over PCIe need many in flight: with fills, narrower gate/up tiles give each filled
+    # expert as many reading programs as the GEMV's (a few fills per layer in an extend; at 128
+    # columns each had 6 readers and 6 copiers, and the split moved its misses to the CPU)
+    gu = dict(cfg, BLOCK_N=FILL_N) if fills is not None else cfg
+    n_gu = triton.cdiv(i_dim, gu["BLOCK_N"])
+    copy_progs = n_gu if fills is not None else 0  # as in the GEMV: the down third alongside gate/up
     x = x.contiguous()
-    _gemm_gate_up[(n_tiles, triton.cdiv(i_dim, GEMM_N))](x, w, tiles, tokens, h, h_dim, i_dim, slot_elems,
-                                                          up.offset // esize, **cfg)
-    _gemm_down[(n_tiles, triton.cdiv(h_dim, GEMM_N))](h, w, tiles, dst, weights, y, h_dim, i_dim, slot_elems,
+    _gemm_gate_up[(n_tiles, n_gu + copy_progs)](x, w, tiles, tokens, count, flag, rows, addr, h, h_dim, i_dim,
+                                                slot_elems, up.offset // esize, down.offset // esize,
+                                                FILL=fills is not None, COPY_PROGS=max(copy_progs, 1),
+                                                COPY_BLOCK=2048, **gu)
+    _gemm_down[(n_tiles, triton.cdiv(h_dim, GEMM_N))](h, w, tiles, count, dst, weights, y, h_dim, i_dim, slot_elems,
                                                       down.offset // esize, **cfg)

@@ -1,10 +1,10 @@
 """Device-driven fills and doorbells over mapped pinned host memory (Triton).
 
-Decode decides hits, fills and the CPU set on the GPU, so nothing on the host can issue the
-copies or start the CPU branch. Instead:
+Decode and short extends decide hits, fills and the CPU set on the GPU, so nothing on the host
+can issue the copies or start the CPU branch. Instead:
 - fills are zero-copy reads of the host pool: its buffers are page-locked and mapped, a device
-  table holds each row's address (`device_pointer`), and the grouped GEMV (experts.py) reads a
-  missed expert from there and writes it into its victim slot on the way;
+  table holds each row's address (`device_pointer`), and the grouped GEMV or GEMM (experts.py)
+  reads a missed expert from there and writes it into its victim slot on the way;
 - `ring` writes a doorbell word the CPU worker polls, `wait_done` spins until the worker writes
   the matching word back; both do nothing in a layer that gives the CPU no items. Kernel
   boundaries order these against the payload written before (and read after) them. Between the

@@ -253,11 +253,11 @@ class GraphDecode:
             mask = visible if window is None else visible & (keys > self.pos - window)
             return decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
 
-        self.store.in_graph = True
+        self.store.device_planned = True
         try:
             x, h = self._layers(state, layers, attend)
         finally:
-            self.store.in_graph = False
+            self.store.device_planned = False
         if layers.stop < s.num_layers:
             return x, h
         logits = F.linear(h, dec.lm_head)
@@ -272,13 +272,17 @@ class GraphDecode:
 
     def extend(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits for a few tokens at cache.length.. (an agent turn after a prefix hit), eager,
-        with the experts planned on the host as for any chunk, but the dense part as a graph
-        step has it: one Q/K/V product, norms, RoPE and the cache writes in one launch, the
-        few-query attention kernel, each residual add fused with the RMSNorm after it (8
-        kernels a layer instead of ~23; docs/benchmarks.md has what that did to an extend's
-        time: nothing measurable, as the launches and planning in Python still take more of
-        each layer than its fills and CPU reads)."""
+        with the dense part as a graph step has it: one Q/K/V product, norms, RoPE and the cache
+        writes in one launch, the few-query attention kernel, each residual add fused with the
+        RMSNorm after it (8 kernels a layer instead of ~23). The experts are planned on the
+        device (`DevicePlan.takes`): no layer waits for its routing on the host, which with the
+        host planner cost ~0.8 ms a layer, more than the launches (docs/benchmarks.md)."""
         dec, t, start = self.decoder, input_ids.shape[0], cache.length
+        plan = self.store.device_plan_for_graphs()
+        on_device = plan.takes(t)
+        if on_device:
+            plan.to_device()
+            plan.adapt(extend=True)  # from the extends before this one
         end = cache.room(t)
         self.pos.fill_(start)
         # rotary tables: the static ones, or this run's beyond them (sequences past the capacity)
@@ -289,7 +293,11 @@ class GraphDecode:
             q = self._rope_store(i, h, k_all, v_all, table)
             return self.few.few_query_attention(q, k_all[:end], v_all[:end], start, dec.window(i))
 
-        _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), attend)
+        self.store.device_planned = on_device
+        try:
+            _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), attend)
+        finally:
+            self.store.device_planned = False
         cache.advance(t)
         return F.linear(h[-1:] if last_only else h, dec.lm_head)
 

@@ -1,4 +1,4 @@
-"""Device-side planning for batch-1 decode: hits, fills, victims and the CPU set decided on the GPU.
+"""Device-side planning for decode and short extends: hits, fills, victims and the CPU set decided on the GPU.
 
 The host planner (`planner.py`) reads each layer's routing back to the host, which costs a
 synchronisation per layer and keeps the host on the critical path. Here every decision is made
@@ -12,6 +12,10 @@ MoE layer, six launches and no host work:
 - the grouped GEMV over hits and fills (two kernels): hits read their slots, fills read the
   mapped host pool (zero-copy) and write their victim slots as they go;
 - `wait_done`, then `merge`: one row per routed item, summed in top-k order.
+A short extend (a few tokens after a prefix hit, GraphDecode.extend) runs the same way, eagerly:
+`plan_tokens` decides per expert across the tokens, and a grouped GEMM (one tile per device
+expert, fills read through from mapped memory) replaces the GEMV; the host never waits for a
+layer's routing, so it queues the whole forward pass ahead of the GPU.
 
 The host `SlotCache` stays the state of record between decode runs: `to_device()` loads it
 before graph decode and `to_host()` writes the device state back before the host planner runs
@@ -24,16 +28,29 @@ from collections import OrderedDict
 
 import torch
 
+from ftkit.kernels.cpu import worker_payload
 from ftkit.kernels.triton import plan, zero_copy
-from ftkit.kernels.triton.experts import grouped_expert_gemv
+from ftkit.kernels.triton.experts import GEMM_M, grouped_expert_gemm, grouped_expert_gemv
 
 from ..spec import ModelSpec
 from .cache import SlotCache
-from .planner import CPU, FUSED, HYBRID, OFFLOAD
+from .planner import CPU, CPU_MAX_TOKENS, FUSED, HYBRID, OFFLOAD
 from .pool import HostPool
 from .stats import ExpertStats
 
 MODES = {FUSED: plan.OFFLOAD_MODE, OFFLOAD: plan.OFFLOAD_MODE, CPU: plan.CPU_MODE, HYBRID: plan.HYBRID_MODE}
+MAX_TOKENS = GEMM_M  # tokens of a device-planned extend: an expert's items then fit one GEMM tile
+
+
+class _Split:
+    """A hybrid fill fraction and its device copy, adapted from the counters of the layers that
+    gave the CPU work: one for decode tokens, one for extends (the CPU's cost per expert
+    grows with its tokens, the GPU's hardly)."""
+
+    def __init__(self, fraction: float, device: torch.device):
+        self.fraction = fraction  # host copy: adapting never synchronises
+        self.tensor = torch.tensor(fraction, dtype=torch.float32, device=device)
+        self.seen = (0, 0, 0)  # (gpu ns, cpu ns, layers) at the last update
 
 
 class DevicePlan:
@@ -53,13 +70,13 @@ class DevicePlan:
         self.stamp = torch.full((cap,), -1, dtype=torch.int64, device=dev)  # slot -> last use (-1: free)
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counts = torch.zeros((spec.num_moe_layers, 3), dtype=torch.int64, device=dev)  # hits, fills, cpu
-        self.fill_fraction = ratio or 1.0  # host copy of `ratio`: adapting it never synchronises
-        self.ratio = torch.tensor(self.fill_fraction, dtype=torch.float32, device=dev)
+        self.splits = (_Split(ratio or 1.0, dev), _Split(ratio or 1.0, dev))  # decode, extends
         host_addr = torch.tensor([pool.slot(r).data_ptr() for r in range(self.rows)], dtype=torch.int64)
         mapped = dev.type == "cuda"
         self.addr = (torch.tensor([zero_copy.device_pointer(a) for a in host_addr.tolist()], dtype=torch.int64)
                      if mapped else host_addr).to(dev)
         self.tokens = torch.zeros(k, dtype=torch.int32, device=dev)  # batch 1: every item is token 0
+        self.extend_buffers = plan.TokenBuffers(spec.num_experts, MAX_TOKENS * k, dev)  # serve every extend layer
         self.on_device = False
         self.worker = None
         if strategy in (CPU, HYBRID):
@@ -68,17 +85,18 @@ class DevicePlan:
             h = spec.hidden_size
             pin = dict(pin_memory=mapped)
             self.ctrl = torch.zeros(32, dtype=torch.int32, **pin)
-            self.payload = torch.zeros(h + 3 * k, dtype=torch.float32, **pin)
-            self.out = torch.zeros((k, h), dtype=torch.float32, **pin)
-            self.gpu_ns = torch.zeros(2, dtype=torch.int64, **pin)  # device time, layers (those with CPU items)
-            self.busy_ns = torch.zeros(2, dtype=torch.int64)  # the worker's compute time, layers (same)
+            self.payload = torch.zeros(worker_payload(MAX_TOKENS, k, h), dtype=torch.float32, **pin)
+            self.out = torch.zeros((MAX_TOKENS * k, h), dtype=torch.float32, **pin)
+            # device time and layers (those with CPU items), for decode then for extends
+            self.gpu_ns = torch.zeros(4, dtype=torch.int64, **pin)
+            self.busy_ns = torch.zeros(4, dtype=torch.int64)  # the worker's compute time, layers (same)
             self.rung = torch.zeros(1, dtype=torch.int64, device=dev)  # GPU clock at the ring
             view = (lambda t, off=0: zero_copy.Mapped(t, off)) if mapped else (lambda t, off=0: t[off:])
             self.d_bell, self.d_done = view(self.ctrl, zero_copy.BELL), view(self.ctrl, zero_copy.DONE)
-            self.d_payload, self.d_out, self.d_gpu_ns = view(self.payload), view(self.out), view(self.gpu_ns)
-            self.worker = kernel.start_worker(pool.layout, host_addr, k, self.ctrl, self.payload, self.out,
-                                              self.busy_ns, threads)
-        self._seen = (0, 0, 0)  # (gpu ns, cpu ns, layers) at the last ratio update
+            self.d_payload, self.d_out = view(self.payload), view(self.out)
+            self.d_gpu_ns = (view(self.gpu_ns), view(self.gpu_ns, 2))
+            self.worker = kernel.start_worker(pool.layout, host_addr, MAX_TOKENS, k, self.ctrl, self.payload,
+                                              self.out, self.busy_ns, threads)
 
     # ---- host <-> device state ---------------------------------------------------------------
     @torch.inference_mode()
@@ -120,45 +138,87 @@ class DevicePlan:
             for moe, (hits, fills, cpu) in enumerate(counts.tolist()):
                 self.stats.add(self.spec.moe_layers[moe], hits, fills, cpu)
 
+    @property
+    def fill_fraction(self) -> float:
+        """Decode's hybrid fill fraction."""
+        return self.splits[0].fraction
+
     @torch.inference_mode()
-    def adapt(self, step: float = 0.02, gain: float = 0.5) -> None:
-        """Between steps, move the fill fraction toward balance. Over the layers that gave the
-        CPU work since the last call, the GPU's time for its share (ring to wait, GPU clock)
-        against the worker's busy time: the fraction moves by `gain` times their relative
-        difference (a slower CPU side gets fewer experts). When no layer gave the CPU work, it
-        steps down to offer some again. Without a GPU clock (the interpreter) it stays put."""
+    def adapt(self, extend: bool = False, step: float = 0.02, gain: float = 0.5) -> None:
+        """Between steps (or extends: `extend`), move that kind's fill fraction toward balance.
+        Over its layers that gave the CPU work since the last call, the GPU's time for its share
+        (ring to wait, GPU clock) against the worker's busy time: the fraction moves by `gain`
+        times their relative difference (a slower CPU side gets fewer experts). When no layer
+        gave the CPU work, it steps down to offer some again. Without a GPU clock (the
+        interpreter) it stays put."""
         if self.strategy != HYBRID:
             return
-        gpu, cpu, layers = int(self.gpu_ns[0]), int(self.busy_ns[0]), int(self.busy_ns[1])
-        d_gpu, d_cpu, d_layers = gpu - self._seen[0], cpu - self._seen[1], layers - self._seen[2]
-        self._seen = (gpu, cpu, layers)
+        split, i = self.splits[extend], 2 * extend
+        gpu, cpu, layers = int(self.gpu_ns[i]), int(self.busy_ns[i]), int(self.busy_ns[i + 1])
+        d_gpu, d_cpu, d_layers = gpu - split.seen[0], cpu - split.seen[1], layers - split.seen[2]
+        split.seen = (gpu, cpu, layers)
         if d_layers and not d_gpu:
             return
         change = gain * (d_cpu - d_gpu) / (d_cpu + d_gpu) if d_layers else -step
-        self.fill_fraction = min(1.0, max(0.05, self.fill_fraction + change))
-        self.ratio.fill_(self.fill_fraction)
+        split.fraction = min(1.0, max(0.05, split.fraction + change))
+        split.tensor.fill_(split.fraction)
+
+    def takes(self, tokens: int) -> bool:
+        """Whether `run` plans layers of this many tokens: up to MAX_TOKENS, and for several
+        tokens a cache that holds a whole layer where no CPU branch takes what does not fit."""
+        if tokens == 1:
+            return True
+        whole = self.strategy in (CPU, HYBRID) or self.cache.capacity >= self.spec.num_experts
+        return tokens <= MAX_TOKENS and whole
 
     # ---- one MoE layer, graph-safe ------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Gate-weighted sum of the routed experts for one token x [1, H] (no host sync)."""
+        """Gate-weighted sum of the routed experts for x [T, H] (no host sync): one decode
+        token, or a few (`takes`) planned as one layer."""
+        if x.shape[0] > 1:
+            return self._extend(self.spec.moe_index(layer), x, ids, weights)
         s, k, cap = self.spec, self.spec.top_k, self.cache.capacity
         moe = s.moe_index(layer)
         out = plan.LayerBuffers(k, x.device, weights.dtype)
         plan.plan(ids.reshape(-1), weights.reshape(-1), x.reshape(-1), moe * s.num_experts, self.table, self.owner,
-                  self.stamp, self.clock, self.ratio, self.counts[moe], out,
-                  self.d_payload if self.worker is not None else None, cap, MODES[self.strategy])
+                  self.stamp, self.clock, self.splits[0].tensor, self.counts[moe], out,
+                  self.d_payload if self.worker is not None else None, cap, MODES[self.strategy], MAX_TOKENS)
         if self.worker is not None:  # the CPU set starts first and runs while the GPU computes
             zero_copy.ring(self.d_bell, moe + 1, self.rung, out.gcount)
         dev = None
         if cap:
-            fills = (out.gfill, out.grow, self.addr) if self.strategy in (OFFLOAD, HYBRID) else None
             dev = grouped_expert_gemv(x, self.cache.slots, self.pool.layout, out.gslot, self.tokens, out.gw,
-                                      out.gcount, fills)
-        host = None
+                                      out.gcount, self._fills(out.gfill, out.grow))
+        return plan.merge(dev, self._cpu_rows(moe, out.gcount, 0), out.gpos, s.hidden_size, x.dtype)
+
+    def _extend(self, moe: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A few tokens' layer: experts deduplicated across the tokens, one grouped GEMM tile per
+        device expert (fills read through), the CPU experts on the worker."""
+        s, cap = self.spec, self.cache.capacity
+        t, k = ids.shape
+        out, x = self.extend_buffers, x.contiguous()
+        plan.plan_tokens(ids, weights, x, moe * s.num_experts, s.num_experts, self.table, self.owner, self.stamp,
+                         self.clock, self.splits[1].tensor, self.counts[moe], CPU_MAX_TOKENS, out,
+                         self.d_payload if self.worker is not None else None, cap, MODES[self.strategy], MAX_TOKENS)
         if self.worker is not None:
-            zero_copy.wait_done(self.d_done, moe + 1, self.rung, out.gcount, self.d_gpu_ns)
-            host = self.d_out
-        return plan.merge(dev, host, out.gpos, s.hidden_size, x.dtype)
+            zero_copy.ring(self.d_bell, moe + 1, self.rung, out.gcount)
+        dev = None
+        if cap:
+            dev = torch.empty((MAX_TOKENS * k, s.hidden_size), dtype=x.dtype, device=x.device)
+            grouped_expert_gemm(x, self.cache.slots, self.pool.layout, out.tiles, out.tokens, out.dst, out.weights,
+                                dev, count=out.gcount, fills=self._fills(out.tfill, out.trow))
+        return plan.merge(dev, self._cpu_rows(moe, out.gcount, 1), out.gpos, s.hidden_size, x.dtype, t, k)
+
+    def _fills(self, flags: torch.Tensor, rows: torch.Tensor):
+        """The device kernels' fill-through arguments (none where nothing is filled)."""
+        return (flags, rows, self.addr) if self.strategy in (OFFLOAD, HYBRID) else None
+
+    def _cpu_rows(self, moe: int, count: torch.Tensor, kind: int):
+        """After the device work: wait for the worker (if rung) and give its mapped output rows."""
+        if self.worker is None:
+            return None
+        zero_copy.wait_done(self.d_done, moe + 1, self.rung, count, self.d_gpu_ns[kind])
+        return self.d_out
 
     def close(self) -> None:
         if self.worker is not None:

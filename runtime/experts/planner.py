@@ -26,6 +26,7 @@ from .cache import SlotCache
 
 FUSED, OFFLOAD, CPU, HYBRID, AUTO = "fused", "offload", "cpu", "hybrid", "auto"
 STRATEGIES = (FUSED, OFFLOAD, CPU, HYBRID, AUTO)
+CPU_MAX_TOKENS = 16  # routed tokens per active expert above which hybrid fills every miss
 
 
 @dataclass

@@ -33,7 +33,17 @@ from ftkit.kernels.cpu import load as load_cpu_kernel
 from ..spec import ModelSpec
 from .cache import SlotCache
 from .cpu import CPUExecutor
-from .planner import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES, LayerPlan, Planner
+from .planner import (
+    AUTO,
+    CPU,
+    CPU_MAX_TOKENS,
+    FUSED,
+    HYBRID,
+    OFFLOAD,
+    STRATEGIES,
+    LayerPlan,
+    Planner,
+)
 from .pool import HostPool, expert_forward, expert_weights
 from .prefill import LayerPrefetcher
 from .stats import ExpertStats, LayerClock
@@ -47,7 +57,6 @@ STREAM_FRACTION = 0.75  # a layer routed to this share of its experts makes pref
 STREAM_ITEMS = 4  # ... if it also routes this many items per expert: the next layer then needs ~all of its own
 GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the grouped GEMV
 HOST_SORT_ITEMS = 4096  # routed items up to which the host sorts them by expert (beyond: the device)
-CPU_MAX_TOKENS = 16  # routed tokens per active expert above which hybrid fills every miss
 
 
 def _triton(name: str):
@@ -128,7 +137,7 @@ class ExpertStore:
                   file=sys.stderr)
         self._fill_events: deque = deque()  # (bytes, start, end) CUDA events of fills not yet timed
         self.device_plan: DevicePlan | None = None  # device-side planning of graph decode steps
-        self.in_graph = False  # set while a graph decode step is being recorded or run eagerly
+        self.device_planned = False  # set while layers are planned on the device (graph decode, extends)
         self.version = 0  # bumped when the cache is rebuilt (captured graphs point at its slots)
         self.holding = False  # a chunk-sized forward holds the hottest rows (`_hold_hottest`)
         self.clock: LayerClock | None = None  # marks each host-planned layer's phases when set
@@ -143,7 +152,7 @@ class ExpertStore:
     def run(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Gate-weighted sum of the routed experts for `hidden` [T, H] at model layer `layer`."""
         if self.device_plan is not None and self.device_plan.on_device:
-            if self.in_graph:
+            if self.device_planned:
                 return self.device_plan.run(layer, hidden, topk_ids, topk_weights)
             self.device_plan.to_host()  # the host planner takes over again (prefill, batches)
         self._mark("enter")
@@ -558,8 +567,11 @@ class ExpertStore:
         if self.device_plan is None:
             from .device_plan import DevicePlan  # imports Triton
 
-            self.device_plan = DevicePlan(self.spec, self.pool, self.cache, self.strategy, self.planner.ratio,
-                                          self.kernel, self.cpu.threads, self.stats)
+            # its state must stay writable outside inference mode (graph capture restores it),
+            # also when an extend under inference mode creates it
+            with torch.inference_mode(False):
+                self.device_plan = DevicePlan(self.spec, self.pool, self.cache, self.strategy, self.planner.ratio,
+                                              self.kernel, self.cpu.threads, self.stats)
             self.stats.pull = self.device_plan.flush_stats
         return self.device_plan
 

@@ -275,12 +275,15 @@ def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: i
         sync(rt)
         seconds = time.perf_counter() - t0
         rt.store.clock = None
-        e = rt.store.stats.totals()
+        e, dp = rt.store.stats.totals(), rt.store.device_plan
+        device = dp is not None and dp.on_device and dp.strategy == "hybrid"
+        split = dp.splits[1].fraction if device else rt.store.planner.split
         phases = {f"extend_{name}_ms": ms for name, ms in clock.phases_ms().items()}
         return {**out, "extend": extend, "answer": answer, "extend_seconds": seconds, "extend_active": e.active,
                 "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9, **phases,
-                # hybrid's up-front split after the extend (None: not balanced from outcomes)
-                "extend_fill_fraction": rt.store.planner.split}
+                # hybrid's split after the extend: the device plan's (extends planned there) or the
+                # host planner's up-front one (None: not balanced from outcomes)
+                "extend_fill_fraction": split}
 
 
 def hbm_gbps(device: torch.device) -> float | None:
