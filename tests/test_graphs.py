@@ -240,7 +240,7 @@ def test_plan_tokens_decides_per_expert_across_tokens():
     experts, base, cap, h, max_tokens = 8, 8, 6, 4, 4
     table = torch.full((3 * experts,), -1, dtype=torch.int32)
     owner = torch.tensor([10, 20, 21, -1, 22, 23], dtype=torch.int32)
-    stamp = torch.tensor([5, 1, 3, -1, 2, 4])
+    stamp = torch.tensor([0, 1, 3, -1, 2, 4])  # slot 0: the oldest, but this layer's hit holds it
     for s_, r in enumerate(owner.tolist()):
         if r >= 0:
             table[r] = s_
@@ -255,14 +255,17 @@ def test_plan_tokens_decides_per_expert_across_tokens():
     plan.plan_tokens(*t[:3], base, experts, *t[3:9], 16, out, t[9], cap, plan.HYBRID_MODE, max_tokens)
     table, owner, stamp, clock, counts, payload = (v.cpu() for v in t[3:7] + t[8:])
     # misses 0, 1, 3 ranked 1 (3 tokens), 0, 3; q = round(3 * 0.5) = 2: 1 -> free slot 3, 0 -> slot 1
+    # (slot 0 is older, but held by the hit)
     assert int(table[9]) == 3 and int(table[8]) == 1 and int(table[11]) == -1 and int(table[20]) == -1
     assert owner.tolist() == [10, 8, 21, 9, 22, 23]
     assert int(clock) == 11 and [int(stamp[s_]) for s_ in (0, 1, 3)] == [11, 11, 11]
     assert out.gcount.tolist() == [3, 1] and counts.tolist() == [1, 2, 1]
-    assert out.tiles.cpu()[:9].tolist() == [3, 0, 3, 1, 3, 1, 0, 4, 1]  # (slot, first, items): 1, 0, then hit 2
+    # items sorted by expert: 0 (item 0), 1 (items 1, 2, 5), 2 (item 3), then 3's on the CPU; the
+    # tiles (slot, first, items) take fills first: expert 1, expert 0, then the hit, expert 2
+    assert out.tiles.cpu()[:9].tolist() == [3, 1, 3, 1, 0, 1, 0, 4, 1]
     assert out.tfill.cpu()[:3].tolist() == [1, 1, 0] and out.trow.cpu()[:3].tolist() == [9, 8, 10]
-    assert out.dst.cpu()[:5].tolist() == [1, 2, 5, 0, 3] and out.tokens.cpu()[:5].tolist() == [0, 1, 2, 0, 1]
-    assert out.weights.cpu()[:5].tolist() == pytest.approx([0.4, 0.7, 0.2, 0.6, 0.3])
+    assert out.dst.cpu()[:5].tolist() == [0, 1, 2, 5, 3] and out.tokens.cpu()[:5].tolist() == [0, 0, 1, 2, 1]
+    assert out.weights.cpu()[:5].tolist() == pytest.approx([0.6, 0.4, 0.7, 0.2, 0.3])
     assert out.gpos.cpu()[:6].tolist() == [0, 1, 2, 3, -1, 5]  # item 4 (expert 3) on the CPU
     xn, n = max_tokens * h, max_tokens * k
     assert torch.equal(payload[: 3 * h], x.reshape(-1))
@@ -499,9 +502,9 @@ def _same_turns(ref, got) -> None:
 @pytest.mark.parametrize(("capacity", "cfg"), [
     (128, dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)),
     (8, dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)),
-    (128, dict(strategy="offload", cache_experts=24)),
+    (128, dict(strategy="fused")),
     (128, dict(strategy="cpu")),
-], ids=["hybrid-in-tables", "hybrid-past-tables", "offload", "cpu"])
+], ids=["hybrid-in-tables", "hybrid-past-tables", "fused", "cpu"])
 def test_a_short_extend_runs_the_fused_dense_part(model, capacity, cfg):
     """A few tokens behind the cache (a short prompt, an agent turn after a prefix hit) take
     GraphDecode.extend, experts planned on the device: the logits and K/V rows of the eager
@@ -521,7 +524,7 @@ def test_a_short_extend_matches_across_families(hf_checkpoint, tmp_path, family)
     path = tmp_path / "m.ftw"
     convert(make_plan(hf_checkpoint(family)), path)
     turns = [PROMPT, [33], MORE]
-    got = _turns(path, turns, True, strategy="offload", cache_experts=6)  # under a layer: host-planned
+    got = _turns(path, turns, True, strategy="offload", cache_experts=6)  # offload: host-planned
     assert got[2] == [(len(PROMPT), False), (len(MORE), False)]
     _same_turns(_turns(path, turns, False, strategy="offload", cache_experts=6), got)
 

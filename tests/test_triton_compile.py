@@ -35,7 +35,7 @@ PLAN_SIG = {
 PLAN_TOKENS_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "n_items": "i32", "base": "i32", "table_ptr": "*i32",
     "owner_ptr": "*i32", "stamp_ptr": "*i64", "clock_ptr": "*i64", "ratio_ptr": "*fp32", "counts_ptr": "*i64",
-    "fill_all_above": "i32", "e_tile_ptr": "*i32", "e_first_ptr": "*i32", "tiles_ptr": "*i32", "tfill_ptr": "*i32",
+    "fill_all_above": "i32", "e_tile_ptr": "*i32", "e_hit_ptr": "*i32", "tiles_ptr": "*i32", "tfill_ptr": "*i32",
     "trow_ptr": "*i64", "tok_ptr": "*i32", "sw_ptr": "*fp32", "dst_ptr": "*i32", "gpos_ptr": "*i32",
     "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32", "XN": "i32", "NMAX": "i32",
 }

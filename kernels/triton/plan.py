@@ -31,15 +31,14 @@ NEVER = tl.constexpr(2**62)  # stamp of a slot this layer may not evict
 
 
 @triton.jit
-def _claim(rows, slot, hit, fill, rank, q, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, W: tl.constexpr,
+def _claim(rows, slot, hit, fill, rank, q, held, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, W: tl.constexpr,
            CAP: tl.constexpr):
     """Victims for the fills (lanes of width W): the r-th fill takes the least recently stamped
-    slot that no hit of this layer holds and no earlier fill took (q passes of an argmin, not W);
-    table, owner and stamps updated. Returns the lanes' slots."""
+    slot that no hit of this layer holds (`held` [CAP] > 0) and no earlier fill took (q passes of
+    an argmin, not W); table, owner and stamps updated. Returns the lanes' slots."""
     c = tl.arange(0, CAP)
     stamps = tl.load(stamp_ptr + c, mask=c < cap, other=NEVER)
-    held = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1)
-    stamps = tl.where(held > 0, NEVER, stamps)  # the slots this layer's hits use
+    stamps = tl.where(held > 0, NEVER, stamps)
     for r in range(0, q):
         v = tl.argmin(stamps, axis=0).to(tl.int32)
         stamps = tl.where(c == v, NEVER, stamps)
@@ -110,7 +109,10 @@ def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_pt
     fill = miss & (rank < q)
     on_cpu = miss & (rank >= q)
     if CAP > 0:
-        slot = _claim(rows, slot, hit, fill, rank, q, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, KP, CAP)
+        c = tl.arange(0, CAP)
+        held = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1)  # the hits' slots
+        slot = _claim(rows, slot, hit, fill, rank, q, held, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, KP,
+                      CAP)
     w = tl.load(w_ptr + j, mask=valid, other=0.0)
     dev = hit | fill
     pos = tl.cumsum(dev.to(tl.int32), axis=0) - 1
@@ -130,8 +132,8 @@ def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_pt
 
 @triton.jit
 def _plan_tokens(ids_ptr, w_ptr, x_ptr, n_items, base, table_ptr, owner_ptr, stamp_ptr, clock_ptr, ratio_ptr,
-                 counts_ptr, fill_all_above, e_tile_ptr, e_first_ptr, tiles_ptr, tfill_ptr, trow_ptr, tok_ptr,
-                 sw_ptr, dst_ptr, gpos_ptr, gcount_ptr, payload_ptr, cap, H, XN, NMAX,
+                 counts_ptr, fill_all_above, e_tile_ptr, e_hit_ptr, tiles_ptr, tfill_ptr, trow_ptr, tok_ptr, sw_ptr,
+                 dst_ptr, gpos_ptr, gcount_ptr, payload_ptr, cap, H, XN, NMAX,
                  E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr,
                  CAP: tl.constexpr, MODE: tl.constexpr, HAS_CPU: tl.constexpr, BLOCK_H: tl.constexpr):
     # Per expert of the layer: how many of the n_items (token, k) items route to it.
@@ -160,44 +162,47 @@ def _plan_tokens(ids_ptr, w_ptr, x_ptr, n_items, base, table_ptr, owner_ptr, sta
     fill = miss & (rank < q)
     on_cpu = miss & (rank >= q)
     if CAP > 0:
-        slot = _claim(rows, slot, hit, fill, rank, q, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, EP, CAP)
-    # GEMM tiles, one per device expert: fills first (the long reads over PCIe start first), then hits
+        # the slots this layer's hits hold: those whose owner is a hit row (a gather through
+        # scratch, not a [CAP, experts] comparison)
+        tl.store(e_hit_ptr + e, hit.to(tl.int32), mask=e < E)
+        tl.debug_barrier()
+        c = tl.arange(0, CAP)
+        o = tl.load(owner_ptr + c, mask=c < cap, other=-1) - base
+        held = tl.load(e_hit_ptr + o, mask=(o >= 0) & (o < E), other=0)
+        slot = _claim(rows, slot, hit, fill, rank, q, held, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, EP,
+                      CAP)
+    # The items sorted by expert (then by item): expert e's run starts at the items of the
+    # experts before it. GEMM tiles, one per device expert: fills first (their reads over PCIe
+    # are the long ones), then hits; each points at its expert's run.
+    first = tl.cumsum(cnt, axis=0) - cnt
     dev = hit | fill
     tile = tl.where(fill, rank, tl.sum(fill.to(tl.int32), axis=0) + tl.cumsum(hit.to(tl.int32), axis=0) - 1)
     tile = tl.where(dev, tile, -1)
-    devcnt = tl.where(dev, cnt, 0)
-    first = tl.sum(tl.where((tile[None, :] < tile[:, None]) & dev[None, :], devcnt[None, :], 0), axis=1)
     tl.store(tiles_ptr + 3 * tile, slot, mask=dev)
     tl.store(tiles_ptr + 3 * tile + 1, first, mask=dev)
     tl.store(tiles_ptr + 3 * tile + 2, cnt, mask=dev)
     tl.store(tfill_ptr + tile, fill.to(tl.int32), mask=dev)
     tl.store(trow_ptr + tile, rows, mask=dev)
     tl.store(e_tile_ptr + e, tile, mask=e < E)
-    tl.store(e_first_ptr + e, first, mask=e < E)
     tl.store(gcount_ptr, tl.sum(dev.to(tl.int32), axis=0))
     tl.store(gcount_ptr + 1, tl.sum(on_cpu.to(tl.int32), axis=0))
     _count(counts_ptr, hit, fill, on_cpu)
-    tl.debug_barrier()  # the per-expert decisions above are read back per item below
-    # Per item: its place in its expert's tile (items of an expert in item order), or the CPU.
-    jall = tl.arange(0, NP)
-    idall = tl.load(ids_ptr + jall, mask=jall < n_items, other=-2)
-    for n0 in range(0, NP, BN):
-        jb = n0 + tl.arange(0, BN)
-        valid = jb < n_items
-        idj = tl.load(ids_ptr + jb, mask=valid, other=-1)
-        t = tl.load(e_tile_ptr + idj, mask=valid, other=-1)
-        on_dev = valid & (t >= 0)
-        within = tl.sum(((idall[None, :] == idj[:, None]) & (jall[None, :] < jb[:, None])).to(tl.int32), axis=1)
-        at = tl.load(e_first_ptr + idj, mask=valid, other=0) + within
-        w = tl.load(w_ptr + jb, mask=valid, other=0.0)
-        token = jb // K
-        tl.store(tok_ptr + at, token, mask=on_dev)
-        tl.store(sw_ptr + at, w, mask=on_dev)
-        tl.store(dst_ptr + at, jb, mask=on_dev)
-        tl.store(gpos_ptr + jb, tl.where(on_dev, jb, -1), mask=valid)
-        if HAS_CPU:
-            _payload_items(payload_ptr, jb, valid, w, base + idj.to(tl.int64), valid & (t < 0), token, XN, NMAX)
+    tl.debug_barrier()  # each expert's tile is read back per item below
+    p = tl.arange(0, NP)
+    ids = tl.load(ids_ptr + p, mask=p < n_items, other=E)  # past the items: after every expert
+    key = tl.sort(ids.to(tl.int32) * NP + p)
+    j, idj = key % NP, key // NP  # the item at sorted position p, and its expert
+    valid = idj < E
+    t = tl.load(e_tile_ptr + idj, mask=valid, other=-1)
+    on_dev = valid & (t >= 0)
+    w = tl.load(w_ptr + j, mask=valid, other=0.0)
+    token = j // K
+    tl.store(tok_ptr + p, token, mask=on_dev)
+    tl.store(sw_ptr + p, w, mask=on_dev)
+    tl.store(dst_ptr + p, j, mask=on_dev)
+    tl.store(gpos_ptr + j, tl.where(on_dev, j, -1), mask=valid)
     if HAS_CPU:
+        _payload_items(payload_ptr, j, valid, w, base + idj.to(tl.int64), valid & (t < 0), token, XN, NMAX)
         _payload_x(payload_ptr, x_ptr, (n_items // K) * H, BLOCK_H)
         tl.store(payload_ptr + XN + 4 * NMAX, n_items * 1.0)
 
@@ -250,7 +255,7 @@ class TokenBuffers:
         self.gpos = torch.empty(items, **i32)  # item -> its GEMM output row (itself), -1: CPU
         self.gcount = torch.empty(2, **i32)  # valid tiles, CPU experts
         self.e_tile = torch.empty(experts, **i32)  # scratch: each expert's tile (-1: none)
-        self.e_first = torch.empty(experts, **i32)  # scratch: its first sorted item
+        self.e_hit = torch.empty(experts, **i32)  # scratch: 1 where the expert is a hit
 
 
 def plan(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, base: int, table: torch.Tensor,
@@ -278,7 +283,7 @@ def plan_tokens(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, base:
     nmax = max_tokens * k
     np_ = triton.next_power_of_2(nmax)
     _plan_tokens[(1,)](ids.reshape(-1), weights.reshape(-1), x, t * k, base, table, owner, stamp, clock, ratio,
-                       counts, fill_all_above, out.e_tile, out.e_first, out.tiles, out.tfill, out.trow, out.tokens,
+                       counts, fill_all_above, out.e_tile, out.e_hit, out.tiles, out.tfill, out.trow, out.tokens,
                        out.weights, out.dst, out.gpos, out.gcount, payload if payload is not None else x, cap,
                        x.shape[1], max_tokens * x.shape[1], nmax, E=experts, EP=triton.next_power_of_2(experts),
                        K=k, NP=np_, BN=min(64, np_), CAP=triton.next_power_of_2(cap) if cap else 0, MODE=mode,

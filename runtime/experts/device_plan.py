@@ -164,12 +164,11 @@ class DevicePlan:
         split.tensor.fill_(split.fraction)
 
     def takes(self, tokens: int) -> bool:
-        """Whether `run` plans layers of this many tokens: up to MAX_TOKENS, and for several
-        tokens a cache that holds a whole layer where no CPU branch takes what does not fit."""
-        if tokens == 1:
-            return True
-        whole = self.strategy in (CPU, HYBRID) or self.cache.capacity >= self.spec.num_experts
-        return tokens <= MAX_TOKENS and whole
+        """Whether `run` plans layers of this many tokens: one, or up to MAX_TOKENS where a CPU
+        branch takes part (or nothing is filled). Offload extends stay host-planned: every miss
+        is a fill there, and the fill-through GEMM moved them at ~25 GB/s where the host's DMA
+        copies reach ~50 (an extend took 91 ms against ~46; docs/benchmarks.md)."""
+        return tokens == 1 or (tokens <= MAX_TOKENS and self.strategy in (CPU, HYBRID, FUSED))
 
     # ---- one MoE layer, graph-safe ------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
