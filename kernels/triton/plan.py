@@ -31,6 +31,16 @@ NEVER = tl.constexpr(2**62)  # stamp of a slot this layer may not evict
 
 
 @triton.jit
+def _lookup(table_ptr, rows, lanes, W: tl.constexpr, CAP: tl.constexpr):
+    """The lanes' slots from the residency table (-1: not resident), hits and misses."""
+    if CAP > 0:
+        slot = tl.load(table_ptr + rows, mask=lanes, other=-1)
+    else:
+        slot = tl.full([W], -1, tl.int32)
+    return slot, lanes & (slot >= 0), lanes & (slot < 0)
+
+
+@triton.jit
 def _claim(rows, slot, hit, fill, rank, q, held, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, W: tl.constexpr,
            CAP: tl.constexpr):
     """Victims for the fills (lanes of width W): the r-th fill takes the least recently stamped
@@ -97,12 +107,7 @@ def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_pt
     j = tl.arange(0, KP)
     valid = j < K
     rows = base + tl.load(ids_ptr + j, mask=valid, other=0).to(tl.int64)
-    if CAP > 0:
-        slot = tl.load(table_ptr + rows, mask=valid, other=-1)
-    else:
-        slot = tl.full([KP], -1, tl.int32)
-    hit = valid & (slot >= 0)
-    miss = valid & (slot < 0)
+    slot, hit, miss = _lookup(table_ptr, rows, valid, KP, CAP)
     miss_i = miss.to(tl.int32)
     rank = tl.cumsum(miss_i, axis=0) - 1
     q = _fill_count(tl.sum(miss_i, axis=0), ratio_ptr, MODE)
@@ -145,12 +150,7 @@ def _plan_tokens(ids_ptr, w_ptr, x_ptr, n_items, base, table_ptr, owner_ptr, sta
         cnt += tl.sum((e[:, None] == idj[None, :]).to(tl.int32), axis=1)
     active = (cnt > 0) & (e < E)
     rows = base + e.to(tl.int64)
-    if CAP > 0:
-        slot = tl.load(table_ptr + rows, mask=active, other=-1)
-    else:
-        slot = tl.full([EP], -1, tl.int32)
-    hit = active & (slot >= 0)
-    miss = active & (slot < 0)
+    slot, hit, miss = _lookup(table_ptr, rows, active, EP, CAP)
     # misses ranked most-used first (ties: lower expert first): the first q are filled
     before = (cnt[None, :] > cnt[:, None]) | ((cnt[None, :] == cnt[:, None]) & (e[None, :] < e[:, None]))
     rank = tl.sum((miss[None, :] & before).to(tl.int32), axis=1)
