@@ -19,6 +19,7 @@ import torch
 
 from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
+from ftkit.runtime.experts.planner import HYBRID
 from ftkit.runtime.experts.stats import LayerClock
 
 from .routing import RoutingOverride
@@ -276,8 +277,8 @@ def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: i
         seconds = time.perf_counter() - t0
         rt.store.clock = None
         e, dp = rt.store.stats.totals(), rt.store.device_plan
-        device = dp is not None and dp.on_device and dp.strategy == "hybrid"
-        split = dp.splits[1].fraction if device else rt.store.planner.split
+        on_device = dp is not None and dp.strategy == HYBRID and dp.takes(extend)  # the extend was planned there
+        split = dp.splits[1].fraction if on_device else rt.store.planner.split
         phases = {f"extend_{name}_ms": ms for name, ms in clock.phases_ms().items()}
         return {**out, "extend": extend, "answer": answer, "extend_seconds": seconds, "extend_active": e.active,
                 "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9, **phases,
