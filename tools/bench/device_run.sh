@@ -10,9 +10,9 @@
 # chunks beside the PCIe bound, layer streaming on and off, each followed by a 32-token answer
 # and a 32-token extend), extend (an agent turn with concentrated synthetic routing, reuse 0.9:
 # 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
-# EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (that hybrid extend, or with AB_RUN=decode hybrid
-# graph decode, with AB_RUN=zerocopy the fills bench, for each tree of AB in turn, alternated on
-# one machine), sampled (hybrid decode
+# EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (for each tree of AB in turn, alternated on one
+# machine, each run of AB_RUN: extend, the hybrid extend; decode, hybrid graph decode; zerocopy,
+# the fills bench), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s
 # at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
@@ -99,20 +99,22 @@ if has extend; then
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
   q12            # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
-  for run in ${AB:-}; do  # AB_RUN=extend (hybrid extends, REPEAT turns), decode (hybrid graph
-    d=${run%%=*} name=${run#*=}  # decode) or zerocopy (the fills bench)
+  for run in ${AB:-}; do  # AB_RUN: one or more of extend (hybrid extends, REPEAT turns), decode
+    d=${run%%=*} name=${run#*=}  # (hybrid graph decode), zerocopy (the fills bench)
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
-    case "${AB_RUN:-extend}" in
-      decode) decode hybrid on --json "$OUT/ab-$name.json" > "$OUT/ab-$name.txt" 2>&1 ;;
-      zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name.json" > "$OUT/ab-$name.txt" 2>&1 ;;
-      *) extend hybrid ${REPEAT:-10} --json "$OUT/ab-$name.json" > "$OUT/ab-$name.txt" 2>&1 ;;
-    esac && $PY -c "import json, sys; out = json.load(open(sys.argv[1]))
+    for kind in ${AB_RUN:-extend}; do
+      case $kind in
+        decode) decode hybrid on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        *) extend hybrid ${REPEAT:-10} --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+      esac && $PY -c "import json, sys; out = json.load(open(sys.argv[1]))
 if 'runs' not in out:  # the fills bench: fill-through GB/s per kernel and misses
     what = ' '.join(f\"{r['kernel']}x{r['slots']} {r['fill_through_gbps']:.1f}\" for r in out['results'])
 else:
     d, p = out['runs'][0]['decode'], (out['runs'][0]['prefill'] or [{}])[0]
     what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound)\"
-print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name.json" "$name ($d)" || echo "$name ($d): failed, see ab-$name.txt"
+print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name-$kind.json" "$name ($d) $kind" || echo "$name ($d) $kind: failed, see ab-$name-$kind.txt"
+    done
   done
   $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/ab-pip.txt" 2>&1  # this tree again
 fi
