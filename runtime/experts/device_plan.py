@@ -164,11 +164,13 @@ class DevicePlan:
         split.tensor.fill_(split.fraction)
 
     def takes(self, tokens: int) -> bool:
-        """Whether `run` plans layers of this many tokens: one, or up to MAX_TOKENS where a CPU
-        branch takes part (or nothing is filled). Offload extends stay host-planned: every miss
-        is a fill there, and the fill-through GEMM moved them at ~25 GB/s where the host's DMA
-        copies reach ~50 (an extend took 91 ms against ~46; docs/benchmarks.md)."""
-        return tokens == 1 or (tokens <= MAX_TOKENS and self.strategy in (CPU, HYBRID, FUSED))
+        """Whether `run` plans layers of this many tokens: one, or up to MAX_TOKENS. Offload only
+        where a layer's experts all fit the cache at once (nothing else could run a miss that
+        finds no free slot); the others send such misses to the CPU (fused holds every expert)."""
+        if tokens == 1:
+            return True
+        experts = min(tokens * self.spec.top_k, self.spec.num_experts)
+        return tokens <= MAX_TOKENS and (self.strategy != OFFLOAD or experts <= self.cache.capacity)
 
     # ---- one MoE layer, graph-safe ------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

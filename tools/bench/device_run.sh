@@ -11,8 +11,8 @@
 # and a 32-token extend), extend (an agent turn with concentrated synthetic routing, reuse 0.9:
 # 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
 # EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (for each tree of AB in turn, alternated on one
-# machine, each run of AB_RUN: extend, the hybrid extend; decode, hybrid graph decode; zerocopy,
-# the fills bench), sampled (hybrid decode
+# machine, each run of AB_RUN: extend, that extend with AB_STRATEGIES (default hybrid); decode,
+# hybrid graph decode; zerocopy, the fills bench), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s
 # at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
@@ -106,7 +106,7 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
       case $kind in
         decode) decode hybrid on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
-        *) extend hybrid ${REPEAT:-10} --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        *) extend ${AB_STRATEGIES:-hybrid} ${REPEAT:-10} --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
       esac && $PY -c "import json, sys; out = json.load(open(sys.argv[1]))
 if 'runs' not in out:  # the fills bench: fill-through GB/s per kernel and misses
     what = ' '.join(f\"{r['kernel']}x{r['slots']} {r['fill_through_gbps']:.1f}\" for r in out['results'])
