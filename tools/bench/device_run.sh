@@ -12,7 +12,7 @@
 # 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
 # EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (for each tree of AB in turn, alternated on one
 # machine, each run of AB_RUN: extend, that extend with AB_STRATEGIES (default hybrid); decode,
-# hybrid graph decode; zerocopy, the fills bench), sampled (hybrid decode
+# hybrid graph decode; zerocopy, the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s
 # at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
@@ -106,6 +106,9 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
       case $kind in
         decode) decode hybrid on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        cpubw) for t in ${CPU_TOKENS:-1 9}; do  # the CPU kernel alone, T tokens per expert
+            $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 2 --seconds 1 --tokens $t --experts-per-call 10 \
+                --no-torch 2>&1 | grep -E '^\S* +15 ' | sed "s/^/$name T=$t /"; done; continue ;;
         *) extend ${AB_STRATEGIES:-hybrid} ${REPEAT:-10} --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
       esac && $PY -c "import json, sys; out = json.load(open(sys.argv[1]))
 if 'runs' not in out:  # the fills bench: fill-through GB/s per kernel and misses
