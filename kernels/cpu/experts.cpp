@@ -70,6 +70,7 @@ inline V load_bf16(const uint8_t* p) {
 }
 inline V load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline V load_i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+inline V pin(V v) { asm("" : "+v"(v)); return v; }  // v, in a register (see `dot`)
 const char* const ISA = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int W = 8, TBMAX = 4;  // 2 rows x 4 tokens = 8 accumulators of 16 registers
@@ -90,6 +91,7 @@ inline V load_bf16(const uint8_t* p) {
 }
 inline V load_f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline V load_i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+inline V pin(V v) { asm("" : "+v"(v)); return v; }
 const char* const ISA = "avx2";
 #else
 constexpr int W = 1, TBMAX = 4;  // portable scalar code (still correct, far from DRAM speed)
@@ -104,6 +106,7 @@ inline float vsum(V a) { return a; }
 inline V load_bf16(const uint8_t* p) { uint16_t b; std::memcpy(&b, p, 2); return bf16_to_float(b); }
 inline V load_f16(const uint8_t* p) { uint16_t b; std::memcpy(&b, p, 2); return half_to_float(b); }
 inline V load_i8(const uint8_t* p) { return float(int8_t(*p)); }
+inline V pin(V v) { return v; }
 const char* const ISA = "scalar";
 #endif
 
@@ -159,7 +162,9 @@ void dot(const uint8_t* const* rows, int n, const float* const* xs, float (*s)[T
   int i = 0;
   for (; i + W <= n; i += W) {
     V x[TB];
-    for (int t = 0; t < TB; ++t) x[t] = vload(xs[t] + i);
+    // pin: else g++ folds the load into every row's FMA, R loads of each x (from L2 once
+    // several tokens' x outgrow L1) instead of one
+    for (int t = 0; t < TB; ++t) x[t] = pin(vload(xs[t] + i));
     for (int r = 0; r < R; ++r) {
       __builtin_prefetch(rows[r] + L::row_bytes(i) + PREFETCH);
       const V w = L::vec(rows[r], i);
@@ -223,6 +228,18 @@ int chunk_rows(int rows, long experts, int threads, int lo, int hi) {
   return int(std::max<long>(lo, std::min<long>(hi, per))) & ~1;  // even: down rows go in pairs
 }
 
+// Expert e's assignments in blocks of at most TBMAX, as even as can be (9 = 5 + 4, not 8 + 1: a
+// block of one runs the weights again at one FMA per load): f(a0, tb) for each block.
+template <class F>
+void token_blocks(const Call& c, long e, F f) {
+  const int64_t n = c.start[e + 1] - c.start[e], blocks = (n + TBMAX - 1) / TBMAX;
+  for (int64_t b = 0, a0 = c.start[e]; b < blocks; ++b) {
+    const int tb = int(n / blocks + (b < n % blocks));
+    f(a0, tb);
+    a0 += tb;
+  }
+}
+
 // h[a] = silu(gate x) * (up x) for expert e's assignments a, rows i0..i1-1 of gate and up.
 template <class L>
 void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
@@ -230,8 +247,7 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const size_t rb = L::row_bytes(H);
   const uint8_t* gate = c.slots[e] + c.part_off[0];
   const uint8_t* up = c.slots[e] + c.part_off[1];
-  for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
-    const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
+  token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* xs[TBMAX];
     for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
     for (int i = i0; i < i1; ++i) {
@@ -240,7 +256,7 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
       dot_n<L, 2>(tb, rows, H, xs, s);
       for (int t = 0; t < tb; ++t) h[size_t(a0 + t) * I + i] = s[0][t] / (1.0f + std::exp(-s[0][t])) * s[1][t];
     }
-  }
+  });
 }
 
 // out[out_row[a]][j0..j1-1] = weight[a] * (down h[a]) for expert e's assignments a.
@@ -249,8 +265,7 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   const int H = c.H, I = c.I;
   const size_t rb = L::row_bytes(I);
   const uint8_t* down = c.slots[e] + c.part_off[2];
-  for (int64_t a0 = c.start[e]; a0 < c.start[e + 1]; a0 += TBMAX) {
-    const int tb = int(std::min<int64_t>(TBMAX, c.start[e + 1] - a0));
+  token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* hs[TBMAX];
     for (int t = 0; t < tb; ++t) hs[t] = h + size_t(a0 + t) * I;
     for (int j = j0; j < j1; j += 2) {
@@ -264,7 +279,7 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
         for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * s[q][t];
       }
     }
-  }
+  });
 }
 
 // Every expert of the call: all gate/up rows, a barrier, all down rows.
