@@ -19,8 +19,9 @@ a gap between them reached ~42 GB/s), and the hits' work overlaps the transfer.
 
 The GEMM takes the same two options for a multi-token step planned on the device: an optional
 valid tile count (the grid is the tile list's capacity; tiles past the count do nothing) and
-fill-through tiles, which read their expert from host memory and leave it in their slot as the
-GEMV's fills do.
+fill-through tiles, which leave their expert in its slot as the GEMV's fills do, but copy
+their gate/up rows across in contiguous blocks before multiplying from the slot (host loads
+inside the product loop moved 25-38 GB/s, the block copy ~50: docs/benchmarks.md).
 """
 
 from __future__ import annotations
