@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ftkit.kernels.triton import attention, decode, experts, norm, plan, router, zero_copy  # noqa: E402
+from ftkit.kernels.triton import attention, decode, experts, gemv, norm, plan, router, zero_copy  # noqa: E402
 
 PLAN_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "base": "i32", "table_ptr": "*i32",
@@ -71,6 +71,8 @@ KERNELS = [
       for count, fill, copy, width in ((False, False, 1, {}), (True, True, 24, dict(BLOCK_N=experts.FILL_N)))),
     *((experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
                             "down_off": "i32"}, dict(GEMM_CONSTS, COUNT=count)) for count in (False, True)),
+    (gemv._gemv, {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"},
+     dict(BN=16, BK=512, HAS_BIAS=True)),
     (router._softmax_topk, {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32"},
      dict(K=8, KP=8, RENORM=True, BLOCK=128)),
     (decode._rope_store, {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",

@@ -101,3 +101,22 @@ def test_rms_norms_match_torch(dtype):
         assert torch.equal(s.cpu(), x + delta)
     assert torch.allclose(h.cpu().float(), rms_norm(x + delta, w, 1e-6).float(), **tol)
     assert torch.allclose(triton_rms_norm(x.to(DEV), w.to(DEV), 1e-6).cpu().float(), rms_norm(x, w, 1e-6).float(), **tol)
+
+
+@pytest.mark.parametrize("n, k, bias, bn", [(40, 96, False, None), (7, 130, True, 4), (128, 64, False, 1)])
+def test_gemv_matches_linear(n, k, bias, bn):
+    """One token through the Triton GEMV as through F.linear: float32 sums, one rounding (the
+    interpreter rounds toward zero, so two bf16 steps of slack)."""
+    import torch.nn.functional as F
+
+    from ftkit.kernels.triton.gemv import gemv
+
+    gen = torch.Generator().manual_seed(n)
+    w, x = torch.randn((n, k), generator=gen).bfloat16(), torch.randn((1, k), generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    ref = F.linear(x.float(), w.float(), b.float() if bias else None)
+    got = gemv(*(t.to(DEV) if t is not None else None for t in (x, w, b)), bn=bn, bk=32)
+    assert got.shape == (1, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2**-6, atol=1e-2)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(x.to(DEV), w.to(DEV).t())

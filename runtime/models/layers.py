@@ -29,6 +29,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear. One token on CUDA goes through the Triton GEMV instead (kernels/triton/gemv.py):
+    cuBLAS took 5.1 us for a router's 128 x 2048 product in a graph decode step, the GEMV 1.8."""
+    if (x.is_cuda and weight.dim() == 2 and x.numel() == weight.shape[1] and x.is_contiguous()
+            and weight.is_contiguous() and _triton_gemv() is not None):
+        return _triton_gemv()(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [T, k], weights [T, k] as `dtype`): softmax over all experts in float32, the k
     largest (descending, as torch.topk), optionally renormalised to sum to one. On CUDA one
@@ -49,6 +58,15 @@ def _triton_router():
     except ImportError:
         return None
     return triton_softmax_topk
+
+
+@functools.cache
+def _triton_gemv():
+    try:
+        from ftkit.kernels.triton.gemv import gemv
+    except ImportError:
+        return None
+    return gemv
 
 
 @functools.cache

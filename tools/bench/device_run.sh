@@ -14,7 +14,8 @@
 # machine, each run of AB_RUN: extend, that extend with AB_STRATEGIES (default hybrid); decode,
 # hybrid graph decode; zerocopy, the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
-# attention behind cached keys: flash against the masked kernel), cpubw (the CPU kernel's GB/s
+# attention behind cached keys: flash against the masked kernel), dense (a decode step's small
+# launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the CPU kernel's GB/s
 # at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
 # files); the tables also go to stdout.
 set -uo pipefail
@@ -55,6 +56,9 @@ if has gpu; then
 fi
 if has zerocopy; then
   $PY -m ftkit.tools.bench.zero_copy --json "$OUT/zero_copy.json" 2>&1 | tee "$OUT/zero_copy.txt"
+fi
+if has dense; then  # a decode step's small launches one by one in a CUDA graph (cuBLAS vs Triton GEMV, warps)
+  $PY -m ftkit.tools.bench.dense_kernels --json "$OUT/dense_kernels.json" 2>&1 | tee "$OUT/dense_kernels.txt"
 fi
 if has attn; then
   $PY -m ftkit.tools.bench.chunk_attention --json "$OUT/chunk_attention.json" 2>&1 | tee "$OUT/chunk_attention.txt"

@@ -1,0 +1,59 @@
+"""A batch-1 linear layer (Triton): y = W x (+ b) for one token, W [N, K] row-major.
+
+A graph decode step multiplies one token by every dense projection of every layer. cuBLAS
+runs these as small GEMMs, and at the smallest shapes its launch is most of the time: inside a
+CUDA graph on the H200 (tools/bench/dense_kernels.py, qwen3-30b-a3b shapes), the router's
+128 x 2048 product took 5.1 us through cuBLAS and 1.8 us here; the output projection (2048 x
+4096, a split-K kernel plus its reduction launch) 9.4 us and 8.2 us; the Q/K/V product (5120 x
+2048) 8.2 us and 8.5 us (graph decode keeps cuBLAS for that one); lm_head ran at 4.2 TB/s both
+ways. Here each program owns BN output rows and streams them whole over K, about four programs
+per SM, nothing reduced across programs. Same maths as F.linear: products summed in float32,
+the bias added in float32, one rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nm = n < N
+    acc = tl.zeros([BN, BK], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+def rows_per_program(n: int, programs: int = 512) -> int:
+    """BN: a power of two from 1 to 16, the largest that still gives `programs` programs (about
+    four per SM of an H100/H200) over n rows."""
+    bn = 1
+    while bn < 16 and n // (2 * bn) >= programs:
+        bn *= 2
+    return bn
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, bn: int | None = None,
+         bk: int = 512, num_warps: int = 8) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [1, K] or [K] (CUDA, contiguous weight [N, K])."""
+    n, k = weight.shape
+    if x.numel() != k or not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError(f"gemv takes one contiguous token of {k} features and a contiguous weight, got "
+                         f"{tuple(x.shape)}")
+    bn = bn or rows_per_program(n)
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _gemv[(triton.cdiv(n, bn),)](x, weight, bias if bias is not None else weight, out, n, k, BN=bn,
+                                 BK=min(bk, triton.next_power_of_2(k)), HAS_BIAS=bias is not None,
+                                 num_warps=num_warps)
+    return out

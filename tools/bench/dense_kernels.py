@@ -1,0 +1,148 @@
+"""A graph decode step's small launches, each timed inside a CUDA graph:
+`python -m ftkit.tools.bench.dense_kernels --json OUT`.
+
+Past the expert traffic, a hybrid decode token on the qwen3-30b-a3b shape spends about 0.6 ms
+in a dozen small launches per layer (docs/benchmarks.md). This times them one by one, as a
+captured step runs them (back to back in one graph, so each figure includes the gap between
+two launches), at that shape:
+- `noop`: a Triton kernel that stores one word: the floor of any launch;
+- the dense products of one token (Q/K/V, output projection, router, lm_head) through cuBLAS
+  (`F.linear`) and through the Triton GEMV (kernels/triton/gemv.py) at several tile shapes,
+  each over enough distinct copies of the weight that nothing is served from the GPU's L2;
+- the router's softmax-top-k, the device planner's `plan` (8 misses, half filled, so 4 victim
+  passes: every layer's rows are cycled through a cache that cannot hold them) and the merge,
+  at several warp counts.
+Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from rich.console import Console
+from rich.table import Table
+
+from ftkit.kernels.triton import plan as dplan
+from ftkit.kernels.triton import zero_copy
+from ftkit.kernels.triton.gemv import gemv, rows_per_program
+from ftkit.kernels.triton.norm import add_rms_norm
+from ftkit.kernels.triton.router import softmax_topk
+
+from .presets import preset_spec
+
+COLD_BYTES = 256 << 20  # weights cycled per replay: past the H200's 50 MB L2
+
+
+@triton.jit
+def _noop(p):
+    tl.store(p, 1)
+
+
+def _us_per_call(calls: list, replays: int = 20) -> float:
+    """Microseconds per call of `calls` (zero-argument functions), captured back to back in one
+    graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles, cuBLAS heuristics
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
+def _linears(rows: list, shapes: dict[str, tuple[int, int]]) -> None:
+    x = torch.randn(1, 4096 * 4, dtype=torch.bfloat16, device="cuda")
+    for name, (n, k) in shapes.items():
+        nbytes = n * k * 2
+        copies = max(1, min(64, math.ceil(COLD_BYTES / nbytes)))
+        ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        xk = x[:, :k].contiguous()
+        ref = F.linear(xk, ws[0]).float()
+        variants = {"cublas": lambda w, xk=xk: F.linear(xk, w)}
+        base = rows_per_program(n)
+        for bn in sorted({max(1, base // 2), base, min(32, base * 2)}):
+            for bk in (256, 512):
+                for warps in (4, 8):
+                    variants[f"gemv bn={bn} bk={bk} w={warps}"] = (
+                        lambda w, xk=xk, bn=bn, bk=bk, warps=warps: gemv(xk, w, bn=bn, bk=bk, num_warps=warps))
+        for label, fn in variants.items():
+            err = (fn(ws[0]).float() - ref).abs().max().item()
+            us = _us_per_call([lambda w=w, fn=fn: fn(w) for w in ws])
+            rows.append(dict(kernel=name, variant=label, us=us, gbps=nbytes / us / 1e3, max_err=err))
+        del ws
+
+
+def _small(rows: list, spec) -> None:
+    k, e, h = spec.top_k, spec.num_experts, spec.hidden_size
+    logits = torch.randn(1, e, dtype=torch.bfloat16, device="cuda")
+    for warps in (1, 2, 4):
+        us = _us_per_call([lambda warps=warps: softmax_topk(logits, k, True, torch.bfloat16, num_warps=warps)] * 16)
+        rows.append(dict(kernel="softmax_topk", variant=f"w={warps}", us=us))
+    layers, cap = 200, 537  # 1600 rows cycled through 537 slots: LRU misses every one
+    table = torch.full((layers * e,), -1, dtype=torch.int32, device="cuda")
+    owner = torch.full((cap,), -1, dtype=torch.int32, device="cuda")
+    stamp = torch.full((cap,), -1, dtype=torch.int64, device="cuda")
+    clock = torch.zeros((), dtype=torch.int64, device="cuda")
+    ratio = torch.tensor(0.5, device="cuda")
+    counts = torch.zeros(3, dtype=torch.int64, device="cuda")
+    ids = torch.randperm(e, device="cuda")[:k].contiguous()
+    w = torch.rand(k, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(h, dtype=torch.bfloat16, device="cuda")
+    host = torch.zeros(h + 4 * k + 1, dtype=torch.float32, pin_memory=True)
+    payload = zero_copy.Mapped(host)
+    out = dplan.LayerBuffers(k, torch.device("cuda"), w.dtype)
+    for warps in (1, 2, 4, 8):
+        calls = [lambda b=b, warps=warps: dplan.plan(ids, w, x, b * e, table, owner, stamp, clock, ratio, counts, out, payload,
+                                        cap, dplan.HYBRID_MODE, num_warps=warps) for b in range(layers)]
+        rows.append(dict(kernel="plan (4 fills)", variant=f"w={warps}", us=_us_per_call(calls, replays=5)))
+    dev = torch.randn(k, h, dtype=torch.bfloat16, device="cuda")
+    gpos = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5], dtype=torch.int32, device="cuda")[:k]
+    rows.append(dict(kernel="merge", variant="as is",
+                     us=_us_per_call([lambda: dplan.merge(dev, payload, gpos, h, torch.bfloat16)] * 16)))
+    r, d, nw = (torch.randn(1, h, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    rows.append(dict(kernel="add_rms_norm", variant="as is",
+                     us=_us_per_call([lambda: add_rms_norm(r, d, nw, 1e-6)] * 16)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    spec = preset_spec("qwen3-30b-a3b", 1)
+    h, d = spec.hidden_size, spec.head_dim
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    rows = [dict(kernel="noop", variant="triton", us=_us_per_call([lambda: _noop[(1,)](flag)] * 64))]
+    _small(rows, spec)
+    _linears(rows, {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h), "o": (h, spec.num_heads * d),
+                    "router": (spec.num_experts, h), "lm_head": (spec.vocab_size, h)})
+    table = Table(title="a decode step's launches, each inside a CUDA graph (us per launch, gap included)")
+    for c in ("kernel", "variant", "us", "GB/s", "max err"):
+        table.add_column(c, justify="left" if c in ("kernel", "variant") else "right")
+    for r in rows:
+        table.add_row(r["kernel"], r["variant"], f"{r['us']:.2f}", f"{r['gbps']:.0f}" if "gbps" in r else "",
+                      f"{r['max_err']:.1e}" if "max_err" in r else "")
+    Console().print(table)
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
