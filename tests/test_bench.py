@@ -55,6 +55,24 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
         assert p["extend_fill_fraction"] is None and p["extend_fill_fraction_all"] == [None] * 3
 
 
+def test_hybrid_graph_decode_reports_both_sides(tiny):
+    """Device-planned hybrid decode (graph steps run eagerly here) reports the two sides its
+    split balances: the worker's compute time and rate over the timed layers with CPU items
+    (the GPU clock reads 0 in the interpreter)."""
+    from ftkit.runtime.engine.graphs import GraphDecode
+
+    rt = runtime(tiny, strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
+    rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+    d = run.decode(rt, 4, 4, None, FIGS)
+    assert d["cpu"] > 0 and 0 < d["cpu_layers"] <= 4 * rt.spec.num_moe_layers
+    assert d["cpu_side_ms_per_token"] > 0 and d["gpu_side_ms_per_token"] >= 0
+    assert d["cpu_side_gbps"] == pytest.approx(d["cpu_gb_per_token"] / d["cpu_side_ms_per_token"] * 1e3)
+    rt.close()
+    off = runtime(tiny, strategy="offload", cache_experts=8)
+    assert run.decode(off, 2, 4, None, FIGS)["cpu_side_ms_per_token"] is None  # no CPU worker
+    off.close()
+
+
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):
     rt = runtime(tiny, strategy="offload", cache_experts=20)
     rec = Recorder(rt.decoder)

@@ -91,6 +91,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         first = int(ids[start])
         rt.store.stats.reset()
         sync(rt)
+        sides = _sides(rt)
         t0 = time.perf_counter()
         if pipelined:  # as generation runs: the next step queued while a token is read
             for _ in graphs.pipeline(first, kv, tokens, sampler, feed=ids[start : start + tokens]):
@@ -100,6 +101,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
                 step(i)
         sync(rt)
         seconds = time.perf_counter() - t0
+        sides = [b - a for a, b in zip(sides, _sides(rt), strict=True)] if sides else None
     stats = rt.store.stats
     t = stats.totals()
     s = rt.ftw.layout.slot_bytes
@@ -122,7 +124,22 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         "cpu_gb_per_token": t.cpu * s / tokens / 1e9,
         "bound_tok_s": 1 / bound if bound else None,
         "of_bound": tokens / seconds * bound if bound else None,  # measured tok/s over bound tok/s
+        # graph decode's layers with CPU items: the GPU's time from the doorbell to the wait for
+        # the worker, and the worker's compute time (the two sides the hybrid split balances)
+        "cpu_layers": sides[1] if sides else None,
+        "gpu_side_ms_per_token": sides[0] / 1e6 / tokens if sides else None,
+        "cpu_side_ms_per_token": sides[2] / 1e6 / tokens if sides else None,
+        "cpu_side_gbps": t.cpu * s / sides[2] if sides and sides[2] else None,
     }
+
+
+def _sides(rt: Runtime) -> list[int] | None:
+    """The device planner's counters of decode layers with CPU items: [GPU ns, layers, worker
+    ns] (None without its CPU worker). Read after a sync; the GPU's are in mapped memory."""
+    plan = rt.store.device_plan
+    if plan is None or plan.worker is None:
+        return None
+    return [int(plan.gpu_ns[0]), int(plan.busy_ns[1]), int(plan.busy_ns[0])]
 
 
 def _profiled(rt: Runtime, fn, path: Path) -> None:
