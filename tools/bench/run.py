@@ -92,6 +92,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         rt.store.stats.reset()
         sync(rt)
         sides = _sides(rt)
+        fraction = rt.store.device_plan.fill_fraction if sides else None
         t0 = time.perf_counter()
         if pipelined:  # as generation runs: the next step queued while a token is read
             for _ in graphs.pipeline(first, kv, tokens, sampler, feed=ids[start : start + tokens]):
@@ -130,6 +131,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         "gpu_side_ms_per_token": sides[0] / 1e6 / tokens if sides else None,
         "cpu_side_ms_per_token": sides[2] / 1e6 / tokens if sides else None,
         "cpu_side_gbps": t.cpu * s / sides[2] if sides and sides[2] else None,
+        # hybrid's adaptive fill fraction when the timed steps began and when they ended
+        "fill_fraction": [fraction, rt.store.device_plan.fill_fraction] if sides else None,
     }
 
 
