@@ -41,8 +41,13 @@ def sync(rt: Runtime) -> None:
         torch.cuda.synchronize(rt.device)
 
 
-def dense_bytes(rt: Runtime) -> int:
-    return sum(t.numel() * t.element_size() for t in rt.decoder.w.values())
+def step_dense_bytes(rt: Runtime) -> int:
+    """Dense weight bytes one decode step reads: every dense tensor once, except that of the
+    embedding table it reads one row (the whole table where lm_head is tied to it)."""
+    w, tied = rt.decoder.w, rt.spec.tie_word_embeddings
+    table = w["embed.weight"]
+    rest = sum(t.numel() * t.element_size() for name, t in w.items() if name != "embed.weight")
+    return rest + (table.numel() if tied else table.shape[-1]) * table.element_size()
 
 
 WARMUP = 2  # untimed decode steps before the timed ones (kernel compilation, graph capture)
@@ -196,7 +201,7 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
         per_layer += max(fill, cpu)
     gpu = 0.0
     if f.hbm_gbps:
-        gpu = (dense_bytes(rt) + stats.totals().hits * s / tokens) / (f.hbm_gbps * 1e9)
+        gpu = (step_dense_bytes(rt) + stats.totals().hits * s / tokens) / (f.hbm_gbps * 1e9)
     total = per_layer / tokens + gpu
     return total or None
 
