@@ -11,8 +11,9 @@
 # and a 32-token extend), extend (an agent turn with concentrated synthetic routing, reuse 0.9:
 # 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
 # EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (for each tree of AB in turn, alternated on one
-# machine, each run of AB_RUN: extend, that extend with AB_STRATEGIES (default hybrid); decode,
-# hybrid graph decode; zerocopy, the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
+# machine, in the environment AB_ENV_<name> adds, each run of AB_RUN: extend, that extend with
+# AB_STRATEGIES (default hybrid); decode, hybrid graph decode (THREADS, default 15); zerocopy,
+# the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the CPU kernel's GB/s
@@ -72,9 +73,9 @@ q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
 if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (machines differ)
   $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 4 2>&1 | tail -4
 fi
-decode() {  # decode on the q12 model; $1: strategies, $2: graphs, then more ft-bench flags
-  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
-      --tokens ${TOKENS:-32} --strategies "$1" --graphs "$2" "${@:3}"
+decode() {  # decode on the q12 model (THREADS CPU threads); $1: strategies, $2: graphs, then more flags
+  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads ${THREADS:-15} \
+      --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-32} --strategies "$1" --graphs "$2" "${@:3}"
 }
 if has decode; then
   q12
@@ -102,10 +103,14 @@ if has extend; then
   extend ${EXTEND_STRATEGIES:-offload,hybrid} ${REPEAT:-5} --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
-  q12            # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
+  # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
+  case " ${AB_RUN:-extend} " in *" decode "* | *" extend "*) q12 ;; esac
   for run in ${AB:-}; do  # AB_RUN: one or more of extend (hybrid extends, REPEAT turns), decode
     d=${run%%=*} name=${run#*=}  # (hybrid graph decode), zerocopy (the fills bench)
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
+    envs=AB_ENV_$name  # AB_ENV_<name>="VAR=value ...": that run's environment (a switch to compare)
+    (
+    [ -n "${!envs:-}" ] && export ${!envs}
     for kind in ${AB_RUN:-extend}; do
       case $kind in
         decode) decode hybrid on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
@@ -122,6 +127,7 @@ else:
     what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound)\"
 print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name-$kind.json" "$name ($d) $kind" || echo "$name ($d) $kind: failed, see ab-$name-$kind.txt"
     done
+    )
   done
   $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/ab-pip.txt" 2>&1  # this tree again
 fi
