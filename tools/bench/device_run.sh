@@ -12,7 +12,7 @@
 # 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
 # EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (for each tree of AB in turn, alternated on one
 # machine, in the environment AB_ENV_<name> adds, each run of AB_RUN: extend, that extend with
-# AB_STRATEGIES (default hybrid); decode, hybrid graph decode (THREADS, default 15); zerocopy,
+# AB_STRATEGIES (default hybrid); decode, graph decode with AB_STRATEGIES (THREADS, default 15); zerocopy,
 # the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
@@ -113,7 +113,7 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
     [ -n "${!envs:-}" ] && export ${!envs}
     for kind in ${AB_RUN:-extend}; do
       case $kind in
-        decode) decode hybrid on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        decode) decode ${AB_STRATEGIES:-hybrid} on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         cpubw) for t in ${CPU_TOKENS:-1 9}; do  # the CPU kernel alone, T tokens per expert
             $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 2 --seconds 1 --tokens $t --experts-per-call 10 \
@@ -124,7 +124,8 @@ if 'runs' not in out:  # the fills bench: fill-through GB/s per kernel and misse
     what = ' '.join(f\"{r['kernel']}x{r['slots']} {r['fill_through_gbps']:.1f}\" for r in out['results'])
 else:
     d, p = out['runs'][0]['decode'], (out['runs'][0]['prefill'] or [{}])[0]
-    what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound)\"
+    cpu = f\", worker {d['cpu_side_gbps']:.1f} GB/s\" if d.get('cpu_side_gbps') else ''
+    what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound{cpu})\"
 print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name-$kind.json" "$name ($d) $kind" || echo "$name ($d) $kind: failed, see ab-$name-$kind.txt"
     done
     )
