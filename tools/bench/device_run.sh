@@ -12,12 +12,12 @@
 # 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
 # EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (for each tree of AB in turn, alternated on one
 # machine, in the environment AB_ENV_<name> adds, each run of AB_RUN: extend, that extend with
-# AB_STRATEGIES (default hybrid); decode, graph decode with AB_STRATEGIES (THREADS, default 15); zerocopy,
-# the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
+# AB_STRATEGIES (default hybrid); decode, graph decode with AB_STRATEGIES (THREADS, default
+# 15); zerocopy, the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
-# launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the CPU kernel's GB/s
-# at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
+# launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
+# CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
 # files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -105,8 +105,8 @@ fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
   # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
   case " ${AB_RUN:-extend} " in *" decode "* | *" extend "*) q12 ;; esac
-  for run in ${AB:-}; do  # AB_RUN: one or more of extend (hybrid extends, REPEAT turns), decode
-    d=${run%%=*} name=${run#*=}  # (hybrid graph decode), zerocopy (the fills bench)
+  for run in ${AB:-}; do  # AB_RUN: one or more of extend (REPEAT turns), decode (graph decode),
+    d=${run%%=*} name=${run#*=}  # zerocopy (the fills bench), cpubw; both of the first with AB_STRATEGIES
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
     envs=AB_ENV_$name  # AB_ENV_<name>="VAR=value ...": that run's environment (a switch to compare)
     (

@@ -42,8 +42,8 @@ def sync(rt: Runtime) -> None:
 
 
 def step_dense_bytes(rt: Runtime) -> int:
-    """Dense weight bytes one decode step reads: every dense tensor once, except that of the
-    embedding table it reads one row (the whole table where lm_head is tied to it)."""
+    """Dense weight bytes one decode step reads: every dense tensor once, but only one row of
+    the embedding table (all of it where lm_head is tied to it and reads it whole)."""
     w, tied = rt.decoder.w, rt.spec.tie_word_embeddings
     table = w["embed.weight"]
     rest = sum(t.numel() * t.element_size() for name, t in w.items() if name != "embed.weight")
@@ -97,7 +97,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         rt.store.stats.reset()
         sync(rt)
         sides = _sides(rt)
-        fraction = rt.store.device_plan.fill_fraction if sides else None
+        hybrid = sides is not None and rt.store.device_plan.strategy == HYBRID
+        fraction = rt.store.device_plan.fill_fraction if hybrid else None
         t0 = time.perf_counter()
         if pipelined:  # as generation runs: the next step queued while a token is read
             for _ in graphs.pipeline(first, kv, tokens, sampler, feed=ids[start : start + tokens]):
@@ -137,7 +138,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         "cpu_side_ms_per_token": sides[2] / 1e6 / tokens if sides else None,
         "cpu_side_gbps": t.cpu * s / sides[2] if sides and sides[2] else None,
         # hybrid's adaptive fill fraction when the timed steps began and when they ended
-        "fill_fraction": [fraction, rt.store.device_plan.fill_fraction] if sides else None,
+        "fill_fraction": [fraction, rt.store.device_plan.fill_fraction] if hybrid else None,
     }
 
 
