@@ -22,7 +22,7 @@ from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.ftw.random_model import write_random_ftw
 from ftkit.runtime.profile import load_profile
 
-from . import agent_trace, run
+from . import agent_trace, hostmem, run
 from .presets import PRESETS, preset_spec
 from .routing import Recorder, Replayer, RoutingOverride, Synthetic
 
@@ -161,7 +161,8 @@ def decode(
                                    if trace_dir else None, extend, answer, repeat) for c in chunks.split(",") if c]
                 results["runs"].append({"strategy": rt.store.strategy, "cache_slots": rt.store.cache.capacity,
                                         "threads": rt.store.cpu.threads, "routing": routing,
-                                        "figures": vars(figs), "decode": r, "prefill": pre})
+                                        "figures": vars(figs), "decode": r, "prefill": pre,
+                                        "host_pool": hostmem.pool_pages(rt.store.pool.banks.buffers)})
                 table.add_row(rt.store.strategy, "on" if r["graphs"] else "off", str(rt.store.cache.capacity),
                               f"{r['tok_s']:.1f}", _fmt(r["bound_tok_s"]), _pct(r["of_bound"]),
                               _fmt(r["overhead_ms_per_token"]), f"{r['miss_rate']:.1%}",

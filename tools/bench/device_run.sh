@@ -37,7 +37,8 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 if ! $PY -c "import ftkit.kernels.cpu" 2>/dev/null; then
   $PY -m pip install -q --no-deps --no-build-isolation --no-index -e .
 fi
-{ nproc; lscpu | grep -E 'Model name|^L3' ; nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv; } > "$OUT/machine.txt" 2>&1
+{ nproc; lscpu | grep -E 'Model name|^L3|NUMA|Socket|Core|Thread'; grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag}
+  grep -E 'MemTotal|MemFree|MemAvailable|^Cached|AnonHuge|HugePages_Total' /proc/meminfo; numactl -H 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv; } > "$OUT/machine.txt" 2>&1
 PROFILE=docs/profiles/h200-16c.json
 if has kernels; then
   $PY -c "from ftkit.kernels.cpu import load; k = load(); print('kernel:', k.path, k.isa)" 2>&1 | tee "$OUT/kernel.txt"
@@ -125,6 +126,8 @@ if 'runs' not in out:  # the fills bench: fill-through GB/s per kernel and misse
 else:
     d, p = out['runs'][0]['decode'], (out['runs'][0]['prefill'] or [{}])[0]
     cpu = f\", worker {d['cpu_side_gbps']:.1f} GB/s\" if d.get('cpu_side_gbps') else ''
+    pool = out['runs'][0].get('host_pool')
+    cpu += f\", pool {pool['huge_fraction']:.0%} huge {pool['numa_gib']}\" if pool else ''
     what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound{cpu})\"
 print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name-$kind.json" "$name ($d) $kind" || echo "$name ($d) $kind: failed, see ab-$name-$kind.txt"
     done

@@ -1,0 +1,56 @@
+"""Where the host expert pool's pages live: huge or base pages, and which NUMA nodes.
+
+The CPU branch streams the pool at DRAM speed; base (4 KiB) pages cost it a page walk every
+4 KiB and stop the hardware prefetchers at every page boundary, and pages on a remote node cost
+it the socket link. Benchmarks record both beside each decode figure, so a slow run can be told
+apart from a slow kernel. Linux only (/proc/self/smaps and numa_maps); None elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+_RANGE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
+_NODE = re.compile(r"\bN(\d+)=(\d+)")
+_PAGE = re.compile(r"\bkernelpagesize_kB=(\d+)")
+
+
+def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
+    return any(start < e and s < end for s, e in spans)
+
+
+def pool_pages(buffers: list[torch.Tensor], proc: Path = Path("/proc/self")) -> dict | None:
+    """For the mappings that hold `buffers`: resident GiB, the share of it in transparent huge
+    pages, and GiB per NUMA node. None where /proc does not say."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers if b.numel()]
+    try:
+        smaps = (proc / "smaps").read_text().splitlines()
+    except OSError:
+        return None
+    rss = huge = 0
+    inside = False
+    for line in smaps:
+        if m := _RANGE.match(line):
+            inside = _overlaps(int(m[1], 16), int(m[2], 16), spans)
+        elif inside and line.startswith(("Rss:", "AnonHugePages:")):
+            kib = int(line.split()[1])
+            if line.startswith("Rss:"):
+                rss += kib
+            else:
+                huge += kib
+    nodes: dict[str, float] = {}
+    try:
+        for line in (proc / "numa_maps").read_text().splitlines():
+            start = int(line.split(" ", 1)[0], 16)
+            if not _overlaps(start, start + 1, spans):
+                continue
+            page = int(m[1]) if (m := _PAGE.search(line)) else 4
+            for node, pages in _NODE.findall(line):
+                nodes[f"N{node}"] = nodes.get(f"N{node}", 0.0) + int(pages) * page / 2**20
+    except OSError:
+        pass
+    return {"resident_gib": rss / 2**20, "huge_fraction": huge / rss if rss else 0.0,
+            "numa_gib": {n: round(g, 2) for n, g in sorted(nodes.items())}}
