@@ -17,7 +17,8 @@
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
-# CPU kernel's GB/s at 15 threads). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
+# CPU kernel's GB/s at 15 threads), hostmem (the loaded pool's read rate per GiB and where its
+# pages are). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
 # files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -71,6 +72,10 @@ fi
 q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
   [ -f "$W/q12.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1; sync; }
 }  # sync: the kernel's write-back of 14.5 GB would otherwise compete with the CPU branch
+if has hostmem; then  # the loaded pool's read rate per GiB and its pages, in HOSTMEM_RUNS fresh processes
+  q12
+  for i in $(seq ${HOSTMEM_RUNS:-1}); do $PY -m ftkit.tools.bench.hostmem -m "$W/q12.ftw" 2>&1 | tee -a "$OUT/hostmem.txt"; done
+fi
 if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (machines differ)
   $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 4 2>&1 | tail -4
 fi

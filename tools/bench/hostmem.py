@@ -54,3 +54,33 @@ def pool_pages(buffers: list[torch.Tensor], proc: Path = Path("/proc/self")) -> 
         pass
     return {"resident_gib": rss / 2**20, "huge_fraction": huge / rss if rss else 0.0,
             "numa_gib": {n: round(g, 2) for n, g in sorted(nodes.items())}}
+
+
+def main() -> None:
+    """`python -m ftkit.tools.bench.hostmem -m MODEL.ftw`: load the pool as ft-run does
+    (pinned where CUDA is), then the read rate of each GiB of it on the CPU kernel, and where
+    its pages are. Parts of one process's pool reading at different rates point below the
+    kernel: at the memory those pages landed on."""
+    import argparse
+    import json
+
+    from ftkit.kernels.cpu import load
+    from ftkit.runtime.ftw.reader import FTWModel
+    from ftkit.tools.calibrate.measure import dram_read_gbps
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("-m", "--model", type=Path, required=True)
+    ap.add_argument("--threads", type=int, default=15)
+    ap.add_argument("--seconds", type=float, default=0.3, help="per GiB")
+    args = ap.parse_args()
+    kernel = load()
+    if kernel is None:
+        raise SystemExit("the CPU kernel cannot be built here")
+    banks = FTWModel(args.model).read_banks()
+    parts = [p for b in banks.buffers for p in b.split(2**30)]
+    rates = [round(dram_read_gbps(kernel, p, args.threads, args.seconds), 1) for p in parts]
+    print(json.dumps({"pinned": banks.pinned, "gib_read_gbps": rates, "pages": pool_pages(banks.buffers)}))
+
+
+if __name__ == "__main__":
+    main()
