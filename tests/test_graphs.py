@@ -278,7 +278,8 @@ def test_plan_tokens_decides_per_expert_across_tokens():
 @pytest.mark.gpu
 def test_hybrid_split_follows_the_slower_side(model):
     """Between tokens the fill fraction moves toward balance: a CPU side busier than the GPU's
-    share gets fewer experts, an idle one more; no CPU layers since the last step: step down."""
+    share gets fewer experts, an idle one more; no CPU layers since the last step: step down;
+    what came before a rebase (a graph's warm-up) does not count."""
     rt = Runtime(model, RuntimeOptions(threads=2, strategy="hybrid", cache_experts=12, bandwidth_ratio=0.5,
                                        dtype="float32"))
     plan = rt.store.device_plan_for_graphs()
@@ -295,6 +296,11 @@ def test_hybrid_split_follows_the_slower_side(model):
     assert after(0, 0, 0) == pytest.approx(start + 0.25 - 0.5 / 3 - 0.02)
     assert float(plan.splits[0].tensor) == pytest.approx(plan.fill_fraction)
     assert plan.splits[1].fraction == start  # extends keep their own split
+    now = plan.fill_fraction
+    plan.gpu_ns[:2] += torch.tensor([10**10, 12])  # a warm-up step: seconds of compiling on the GPU side
+    plan.busy_ns[:2] += torch.tensor([1_000_000, 12])
+    plan.rebase()
+    assert after(1_000_000, 1_000_000, 12) == pytest.approx(now)  # only the balanced step counts
     rt.close()
 
 

@@ -355,6 +355,8 @@ class GraphDecode:
         torch.cuda.current_stream().wait_stream(side)
         for t, old in zip((plan.counts, self.token, self.pos), saved, strict=True):
             t.copy_(old)
+        torch.cuda.synchronize(self.token.device)
+        plan.rebase()  # the warm-up's compile time is no measure of the split
         graphs, state = [], None
         collecting = gc.isenabled()
         gc.disable()  # a collection while capturing can free an earlier runtime's page-locked

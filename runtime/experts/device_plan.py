@@ -163,6 +163,15 @@ class DevicePlan:
         split.fraction = min(1.0, max(0.05, split.fraction + change))
         split.tensor.fill_(split.fraction)
 
+    def rebase(self) -> None:
+        """Forget the split counters so far (call after a sync): the next `adapt` sees only the
+        steps after this. A graph's warm-up step compiles kernels between the doorbell and the
+        wait, and its GPU side, seconds long, would push the fraction to its floor."""
+        if self.strategy != HYBRID:
+            return
+        for i, split in enumerate(self.splits):
+            split.seen = (int(self.gpu_ns[2 * i]), int(self.busy_ns[2 * i]), int(self.busy_ns[2 * i + 1]))
+
     def takes(self, tokens: int) -> bool:
         """Whether `run` plans layers of this many tokens: one, or up to MAX_TOKENS. Offload only
         where a layer's experts all fit the cache at once (nothing else could run a miss that
