@@ -53,6 +53,8 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
         assert min(phases) >= 0 and 0 < sum(phases) <= 1000 * max(p["extend_seconds_all"])
         # the CPU tier shares its split at run time: no up-front fill fraction to report
         assert p["extend_fill_fraction"] is None and p["extend_fill_fraction_all"] == [None] * 3
+        pool = x["host_pool"]  # the pool's pages as /proc has them (dev boxes run Linux)
+        assert pool["resident_gib"] > 0 and 0 <= pool["huge_fraction"] <= 1 and sum(pool["numa_gib"].values()) >= 0
 
 
 def test_hybrid_graph_decode_reports_both_sides(tiny):
@@ -137,3 +139,23 @@ def test_timeline_splits_a_trace_by_routing_read_back(tmp_path):
                          capture_output=True, text=True, check=True)
     assert "2 layers with fills" in out.stdout
     assert json.loads((tmp_path / "t.json").read_text())["means"]["plan"] == pytest.approx((0.1 + 0.3) / 2)
+
+
+def test_pool_pages_reads_smaps_and_numa_maps(tmp_path):
+    """Only the mappings that hold the buffers count: their resident and huge KiB from smaps,
+    their pages per node (at the mapping's page size) from numa_maps."""
+    import torch
+
+    from ftkit.tools.bench.hostmem import pool_pages
+
+    buf = torch.empty(1 << 20, dtype=torch.uint8)
+    a, b = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    (tmp_path / "smaps").write_text(
+        f"{a:x}-{b:x} rw-p 00000000 00:00 0\nRss:  1024 kB\nAnonHugePages:  512 kB\n"
+        f"{b:x}-{b + 4096:x} rw-p 00000000 00:00 0\nRss:  4 kB\nAnonHugePages:  0 kB\n")
+    (tmp_path / "numa_maps").write_text(
+        f"{a:x} default anon=256 dirty=256 N0=128 N1=1 kernelpagesize_kB=2048\n"
+        f"{b:x} default anon=1 N0=1 kernelpagesize_kB=4\n")
+    got = pool_pages([buf], tmp_path)
+    assert got == {"resident_gib": 1024 / 2**20, "huge_fraction": 0.5, "numa_gib": {"N0": 0.25, "N1": 0.0}}
+    assert pool_pages([buf], tmp_path / "missing") is None

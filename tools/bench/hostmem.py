@@ -31,10 +31,12 @@ def pool_pages(buffers: list[torch.Tensor], proc: Path = Path("/proc/self")) -> 
     except OSError:
         return None
     rss = huge = 0
-    inside = False
+    inside, starts = False, set()  # the mappings over the buffers, by start (numa_maps names them so)
     for line in smaps:
         if m := _RANGE.match(line):
             inside = _overlaps(int(m[1], 16), int(m[2], 16), spans)
+            if inside:
+                starts.add(int(m[1], 16))
         elif inside and line.startswith(("Rss:", "AnonHugePages:")):
             kib = int(line.split()[1])
             if line.startswith("Rss:"):
@@ -44,8 +46,7 @@ def pool_pages(buffers: list[torch.Tensor], proc: Path = Path("/proc/self")) -> 
     nodes: dict[str, float] = {}
     try:
         for line in (proc / "numa_maps").read_text().splitlines():
-            start = int(line.split(" ", 1)[0], 16)
-            if not _overlaps(start, start + 1, spans):
+            if int(line.split(" ", 1)[0], 16) not in starts:
                 continue
             page = int(m[1]) if (m := _PAGE.search(line)) else 4
             for node, pages in _NODE.findall(line):
