@@ -53,15 +53,18 @@ def test_rope_store_matches_torch(dtype, heads, kv_heads, d, r, norm, tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pos, window", [(0, None), (150, None), (150, 37), (63, 64)])
+@pytest.mark.parametrize("pos, window", [(0, None), (150, None), (150, 37), (63, 64), (700, None), (700, 300),
+                                         (1023, 100)])
 def test_attention_matches_torch(dtype, pos, window):
-    from ftkit.kernels.triton.decode import attention
+    """Graph decode's attention: one chunk near the start; past DECODE_CHUNK keys several, each
+    sized from the position on the device, the window's keys only."""
+    from ftkit.kernels.triton.attention import decode_attention as triton_decode_attention
 
     gen = torch.Generator().manual_seed(1)
-    heads, kv_heads, d, positions = 8, 2, 40, 200
+    heads, kv_heads, d, positions = 8, 2, 40, 1024
     q = torch.randn((1, heads, d), generator=gen).to(dtype)
     kc, vc = (torch.randn((positions, kv_heads, d), generator=gen).to(dtype) for _ in range(2))
-    got = attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor([pos]).to(DEV), window).cpu()
+    got = triton_decode_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor([pos]).to(DEV), window).cpu()
     keys = torch.arange(positions)
     mask = (keys <= pos) & ((keys > pos - window) if window else True)
     ref = decode_attention(q, kc, vc, mask)

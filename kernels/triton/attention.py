@@ -1,5 +1,5 @@
 """Attention of a few queries behind a long cache (Triton): an agent turn's extend after a prefix
-hit, or an eager decode step of a sliding-window layer.
+hit, an eager decode step of a sliding-window layer, and a graph decode step's one query.
 
 SDPA has no kernel for this shape on CUDA: a causal mask with an offset rules out flash
 attention, the memory-efficient kernel takes no GQA (the K/V heads must be repeated first), and
@@ -8,6 +8,9 @@ keys ran 32 programs on a 132-SM GPU (0.55 ms per layer). Here the keys are spli
 flash-decoding: one program per (K/V head, block of queries, key chunk) computes the rows of every
 query head sharing that K/V head against its chunk with an online softmax, and a second launch
 combines the chunks by their log-sum-exp. K/V are read once per chunk and query block, in place.
+A graph decode step (`decode_attention`) reads its position on the device: a captured grid of
+a fixed number of chunks serves every position, each chunk sized from the position in the kernel,
+so a step behind 8k keys keeps 128 programs busy where one program per head walked them all.
 """
 
 from __future__ import annotations
@@ -20,13 +23,25 @@ from ftkit.kernels.triton import interpreting
 
 MAX_QUERIES = 64  # beyond this the split buffers grow and SDPA has enough tiles of its own
 MAX_SPLITS = 32
+BLOCK_S = 64  # keys per step of a program's walk
+DECODE_CHUNK = 256  # a decode step's smallest chunk: below it a program's walk is mostly its start
 
 
 @triton.jit(do_not_specialize=["T", "S", "offset", "window", "chunk"])  # one compile for every position
-def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, T, S, offset, window, scale, chunk,
+def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, pos_ptr, T, S, offset, window, scale, chunk,
              HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-             BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr):
+             BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+             POS_ON_DEVICE: tl.constexpr):
     kh, tb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = sp * chunk
+    if POS_ON_DEVICE:  # offset, S and the chunk (at least `chunk`) from the position pos_ptr holds
+        offset = tl.load(pos_ptr).to(tl.int32)
+        S = offset + T
+        first = offset * 0
+        if window > 0:  # keys before the window are not walked
+            first = tl.maximum(offset + tb * BT - window + 1, 0) // BLOCK_S * BLOCK_S
+        chunk = tl.maximum(chunk, tl.cdiv(tl.cdiv(S - first, tl.num_programs(2)), BLOCK_S) * BLOCK_S)
+        start = first + sp * chunk
     G: tl.constexpr = HEADS // KV_HEADS
     r = tl.arange(0, BLOCK_M)
     t = tb * BT + r // G
@@ -43,7 +58,6 @@ def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, T, S, offset, window, scale, 
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start = sp * chunk
     stop = tl.minimum(start + chunk, tl.minimum(S, offset + tb * BT + BT))  # no key past the block's last query
     for s0 in range(start, stop, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
@@ -94,25 +108,45 @@ def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
     """Causal GQA attention as `layers.attention`: q [T, H, D] at positions offset..offset+T;
     k, v [S, KvH, D] (rows may be strided views of a cache: the inner two dims contiguous) with
     S = offset + T. T <= MAX_QUERIES. Returns [T, H, D] in q's dtype."""
+    t, s = q.shape[0], k.shape[0]
+    if t > MAX_QUERIES:
+        raise ValueError(f"few_query_attention takes at most {MAX_QUERIES} queries")
+    chunk = max(512, triton.cdiv(triton.cdiv(s, MAX_SPLITS), BLOCK_S) * BLOCK_S)
+    return _attend(q, k, v, s, offset, window, chunk, triton.cdiv(s, chunk))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     window: int | None) -> torch.Tensor:
+    """One query's GQA attention over cache rows 0..pos (the last `window` of them for sliding
+    layers), graph-safe: q [1, heads, D]; k_cache, v_cache [positions, kv_heads, D]; pos int64
+    [1] on the device. The grid is fixed by the cache's size, each chunk at least DECODE_CHUNK
+    keys: near the start one chunk does the work and the others end at once."""
+    capacity = k_cache.shape[0]
+    splits = min(MAX_SPLITS, triton.cdiv(capacity, DECODE_CHUNK))
+    return _attend(q, k_cache, v_cache, capacity, 0, window, DECODE_CHUNK, splits, pos)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, offset: int, window: int | None,
+            chunk: int, splits: int, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """`_partial` over `splits` key chunks of `chunk` keys (with `pos`: of at least that many,
+    sized on the device), then `_combine`."""
     t, heads, d = q.shape
-    s, kv_heads = k.shape[0], k.shape[1]
-    if t > MAX_QUERIES or heads % kv_heads:
-        raise ValueError(f"few_query_attention takes at most {MAX_QUERIES} queries and whole GQA groups")
+    kv_heads = k.shape[1]
+    if heads % kv_heads:
+        raise ValueError("attention takes whole GQA groups")
     q = q.contiguous()
     k, v = (a if a.stride(2) == 1 and a.stride(1) == d and a.stride(0) == kv_heads * d else a.contiguous() for a in (k, v))
     group = heads // kv_heads
-    bt = max(1, 32 // group)  # queries per program: at least 16 rows of the tile are real
+    bt = 1 if pos is not None else max(1, 32 // group)  # queries per program: at least 16 rows of the tile are real
     block_m = max(16, triton.next_power_of_2(bt * group))
-    block_s = 64
-    chunk = max(512, triton.cdiv(triton.cdiv(s, MAX_SPLITS), block_s) * block_s)
-    splits = triton.cdiv(s, chunk)
     acc = torch.empty((splits, t, heads, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((splits, t, heads, 2), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
     ieee = q.dtype == torch.float32 or interpreting()  # the interpreter's 16-bit dot is wrong (Triton 3.x)
     _partial[(kv_heads, triton.cdiv(t, bt), splits)](
-        q, k, v, acc, ml, t, s, offset, window or 0, d**-0.5, chunk, HEADS=heads, KV_HEADS=kv_heads, D=d,
-        BLOCK_D=block_d, BT=bt, BLOCK_M=block_m, BLOCK_S=block_s, IEEE=ieee)
+        q, k, v, acc, ml, pos if pos is not None else q, t, s, offset, window or 0, d**-0.5, chunk, HEADS=heads,
+        KV_HEADS=kv_heads, D=d, BLOCK_D=block_d, BT=bt, BLOCK_M=block_m, BLOCK_S=BLOCK_S, IEEE=ieee,
+        POS_ON_DEVICE=pos is not None)
     out = torch.empty_like(q)
     _combine[(t, heads)](acc, ml, out, t, splits, HEADS=heads, D=d, BLOCK_D=block_d,
                          BLOCK_P=MAX_SPLITS)  # fixed: one compile whatever the context length

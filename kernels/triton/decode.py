@@ -1,17 +1,13 @@
-"""A batch-1 decode step's attention in two launches per layer (Triton); `rope_store` also
-serves a few tokens at once (an extend, with the few-query attention kernel).
+"""A batch-1 decode step's norms, RoPE and cache writes in one launch per layer (Triton); it
+also serves a few tokens at once (an extend). Attention follows in kernels/triton/attention.py.
 
 In eager torch the step between the Q/K/V projections and the output projection is about
 twenty small kernels per layer (per-head norms, rotate-half RoPE on q and k, two cache writes,
 float casts, scores, mask, softmax, weighted sum); inside a CUDA graph each still costs a few
-microseconds of GPU time and a node of launch work. Here:
-- `rope_store`: per head, the optional RMSNorm over head_dim (Qwen3), rotary embedding at the
-  step's position (read on the device), q written out, k and v written into the static K/V
-  rows at that position;
-- `attention`: per query head, one pass over keys 0..pos (or the sliding window) with an online
-  softmax, in float32. The loop bound is the position itself, so a graph captured once serves
-  every position and reads only the keys that count.
-Numerically as `layers.rms_norm`, `apply_rope` and `decode_attention`, to rounding.
+microseconds of GPU time and a node of launch work. Here `rope_store`, per head: the optional
+RMSNorm over head_dim (Qwen3), rotary embedding at the step's position (read on the device), q
+written out, k and v written into the static K/V rows at that position.
+Numerically as `layers.rms_norm` and `apply_rope`, to rounding.
 """
 
 from __future__ import annotations
@@ -56,38 +52,6 @@ def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
         tl.store(vc_ptr + row + d, tl.load(v_ptr + t * v_stride + kh * D + d, mask=dm), mask=dm)
 
 
-@triton.jit
-def _attention(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, window, scale, HEADS: tl.constexpr,
-               KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    h = tl.program_id(0)
-    kh = h // (HEADS // KV_HEADS)
-    pos = tl.load(pos_ptr).to(tl.int32)
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(pos - window + 1, 0)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    q = tl.load(q_ptr + h * D + d, mask=dm, other=0.0).to(tl.float32) * scale
-    m_i = tl.full([], -1e30, tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(lo - lo % BLOCK_S, pos + 1, BLOCK_S):  # every block holds at least one key
-        s = s0 + tl.arange(0, BLOCK_S)
-        sm = (s >= lo) & (s <= pos)
-        offs = (s[:, None].to(tl.int64) * KV_HEADS + kh) * D + d[None, :]
-        m2 = sm[:, None] & dm[None, :]
-        k = tl.load(kc_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-        sc = tl.where(sm, tl.sum(k * q[None, :], axis=1), -1e30)
-        m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.where(sm, tl.exp(sc - m_new), 0.0)
-        v = tl.load(vc_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
-    tl.store(out_ptr + h * D + d, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dm)
-
-
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, table_start: int = 0) -> torch.Tensor:
@@ -106,15 +70,4 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.
                                        k_cache, v_cache, eps, q.stride(0), k.stride(0), v.stride(0), table_start,
                                        HEADS=heads, KV_HEADS=kv_heads, D=d, R=cos.shape[-1],
                                        BLOCK_D=triton.next_power_of_2(d), NORM=norm)
-    return out
-
-
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-              window: int | None) -> torch.Tensor:
-    """One query's GQA attention over cache rows 0..pos (the last `window` of them for sliding
-    layers): q [1, heads, D]; k_cache, v_cache [positions, kv_heads, D]. Returns [1, heads, D]."""
-    heads, d = q.shape[1], q.shape[2]
-    out = torch.empty_like(q)
-    _attention[(heads,)](q, k_cache, v_cache, pos, out, window or 0, d**-0.5, HEADS=heads,
-                         KV_HEADS=k_cache.shape[1], D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=64)
     return out

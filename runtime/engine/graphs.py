@@ -8,9 +8,10 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
   bound), and attention covers a fixed span with a position mask, so one graph per span bucket
   (256, 512, ... tokens) serves every position below it; where the family's Q/K treatment allows
   (per-head or no Q/K norm, no clipping), Q, K and V come from one projection (the three
-  weights concatenated once, the decoder's entries left as views of it), and norms, RoPE, the
-  cache writes and attention are two Triton launches per layer (kernels/triton/decode.py)
-  instead of about twenty;
+  weights concatenated once, the decoder's entries left as views of it), norms, RoPE and the
+  cache writes are one Triton launch per layer (kernels/triton/decode.py), and attention two
+  (its keys split in chunks across the GPU, kernels/triton/attention.py), instead of about
+  twenty;
 - each residual add and the RMSNorm after it are one Triton launch (kernels/triton/norm.py), so
   a piece hands the next one the residual stream and its normed value;
 - the routed experts go through the store's DevicePlan (hits, fills and the CPU set decided on
@@ -207,7 +208,7 @@ class GraphDecode:
             self.logits.clear()
             self.version = self.store.version
         plan.to_device()
-        if self.fused:  # fused attention loops to the position: one graph serves every span
+        if self.fused:  # fused attention reads the position on the device: one graph serves every span
             return self.capacity
         span = FIRST_SPAN
         while span < end:
@@ -246,7 +247,7 @@ class GraphDecode:
             window = dec.window(i)
             if self.fused:
                 q = self._rope_store(i, h, self.k[i], self.v[i], (self.cos, self.sin, 0))
-                return self.fused.attention(q, self.k[i], self.v[i], self.pos, window)
+                return self.few.decode_attention(q, self.k[i], self.v[i], self.pos, window)
             q, k, v = dec.qkv(i, h, cos, sin)
             self.k[i].index_copy_(0, self.pos, k)
             self.v[i].index_copy_(0, self.pos, v)

@@ -11,8 +11,10 @@ two launches), at that shape:
   each over enough distinct copies of the weight that nothing is served from the GPU's L2;
 - the router's softmax-top-k, the device planner's `plan` (8 misses, half filled, so 4 victim
   passes: every layer's rows are cycled through a cache that cannot hold them) and the merge,
-  at several warp counts.
-Needs CUDA.
+  at several warp counts;
+- the step's attention (`attention.decode_attention`) at several positions behind a 32k-token
+  cache: the time a long agent context adds to every token.
+Needs CUDA. `--only attention` (or small, linear) runs one part.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import triton.language as tl
 from rich.console import Console
 from rich.table import Table
 
+from ftkit.kernels.triton import attention, zero_copy
 from ftkit.kernels.triton import plan as dplan
-from ftkit.kernels.triton import zero_copy
 from ftkit.kernels.triton.gemv import gemv, rows_per_program
 from ftkit.kernels.triton.norm import add_rms_norm
 from ftkit.kernels.triton.router import softmax_topk
@@ -122,17 +124,36 @@ def _small(rows: list, spec) -> None:
                      us=_us_per_call([lambda: add_rms_norm(r, d, nw, 1e-6)] * 16)))
 
 
+def _attention(rows: list, spec, positions=(64, 1024, 8192, 32767), capacity: int = 32768) -> None:
+    heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = torch.randn(1, heads, d, dtype=torch.bfloat16, device="cuda")
+    copies = 4  # 64 MB of K/V each: the 50 MB L2 serves none of them
+    kv = [[torch.randn(capacity, kv_heads, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+          for _ in range(copies)]
+    pos = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for p in positions:
+        pos.fill_(p)  # read by the kernel at replay, as in a captured decode step
+        us = _us_per_call([lambda k=k, v=v: attention.decode_attention(q, k, v, pos, None) for k, v in kv] * 4)
+        rows.append(dict(kernel=f"attention at {p}", variant="split keys", us=us,
+                         gbps=2 * (p + 1) * kv_heads * d * 2 / us / 1e3))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--only", choices=("small", "linear", "attention"), help="run one part")
     args = ap.parse_args()
     spec = preset_spec("qwen3-30b-a3b", 1)
     h, d = spec.hidden_size, spec.head_dim
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     rows = [dict(kernel="noop", variant="triton", us=_us_per_call([lambda: _noop[(1,)](flag)] * 64))]
-    _small(rows, spec)
-    _linears(rows, {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h), "o": (h, spec.num_heads * d),
-                    "router": (spec.num_experts, h), "lm_head": (spec.vocab_size, h)})
+    if args.only in (None, "small"):
+        _small(rows, spec)
+    if args.only in (None, "linear"):
+        _linears(rows, {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h), "o": (h, spec.num_heads * d),
+                        "router": (spec.num_experts, h), "lm_head": (spec.vocab_size, h)})
+    if args.only in (None, "attention"):
+        _attention(rows, spec)
     table = Table(title="a decode step's launches, each inside a CUDA graph (us per launch, gap included)")
     for c in ("kernel", "variant", "us", "GB/s", "max err"):
         table.add_column(c, justify="left" if c in ("kernel", "variant") else "right")
