@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.ftw.random_model import write_random_ftw
+from ftkit.runtime.spec import SLIDING_ATTENTION
 from ftkit.tools.bench import run
 from ftkit.tools.bench.presets import preset_spec
 from ftkit.tools.bench.routing import Recorder, Replayer, Synthetic
@@ -85,6 +87,24 @@ def test_decode_bound_reads_one_embedding_row(tiny):
     assert not rt.spec.tie_word_embeddings and "lm_head.weight" in w
     every = sum(t.numel() * t.element_size() for t in w.values())
     assert run.step_dense_bytes(rt) == every - (table.shape[0] - 1) * table.shape[1] * table.element_size()
+    rt.close()
+
+
+def test_decode_bound_counts_the_keys_read(tiny):
+    """Attention's K/V reads are GPU work the bound counts: keys 0..position of each layer, no
+    more than the window in a sliding one; the bound adds them at the HBM rate."""
+    rt = runtime(tiny, strategy="offload", cache_experts=8)
+    s = rt.spec
+    per_key = 2 * s.num_kv_heads * s.head_dim * rt.dtype.itemsize
+    assert run.step_kv_bytes(rt, 9) == s.num_layers * 10 * per_key
+    rt.decoder.spec = dataclasses.replace(s, layer_kinds=(SLIDING_ATTENTION,) + s.layer_kinds[1:], sliding_window=4)
+    assert run.step_kv_bytes(rt, 9) == (s.num_layers - 1) * 10 * per_key + 4 * per_key
+    rt.decoder.spec = s
+    figs = dataclasses.replace(FIGS, hbm_gbps=1000.0)
+    run.decode(rt, 2, 4, None, figs)
+    stats = rt.store.stats
+    extra = run._decode_bound(rt, stats, 2, figs, 1e6) - run._decode_bound(rt, stats, 2, figs, 0.0)
+    assert extra == pytest.approx(1e6 / 1e12)
     rt.close()
 
 

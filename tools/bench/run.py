@@ -2,9 +2,9 @@
 
 Bound per decode token: for each MoE layer, the fills cross PCIe (S / B_P each) while the CPU
 set streams from DRAM (S / B_H each) and the two overlap, so the layer needs at least
-max(fills * S / B_P, cpu * S / B_H); the GPU itself must read the dense weights and the hit
-experts from HBM once. Prefill of a chunk that touches every expert needs at least the uncached
-pool bytes over B_P.
+max(fills * S / B_P, cpu * S / B_H); the GPU itself must read the dense weights, the hit
+experts and attention's keys and values from HBM once. Prefill of a chunk that touches every
+expert needs at least the uncached pool bytes over B_P.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
 from ftkit.runtime.experts.planner import HYBRID
 from ftkit.runtime.experts.stats import LayerClock
+from ftkit.runtime.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
 from .routing import RoutingOverride
 
@@ -48,6 +49,15 @@ def step_dense_bytes(rt: Runtime) -> int:
     table = w["embed.weight"]
     rest = sum(t.numel() * t.element_size() for name, t in w.items() if name != "embed.weight")
     return rest + (table.numel() if tied else table.shape[-1]) * table.element_size()
+
+
+def step_kv_bytes(rt: Runtime, position: int) -> int:
+    """K/V bytes one decode step's attention reads at `position`: keys and values 0..position of
+    every softmax-attention layer, the last `window` of them in a sliding one."""
+    s, elem = rt.spec, rt.dtype.itemsize
+    per_key = 2 * s.num_kv_heads * s.head_dim * elem
+    layers = [i for i, kind in enumerate(s.layer_kinds) if kind in (FULL_ATTENTION, SLIDING_ATTENTION)]
+    return sum(min(position + 1, rt.decoder.window(i) or position + 1) * per_key for i in layers)
 
 
 WARMUP = 2  # untimed decode steps before the timed ones (kernel compilation, graph capture)
@@ -112,7 +122,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     stats = rt.store.stats
     t = stats.totals()
     s = rt.ftw.layout.slot_bytes
-    bound = _decode_bound(rt, stats, tokens, figures)
+    kv = sum(step_kv_bytes(rt, p) for p in range(start, start + tokens)) / tokens
+    bound = _decode_bound(rt, stats, tokens, figures, kv)
     if trace_to is not None:  # the 4 spare ids past the timed steps
         with torch.inference_mode():
             _profiled(rt, lambda: [step(i) for i in range(prompt + WARMUP + tokens, len(ids))], trace_to)
@@ -188,7 +199,9 @@ def _host_profiled(rt: Runtime, fn, path: Path, rows: int = 40) -> None:
     Path(path).write_text("\n".join(lines))
 
 
-def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
+def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures, kv_bytes: float) -> float | None:
+    """Seconds per token (see the module docstring); `kv_bytes`: attention's K/V reads, a
+    step's mean over the timed steps."""
     s = rt.ftw.layout.slot_bytes
     per_layer = 0.0
     for c in stats.per_layer().values():
@@ -202,7 +215,7 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures) -> float | None:
         per_layer += max(fill, cpu)
     gpu = 0.0
     if f.hbm_gbps:
-        gpu = (step_dense_bytes(rt) + stats.totals().hits * s / tokens) / (f.hbm_gbps * 1e9)
+        gpu = (step_dense_bytes(rt) + kv_bytes + stats.totals().hits * s / tokens) / (f.hbm_gbps * 1e9)
     total = per_layer / tokens + gpu
     return total or None
 
