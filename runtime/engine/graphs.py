@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..experts.store import ExpertStore
 from ..models.decoder import MoEDecoder
-from ..models.kv import KVCache
+from ..models.kv import KVCache, attention_layers
 from ..models.layers import decode_attention
 from ..spec import QK_NORM_HEAD, QK_NORM_NONE
 from .sampling import Sampler
@@ -98,7 +98,7 @@ class GraphDecode:
         self.decoder, self.store, self.capacity, self.capture = decoder, store, capacity, capture
         dtype = decoder.lm_head.dtype
         shape = (capacity, s.num_kv_heads, s.head_dim)
-        layers = [i for i in range(s.num_layers) if i in KVCache(s, 0).k]
+        layers = attention_layers(s)
         self.k = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
         self.cos, self.sin = decoder.rope(0, capacity, dtype)

@@ -29,7 +29,7 @@ class KVCache:
         self.max_tokens = max_tokens
         self.length = 0
         shape = (max_tokens, spec.num_kv_heads, spec.head_dim)
-        layers = [i for i, kind in enumerate(spec.layer_kinds) if kind in (FULL_ATTENTION, SLIDING_ATTENTION)]
+        layers = attention_layers(spec)
         self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
         # layer -> {name: tensor}: per-sequence recurrent state of non-softmax layers
@@ -92,8 +92,12 @@ class CacheSnapshot:
         return sum(t.numel() * t.element_size() for s in self.states.values() for t in s.values())
 
 
+def attention_layers(spec: ModelSpec) -> list[int]:
+    """The softmax-attention layers (full or sliding): those that keep K/V rows."""
+    return [i for i, kind in enumerate(spec.layer_kinds) if kind in (FULL_ATTENTION, SLIDING_ATTENTION)]
+
+
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
     """K and V bytes one position takes in every softmax-attention layer, as KVCache allocates
     them (sliding-window layers too: the cache is not windowed)."""
-    layers = sum(kind in (FULL_ATTENTION, SLIDING_ATTENTION) for kind in spec.layer_kinds)
-    return 2 * layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    return 2 * len(attention_layers(spec)) * spec.num_kv_heads * spec.head_dim * dtype.itemsize

@@ -21,7 +21,7 @@ from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
 from ftkit.runtime.experts.planner import HYBRID
 from ftkit.runtime.experts.stats import LayerClock
-from ftkit.runtime.spec import FULL_ATTENTION, SLIDING_ATTENTION
+from ftkit.runtime.models.kv import attention_layers, kv_bytes_per_token
 
 from .routing import RoutingOverride
 
@@ -54,9 +54,8 @@ def step_dense_bytes(rt: Runtime) -> int:
 def step_kv_bytes(rt: Runtime, position: int) -> int:
     """K/V bytes one decode step's attention reads at `position`: keys and values 0..position of
     every softmax-attention layer, the last `window` of them in a sliding one."""
-    s, elem = rt.spec, rt.dtype.itemsize
-    per_key = 2 * s.num_kv_heads * s.head_dim * elem
-    layers = [i for i, kind in enumerate(s.layer_kinds) if kind in (FULL_ATTENTION, SLIDING_ATTENTION)]
+    layers = attention_layers(rt.spec)
+    per_key = kv_bytes_per_token(rt.spec, rt.dtype) // max(1, len(layers))  # one layer's K and V of a position
     return sum(min(position + 1, rt.decoder.window(i) or position + 1) * per_key for i in layers)
 
 
