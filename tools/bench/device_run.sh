@@ -18,7 +18,8 @@
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
 # CPU kernel's GB/s at 15 threads), hostmem (the loaded pool's read rate per GiB and where its
-# pages are). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
+# pages are), longctx (graph decode behind PROMPTS-token prompts, then the extend behind a
+# LONG_CHUNK-token chunk). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
 # files); the tables also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,6 +87,13 @@ decode() {  # decode on the q12 model (THREADS CPU threads); $1: strategies, $2:
 if has decode; then
   q12
   decode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} --json "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
+fi
+if has longctx; then  # graph decode behind long prompts (attention reads the whole context each step),
+  q12                 # then an agent turn's extend behind a LONG_CHUNK-token chunk
+  for p in ${PROMPTS:-16 8192 32768}; do
+    decode ${STRATEGIES:-hybrid} on --prompt $p --json "$OUT/longctx-$p.json" 2>&1 | tee "$OUT/longctx-$p.txt"
+  done
+  extend ${EXTEND_STRATEGIES:-hybrid} ${REPEAT:-3} --chunks ${LONG_CHUNK:-32768} --json "$OUT/longctx-extend.json" 2>&1 | tee "$OUT/longctx-extend.txt"
 fi
 if has sampled; then  # hybrid graph decode with each token sampled on the device (temperature, top-p)
   q12
