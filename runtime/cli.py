@@ -38,6 +38,8 @@ NoAnchors = Annotated[bool, typer.Option("--no-anchors", help="hybrid models: sa
 PrefixTokens = Annotated[int | None, typer.Option(help="prefix cache budget in tokens (default: the context)")]
 NoGraphs = Annotated[bool, typer.Option("--no-graphs", help="CUDA: decode eagerly, no graphs and no device-side planning (A/B runs)")]
 AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hybrid models)")]
+PrefillChunk = Annotated[int, typer.Option(help="GPU: prompt tokens per prefill forward at most; larger chunks "
+                                                "stream each expert layer once for more tokens, at more activation memory")]
 KvTokens = Annotated[int, typer.Option(help="KV tokens a request may reach (prompt + max tokens); reserved by "
                                             "--gpu-budget; on CUDA the graph decode capacity (longer: eager)")]
 
@@ -48,7 +50,7 @@ RUNTIME_FLAGS: list[tuple[str, object, object]] = [
     ("strategy", Strategy, "auto"), ("cache_experts", CacheExperts, None), ("cache_bytes", CacheBytes, None),
     ("gpu_budget", GpuBudget, None), ("device", Device, "cpu"), ("threads", Threads, None),
     ("profile", Profile, None), ("bandwidth_ratio", Ratio, None), ("dtype", Dtype, None), ("verify", Verify, False),
-    ("no_graphs", NoGraphs, False),
+    ("no_graphs", NoGraphs, False), ("prefill_chunk", PrefillChunk, RuntimeOptions.prefill_chunk),
 ]
 PREFIX_FLAGS: list[tuple[str, object, object]] = [("no_prefix_cache", NoPrefix, False), ("no_anchors", NoAnchors, False)]
 KV_FLAGS: list[tuple[str, object, object]] = [("kv_tokens", KvTokens, RuntimeOptions.kv_tokens)]
@@ -64,7 +66,7 @@ def _to_options(f: dict) -> RuntimeOptions:
         dtype=f["dtype"], verify=f["verify"], prefix_cache=not f.get("no_prefix_cache", False),
         anchors=not f.get("no_anchors", False), prefix_cache_tokens=f.get("prefix_cache_tokens"),
         anchor_slots=f.get("anchor_slots", 32), graphs=not f["no_graphs"],
-        kv_tokens=f.get("kv_tokens", RuntimeOptions.kv_tokens),
+        kv_tokens=f.get("kv_tokens", RuntimeOptions.kv_tokens), prefill_chunk=f["prefill_chunk"],
     )
 
 

@@ -108,6 +108,38 @@ def test_decode_bound_counts_the_keys_read(tiny):
     rt.close()
 
 
+def test_worker_bound_takes_the_faster_of_profile_and_worker(tiny):
+    """A worker that streamed faster than the profile says tightens the bound to its rate; a
+    slower one leaves the profile's bound."""
+    rt = runtime(tiny, strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
+    run.decode(rt, 4, 4, None, FIGS)
+    stats, figs = rt.store.stats, dataclasses.replace(FIGS, pcie_gbps=1e4)  # the CPU side sets the bound
+    assert stats.totals().cpu > 0
+    bound = run._decode_bound(rt, stats, 4, figs, 0.0)
+    assert run.worker_bound(rt, stats, 4, figs, 0.0, figs.cpu_gbps / 2) == bound
+    faster = run.worker_bound(rt, stats, 4, figs, 0.0, 2 * figs.cpu_gbps)
+    at = dataclasses.replace(figs, cpu_gbps=2 * figs.cpu_gbps, cpu_solo_gbps=2 * figs.cpu_gbps)
+    assert faster < bound and faster == run._decode_bound(rt, stats, 4, at, 0.0)
+    rt.close()
+
+
+def test_prefill_runs_in_the_runtimes_pieces(tiny):
+    """A prompt longer than the runtime's prefill chunk runs as ft-run cuts it: several
+    forwards into one cache, the same last logits as one forward (to rounding)."""
+    import torch
+
+    rt = runtime(tiny, strategy="offload", cache_experts=8)
+    ids = torch.randint(0, rt.spec.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        whole = run.prefill_forward(rt, ids, kv := rt.new_kv(40))
+        rt.prefill_chunk = 16
+        pieces = run.prefill_forward(rt, ids, kv2 := rt.new_kv(40))
+    assert kv.length == kv2.length == 40
+    torch.testing.assert_close(pieces, whole, rtol=1e-3, atol=1e-3)
+    assert run.prefill(rt, 40, FIGS, answer=2)["forwards"] == 3
+    rt.close()
+
+
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):
     rt = runtime(tiny, strategy="offload", cache_experts=20)
     rec = Recorder(rt.decoder)

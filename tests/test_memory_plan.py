@@ -73,6 +73,19 @@ def test_prefill_workspace_grows_with_chunk_and_context():
     assert prefill_workspace_bytes(spec, 100, torch.bfloat16, chunk=8192) == prefill_workspace_bytes(spec, 100, torch.bfloat16, chunk=100)
 
 
+def test_prefill_chunk_sizes_the_workspace_and_the_runtime(model):
+    """--prefill-chunk: the plan reserves that chunk's activations (so a larger chunk leaves
+    the experts fewer slots under one budget) and the GPU runtime prefills in pieces of it."""
+    opts = RuntimeOptions(device="cuda", strategy="offload", prefill_chunk=2048)
+    unbounded = plan_memory(model, opts, 2048, None)
+    opts.gpu_budget = unbounded.total_bytes - unbounded.expert_bytes + 10 * unbounded.slot_bytes
+    large = plan_memory(model, opts, 2048, None)
+    small = plan_memory(model, dataclasses.replace(opts, prefill_chunk=256), 2048, None)
+    assert small.workspace_bytes < large.workspace_bytes and small.expert_slots > large.expert_slots == 10
+    with pytest.raises(ValueError, match="--prefill-chunk must be >= 1"):
+        Runtime(model, RuntimeOptions(prefill_chunk=0))
+
+
 def test_graph_kv_holds_the_longest_request_the_budget_admits(model):
     """On CUDA the server's graph K/V covers a whole request of its KV budget (the context at
     most), not the 8192 tokens of opts.kv_tokens: agents' requests (prompt + max_tokens) are

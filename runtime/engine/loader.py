@@ -44,6 +44,7 @@ class RuntimeOptions:
     anchor_slots: int = 32  # recurrent-state snapshots kept (hybrid families only)
     graphs: bool = True  # CUDA: batch-1 decode through CUDA graphs with device-side expert planning
     stream_prefill: bool | None = None  # whole-layer double buffering in prefill (None: on CUDA)
+    prefill_chunk: int = PREFILL_CHUNK  # GPU: tokens per prefill forward at most (activations vs streams)
 
 
 class Runtime:
@@ -58,6 +59,8 @@ class Runtime:
         self.device = torch.device(opts.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but no CUDA device is available")
+        if opts.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be >= 1, got {opts.prefill_chunk}")
         weights = self.ftw.dense_state()
         self.dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else weights["embed.weight"].dtype
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
@@ -77,9 +80,9 @@ class Runtime:
         self.tokenizer = Tokenizer(self.path) if (self.path / "tokenizer.json").is_file() else None
         # On CPU every prefill is cut on this grid, cache on or off, so reuse is bitwise exact.
         # On a GPU (results agree to rounding, not bitwise) prefill cuts only at anchors and every
-        # PREFILL_CHUNK tokens, so chunks stay big enough to stream whole expert layers.
+        # opts.prefill_chunk tokens, so chunks stay big enough to stream whole expert layers.
         self.grid = Boundaries.for_tokenizer(self.tokenizer)
-        self.prefill_chunk = PREFILL_CHUNK if self.device.type != "cpu" else None
+        self.prefill_chunk = opts.prefill_chunk if self.device.type != "cpu" else None
         self.prefix_cache = PrefixCache(
             self.spec, self.grid, opts.prefix_cache_tokens or self.spec.max_position_embeddings,
             opts.anchors, opts.anchor_slots,

@@ -168,13 +168,14 @@ def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype, 
 
 def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: torch.dtype, kv_tokens: int,
               budget_bytes: int | None = None, prefix_tokens: int = 0, cuda: bool = False,
-              graphs: bool = False) -> MemoryPlan:
-    """Every term of a plan but the expert slots: on CUDA the graph K/V (with `graphs`) and a
-    prefill chunk's workspace, both sized by the longest request `kv_tokens` admits."""
+              graphs: bool = False, chunk: int = PREFILL_CHUNK) -> MemoryPlan:
+    """Every term of a plan but the expert slots: on CUDA the graph K/V (with `graphs`) and the
+    workspace of a `chunk`-token prefill forward, both sized by the longest request `kv_tokens`
+    admits."""
     longest = longest_request(spec, kv_tokens)
     return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, slot_bytes, budget_bytes,
                       prefix_tokens, longest if graphs and cuda else 0,
-                      prefill_workspace_bytes(spec, longest, dtype, flash=flash_behind_cache(dtype, spec.head_dim, "cuda"))
+                      prefill_workspace_bytes(spec, longest, dtype, chunk, flash_behind_cache(dtype, spec.head_dim, "cuda"))
                       if cuda else 0)
 
 
@@ -191,7 +192,7 @@ def plan_memory(model: Path | FTWModel, opts: RuntimeOptions, kv_tokens: int, bu
     strategy = resolve_strategy(opts.strategy, ratio, torch.device(opts.device))
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
     plan = base_plan(spec, dense_bytes, ftw.layout.slot_bytes, dtype, kv_tokens, budget_bytes, prefix,
-                     cuda=torch.device(opts.device).type == "cuda", graphs=opts.graphs)
+                     cuda=torch.device(opts.device).type == "cuda", graphs=opts.graphs, chunk=opts.prefill_chunk)
     requested = opts.cache_experts
     if opts.cache_bytes is not None:
         requested = opts.cache_bytes // ftw.layout.slot_bytes

@@ -117,6 +117,8 @@ def decode(
                                         "extend (a turn's reply)")] = 32,
     temperature: Annotated[float, typer.Option(help="timed decode steps sample at this temperature (0: argmax)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="with --temperature: the top-p cut")] = 1.0,
+    prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill forward at most, as ft-run's "
+                                               "--prefill-chunk (prompts and --chunks are cut so)")] = RuntimeOptions.prefill_chunk,
     repeat: Annotated[int, typer.Option(help="timed prefill turns (answer, chunk, answer, extend) per chunk "
                                         "size: medians reported")] = 1,
 ) -> None:
@@ -144,7 +146,8 @@ def decode(
         for strategy, graphs_on in ((s, g) for s in strategies.split(",") for g in modes):
             opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile,
                                   bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy), graphs=graphs_on,
-                                  stream_prefill={"on": True, "off": False}.get(stream_prefill))
+                                  stream_prefill={"on": True, "off": False}.get(stream_prefill),
+                                  prefill_chunk=prefill_chunk)
             longest = max([run.decode_length(prompt, tokens)]
                           + [run.prefill_length(int(c), answer, extend) for c in chunks.split(",") if c])
             rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, longest))
@@ -164,7 +167,7 @@ def decode(
                                         "figures": vars(figs), "decode": r, "prefill": pre,
                                         "host_pool": hostmem.pool_pages(rt.store.pool.banks.buffers)})
                 table.add_row(rt.store.strategy, "on" if r["graphs"] else "off", str(rt.store.cache.capacity),
-                              f"{r['tok_s']:.1f}", _fmt(r["bound_tok_s"]), _pct(r["of_bound"]),
+                              f"{r['tok_s']:.1f}", _fmt(r["bound_tok_s"]), _of_bound(r),
                               _fmt(r["overhead_ms_per_token"]), f"{r['miss_rate']:.1%}",
                               " ".join(_prefill_cell(p) for p in pre))
             finally:
@@ -223,8 +226,15 @@ def _sized(opts: RuntimeOptions, model: Path, gpu_budget: str | None, fraction: 
     return opts
 
 
+def _of_bound(r: dict) -> str:
+    """Of the profile's bound, and in brackets of the bound at the worker's own faster rate."""
+    cell, tight = _pct(r["of_bound"]), r.get("of_bound_at_worker")
+    return cell + (f" ({_pct(tight)})" if tight is not None and tight != r["of_bound"] else "")
+
+
 def _prefill_cell(p: dict) -> str:
-    cell = f"{p['chunk']}: {p['seconds']:.3f}s ({_pct(p['of_bound'])})"
+    forwards = f"/{p['forwards']}" if p.get("forwards", 1) > 1 else ""  # a prompt in several forwards
+    cell = f"{p['chunk']}{forwards}: {p['seconds']:.3f}s ({_pct(p['of_bound'])})"
     return cell + (f" +{p['extend']}: {p['extend_seconds']:.3f}s" if p.get("extend") else "")
 
 

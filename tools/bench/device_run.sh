@@ -18,9 +18,10 @@
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
 # CPU kernel's GB/s at 15 threads), hostmem (the loaded pool's read rate per GiB and where its
-# pages are), longctx (graph decode behind PROMPTS-token prompts, then the extend behind a
-# LONG_CHUNK-token chunk). Everything ends up in $OUT/results.tgz (the GPU machine hands back few
-# files); the tables also go to stdout.
+# pages are), longctx (graph decode behind PROMPTS-token prompts), bigprompt (a LONG_CHUNK-token
+# prompt prefilled in forwards of each of PREFILL_CHUNKS tokens, then a 32-token extend).
+# Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
+# also go to stdout.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/device-out}
@@ -88,13 +89,6 @@ if has decode; then
   q12
   decode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} --json "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
 fi
-if has longctx; then  # graph decode behind long prompts (attention reads the whole context each step),
-  q12                 # then an agent turn's extend behind a LONG_CHUNK-token chunk
-  for p in ${PROMPTS:-16 8192 32768}; do
-    decode ${STRATEGIES:-hybrid} on --prompt $p --json "$OUT/longctx-$p.json" 2>&1 | tee "$OUT/longctx-$p.txt"
-  done
-  extend ${EXTEND_STRATEGIES:-hybrid} ${REPEAT:-3} --chunks ${LONG_CHUNK:-32768} --json "$OUT/longctx-extend.json" 2>&1 | tee "$OUT/longctx-extend.txt"
-fi
 if has sampled; then  # hybrid graph decode with each token sampled on the device (temperature, top-p)
   q12
   decode hybrid on --temperature 0.7 --top-p 0.95 --json "$OUT/sampled.json" 2>&1 | tee "$OUT/sampled.txt"
@@ -115,6 +109,20 @@ extend() {  # the agent turn of the extend part; $1: strategies, $2: turns, then
 if has extend; then
   q12
   extend ${EXTEND_STRATEGIES:-offload,hybrid} ${REPEAT:-5} --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
+fi
+if has longctx; then  # graph decode behind long prompts (attention reads the whole context each step)
+  q12
+  for p in ${PROMPTS:-16 8192 32768}; do
+    decode ${STRATEGIES:-hybrid} on --prompt $p --json "$OUT/longctx-$p.json" 2>&1 | tee "$OUT/longctx-$p.txt"
+  done
+fi
+if has bigprompt; then  # a LONG_CHUNK-token prompt prefilled in forwards of each of PREFILL_CHUNKS
+  q12                   # tokens (ft-run --prefill-chunk), then a 32-token extend behind it
+  for c in ${PREFILL_CHUNKS:-8192 16384 32768}; do
+    $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
+        --tokens 2 --chunks ${LONG_CHUNK:-32768} --prefill-chunk $c --extend 32 --strategies ${PREFILL_STRATEGIES:-hybrid} \
+        --json "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
+  done
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
   # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
