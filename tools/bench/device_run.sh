@@ -19,7 +19,8 @@
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
 # CPU kernel's GB/s at 15 threads), hostmem (the loaded pool's read rate per GiB and where its
 # pages are), longctx (graph decode behind PROMPTS-token prompts), bigprompt (a LONG_CHUNK-token
-# prompt prefilled in forwards of each of PREFILL_CHUNKS tokens, then a 32-token extend).
+# prompt prefilled in forwards of each of PREFILL_CHUNKS tokens, then a 32-token extend; REPEAT
+# turns).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -120,7 +121,7 @@ if has bigprompt; then  # a LONG_CHUNK-token prompt prefilled in forwards of eac
   q12                   # tokens (ft-run --prefill-chunk), then a 32-token extend behind it
   for c in ${PREFILL_CHUNKS:-8192 16384 32768}; do
     $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
-        --tokens 2 --chunks ${LONG_CHUNK:-32768} --prefill-chunk $c --extend 32 --strategies ${PREFILL_STRATEGIES:-hybrid} \
+        --tokens 2 --chunks ${LONG_CHUNK:-32768} --prefill-chunk $c --extend 32 --repeat ${REPEAT:-1} --strategies ${PREFILL_STRATEGIES:-hybrid} \
         --json "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
   done
 fi
