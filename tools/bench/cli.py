@@ -101,7 +101,7 @@ def decode(
     threads: int | None = None,
     tokens: int = 64,
     prompt: int = 16,
-    chunks: Annotated[str, typer.Option(help="prefill chunk sizes to measure, e.g. 4096,8192 ('' = none)")] = "",
+    chunks: Annotated[str, typer.Option(help="prompts to prefill and time, in tokens, e.g. 4096,8192 ('' = none)")] = "",
     routing: Annotated[str, typer.Option(help="real | reuse:P | trace:FILE")] = "real",
     record: Annotated[Path | None, typer.Option(help="save the real routing of the run")] = None,
     profile: Path | None = None,
