@@ -15,7 +15,7 @@ from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
-from ..kv.boundaries import Boundaries
+from ..kv.boundaries import PAGE, Boundaries
 from ..kv.cache import PrefixCache
 from ..models import FAMILIES
 from ..models.kv import KVCache
@@ -59,8 +59,9 @@ class Runtime:
         self.device = torch.device(opts.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but no CUDA device is available")
-        if opts.prefill_chunk < 1:
-            raise ValueError(f"--prefill-chunk must be >= 1, got {opts.prefill_chunk}")
+        if opts.prefill_chunk < PAGE:  # prefill cuts only at page boundaries: no finer piece exists
+            raise ValueError(f"--prefill-chunk must be >= {PAGE} (prefill is cut at {PAGE}-token pages), "
+                             f"got {opts.prefill_chunk}")
         weights = self.ftw.dense_state()
         self.dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else weights["embed.weight"].dtype
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
