@@ -22,6 +22,7 @@ from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
 from ftkit.runtime.experts.planner import HYBRID
 from ftkit.runtime.experts.stats import LayerClock
+from ftkit.runtime.kv.prefill import prefill as runtime_prefill
 from ftkit.runtime.models.kv import attention_layers, kv_bytes_per_token
 
 from .routing import RoutingOverride
@@ -61,12 +62,10 @@ def step_kv_bytes(rt: Runtime, position: int) -> int:
 
 
 def prefill_forward(rt: Runtime, ids: torch.Tensor, kv) -> torch.Tensor:
-    """A prompt's forward as the runtime prefills it: pieces of at most `rt.prefill_chunk`
-    tokens (GPU); the last position's logits [1, V]."""
+    """A prompt into an empty `kv` as ft-run prefills it on a GPU (`kv.prefill.prefill`):
+    forwards of `rt.prefill_chunk` tokens (one forward on CPU); the last position's logits [V]."""
     step = rt.prefill_chunk or len(ids)
-    for a in range(0, len(ids), step):
-        logits = rt.decoder.forward(ids[a : a + step], kv, last_only=True)
-    return logits
+    return runtime_prefill(rt.decoder, ids.tolist(), kv, range(step, len(ids), step))[0]
 
 
 WARMUP = 2  # untimed decode steps before the timed ones (kernel compilation, graph capture)
@@ -106,7 +105,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     with torch.inference_mode():
         if routing:
             routing.next_step()
-        int(prefill_forward(rt, ids[:prompt], kv)[-1].argmax())
+        int(prefill_forward(rt, ids[:prompt], kv).argmax())
         for i in range(prompt, prompt + WARMUP):
             step(i)
         start = prompt + WARMUP
