@@ -37,9 +37,11 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
     r = subprocess.run([*BENCH, "decode", "-m", str(tiny), "--device", "cpu", "--cache-fraction", "0.35",
                         "--pcie-gbps", "50", "--cpu-gbps", "80", "--tokens", "8", "--chunks", "64",
                         "--extend", "8", "--answer", "4", "--repeat", "3", "--strategies", "offload,hybrid",
-                        "--json", str(out)], capture_output=True, text=True)
+                        "--json", str(out), "--trace-dir", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
+    for strategy in ("offload", "hybrid"):  # the profiled steps after the timed ones, on the same K/V
+        assert "Self CPU" in (tmp_path / f"profile-{strategy}-graphs-on.txt").read_text()
     assert [x["strategy"] for x in res["runs"]] == ["offload", "hybrid"]
     for x in res["runs"]:
         d = x["decode"]

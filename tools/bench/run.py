@@ -130,10 +130,10 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     stats = rt.store.stats
     t = stats.totals()
     s = rt.ftw.layout.slot_bytes
-    kv = sum(step_kv_bytes(rt, p) for p in range(start, start + tokens)) / tokens
-    bound = _decode_bound(rt, stats, tokens, figures, kv)
+    keys = sum(step_kv_bytes(rt, p) for p in range(start, start + tokens)) / tokens  # not `kv`: step() reads it
+    bound = _decode_bound(rt, stats, tokens, figures, keys)
     cpu_gbps = t.cpu * s / sides[2] if sides and sides[2] else None
-    tight = worker_bound(rt, stats, tokens, figures, kv, cpu_gbps) if cpu_gbps else bound
+    tight = worker_bound(rt, stats, tokens, figures, keys, cpu_gbps) if cpu_gbps else bound
     if trace_to is not None:  # the 4 spare ids past the timed steps
         with torch.inference_mode():
             _profiled(rt, lambda: [step(i) for i in range(prompt + WARMUP + tokens, len(ids))], trace_to)
