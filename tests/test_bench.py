@@ -193,6 +193,23 @@ def test_timeline_splits_a_trace_by_routing_read_back(tmp_path):
                          capture_output=True, text=True, check=True)
     assert "2 layers with fills" in out.stdout
     assert json.loads((tmp_path / "t.json").read_text())["means"]["plan"] == pytest.approx((0.1 + 0.3) / 2)
+    # idle: the span 0..1700 us less the busy union (10+200+5+200+50+10+100+20+100 us)
+    gaps = timeline.idle(timeline.load(path))
+    assert gaps["span_ms"] == pytest.approx(1.7) and gaps["busy_ms"] == pytest.approx(0.695)
+    assert gaps["idle_ms"] == pytest.approx(1.005)
+    assert gaps["gaps"][0] == [back, fill, 3, pytest.approx(0.1 + 0.3 + 0.08)]  # read-back -> fill, 3 times
+    assert "idle 1.00" in out.stdout
+
+
+def test_timeline_idle_merges_overlapping_events():
+    """Events on two streams that overlap count once; a gap is measured from the latest end."""
+    from ftkit.tools.bench import timeline
+
+    events = [{"name": "a", "ts": 0, "dur": 100}, {"name": "copy", "ts": 50, "dur": 200},
+              {"name": "b", "ts": 120, "dur": 10}, {"name": "c", "ts": 300, "dur": 50}]
+    gaps = timeline.idle(events)
+    assert gaps["busy_ms"] == pytest.approx(0.3) and gaps["idle_ms"] == pytest.approx(0.05)
+    assert gaps["gaps"] == [["copy", "c", 1, pytest.approx(0.05)]]
 
 
 def test_pool_pages_reads_smaps_and_numa_maps(tmp_path):

@@ -85,7 +85,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
            trace_to: Path | None = None, sampler: Sampler | None = None) -> dict:
     """Batch-1 decode tok/s over `tokens` steps after a `prompt`-token prefill and WARMUP
     untimed steps (kernel compilation, graph capture); `trace_to` also writes a torch.profiler
-    table of 4 further steps (where the per-token time goes).
+    table of 4 further steps, pipelined where the timed ones were (where the per-token time goes).
 
     Each step feeds a seeded random token rather than the argmax: random weights tend to repeat
     their greedy token, and a repeated token repeats its routing, which would flatter the cache.
@@ -134,9 +134,14 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     bound = _decode_bound(rt, stats, tokens, figures, keys)
     cpu_gbps = t.cpu * s / sides[2] if sides and sides[2] else None
     tight = worker_bound(rt, stats, tokens, figures, keys, cpu_gbps) if cpu_gbps else bound
-    if trace_to is not None:  # the 4 spare ids past the timed steps
+    if trace_to is not None:  # the 4 spare ids past the timed steps, run as the timed ones were
+        spare = start + tokens
         with torch.inference_mode():
-            _profiled(rt, lambda: [step(i) for i in range(prompt + WARMUP + tokens, len(ids))], trace_to)
+            if pipelined:
+                _profiled(rt, lambda: list(graphs.pipeline(int(ids[spare]), kv, len(ids) - spare, sampler,
+                                                           feed=ids[spare:])), trace_to)
+            else:
+                _profiled(rt, lambda: [step(i) for i in range(spare, len(ids))], trace_to)
     return {
         "tokens": tokens,
         "graphs": rt.decoder.graphs is not None,

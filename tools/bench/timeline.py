@@ -1,4 +1,4 @@
-"""Where a host-planned forward's device time goes, layer by layer, from a Chrome trace:
+"""Where a forward's device time goes, from a Chrome trace (host-planned: layer by layer):
 `python -m ftkit.tools.bench.timeline TRACE.trace.json.gz` (made for an extend's trace).
 
 `ft-bench decode --trace-dir DIR` with `FTKIT_CHROME_TRACE=1` writes one for the profiled repeat
@@ -10,7 +10,8 @@ fills: `plan` (read-back to the first fill: nothing moves while the host plans),
 (the copy engine idle after the first fill while the host puts the CPU call together), `fills`
 (first fill's start to the last one's end), `copying` (their own time) and `fill GB/s`,
 `done_wait` (the stream waiting for the CPU branch's done word), `tail` (last fill to the next
-read-back: the expert GEMM, the merge, the next layer's dense part and router).
+read-back: the expert GEMM, the merge, the next layer's dense part and router). For any trace
+(graph decode too) it also reports the device's idle time and where its largest gaps fall.
 """
 
 from __future__ import annotations
@@ -65,6 +66,24 @@ def layers(events: list[dict], min_bytes: int = 2**20) -> list[dict[str, float]]
     return out
 
 
+def idle(events: list[dict], min_us: float = 1.0) -> dict:
+    """The device's idle time: span, busy (the union of its events) and the gaps of at least
+    `min_us`, summed per (event before, event after) pair, largest first, times in ms. Made for
+    a graph decode trace, which has no read-backs: its steps are replayed kernels only."""
+    end, last, busy, pairs = events[0]["ts"], events[0]["name"], 0.0, {}
+    for e in events:
+        if e["ts"] - end >= min_us:
+            pair = pairs.setdefault((last[:40], e["name"][:40]), [0, 0.0])
+            pair[0] += 1
+            pair[1] += e["ts"] - end
+        busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
+        if e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e["name"]
+    span = end - events[0]["ts"]
+    gaps = sorted(([a, b, n, t / 1e3] for (a, b), (n, t) in pairs.items()), key=lambda g: -g[3])
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3, "gaps": gaps}
+
+
 def means(rows: list[dict[str, float]]) -> dict[str, float | None]:
     """Each column's mean over the layers that have it."""
     keys = rows[0] if rows else {}
@@ -78,18 +97,27 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     events = load(a.trace)
-    rows = layers(events, a.min_bytes)
-    if not rows:
-        raise SystemExit(f"{a.trace}: no layer with expert fills (a graph decode step, or --min-bytes too high)")
-    m = means(rows)
-    span = (events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]) / 1e3
-    table = Table(title=f"{a.trace.name}: {len(rows)} layers with fills, device span {span:.1f} ms (means)")
-    for col in m:
-        table.add_column(col.replace("_gbps", " GB/s") if col == "fill_gbps" else f"{col} ms", justify="right")
-    table.add_row(*("-" if v is None else f"{v:.1f}" if k == "fill_gbps" else f"{v:.3f}" for k, v in m.items()))
-    Console().print(table)
+    if not events:
+        raise SystemExit(f"{a.trace}: no device events")
+    rows, gaps = layers(events, a.min_bytes), idle(events)
+    console = Console()
+    if rows:
+        m = means(rows)
+        table = Table(title=f"{a.trace.name}: {len(rows)} layers with fills, device span {gaps['span_ms']:.1f} ms (means)")
+        for col in m:
+            table.add_column(col.replace("_gbps", " GB/s") if col == "fill_gbps" else f"{col} ms", justify="right")
+        table.add_row(*("-" if v is None else f"{v:.1f}" if k == "fill_gbps" else f"{v:.3f}" for k, v in m.items()))
+        console.print(table)
+    table = Table(title=f"{a.trace.name}: device span {gaps['span_ms']:.2f} ms, busy {gaps['busy_ms']:.2f}, "
+                        f"idle {gaps['idle_ms']:.2f} (largest idle gaps of >= 1 us)")
+    for col in ("before", "after", "gaps", "idle ms"):
+        table.add_column(col, justify="right" if col in ("gaps", "idle ms") else "left")
+    for before, after, n, ms in gaps["gaps"][:12]:
+        table.add_row(before, after, str(n), f"{ms:.3f}")
+    console.print(table)
     if a.json:
-        a.json.write_text(json.dumps({"span_ms": span, "means": m, "layers": rows}, indent=1))
+        a.json.write_text(json.dumps({"span_ms": gaps["span_ms"], "means": means(rows) if rows else None,
+                                      "layers": rows, "idle": gaps}, indent=1))
 
 
 if __name__ == "__main__":
