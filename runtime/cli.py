@@ -38,8 +38,9 @@ NoAnchors = Annotated[bool, typer.Option("--no-anchors", help="hybrid models: sa
 PrefixTokens = Annotated[int | None, typer.Option(help="prefix cache budget in tokens (default: the context)")]
 NoGraphs = Annotated[bool, typer.Option("--no-graphs", help="CUDA: decode eagerly, no graphs and no device-side planning (A/B runs)")]
 AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hybrid models)")]
-PrefillChunk = Annotated[int, typer.Option(help="GPU: prompt tokens per prefill forward at most; larger chunks "
-                                                "stream each expert layer once for more tokens, at more activation memory")]
+PrefillChunk = Annotated[int, typer.Option(help="GPU: prompt tokens a prefill runs through a layer at once (their "
+                                                "activations are reserved; each layer's experts cross PCIe once a "
+                                                "prompt whatever the size)")]
 KvTokens = Annotated[int, typer.Option(help="KV tokens a request may reach (prompt + max tokens); reserved by "
                                             "--gpu-budget; on CUDA the graph decode capacity (longer: eager)")]
 

@@ -124,14 +124,3 @@ def test_anchor_eviction_keeps_turns_and_recent_over_old_thinking():
     tree.max_tokens = 350  # the tree drops leaves and the anchors on them
     tree.evict(pool.drop)
     assert sorted(a.snap.length for a in pool.live) == [300]
-
-
-def test_gpu_prefill_cuts_only_at_anchors_and_chunk_limits():
-    from ftkit.runtime.kv.prefill import _coarsen
-
-    cuts = list(range(16, 1000, 16))
-    got = _coarsen(cuts, 0, {96, 496}, 256)
-    assert {96, 496} <= set(got)
-    edges = [0, *got, 1000]
-    assert all(b - a <= 256 for a, b in zip(edges, edges[1:], strict=False))
-    assert len(got) < len(cuts) // 4

@@ -126,8 +126,9 @@ def test_worker_bound_takes_the_faster_of_profile_and_worker(tiny):
 
 
 def test_prefill_runs_in_the_runtimes_pieces(tiny):
-    """A prompt longer than the runtime's prefill chunk runs as ft-run cuts it: several
-    forwards into one cache, the same last logits as one forward (to rounding)."""
+    """A prompt longer than the runtime's prefill chunk runs as ft-run runs it: one forward,
+    layer by layer in pieces, into one cache; the same last logits and K/V as one piece (to
+    rounding)."""
     import torch
 
     rt = runtime(tiny, strategy="offload", cache_experts=8)
@@ -138,8 +139,34 @@ def test_prefill_runs_in_the_runtimes_pieces(tiny):
         pieces = run.prefill_forward(rt, ids, kv2 := rt.new_kv(40))
     assert kv.length == kv2.length == 40
     torch.testing.assert_close(pieces, whole, rtol=1e-3, atol=1e-3)
-    assert run.prefill(rt, 40, FIGS, answer=2)["forwards"] == 3
+    for i in kv.k:
+        torch.testing.assert_close(kv2.k[i][:40], kv.k[i][:40], rtol=1e-3, atol=1e-3)
+    assert run.prefill(rt, 40, FIGS, answer=2)["pieces"] == 3
     rt.close()
+
+
+def test_layer_by_layer_prefill_streams_each_layer_once(tiny):
+    """Whole-layer streaming with a cache of two layers: a 48-token prompt in three 16-token
+    forwards moves every layer three times; in one forward of three 16-token pieces a layer,
+    each layer's experts cross once and serve all three pieces."""
+    import torch
+
+    from ftkit.runtime.kv.prefill import prefill
+
+    e = preset_spec("tiny").num_experts
+    ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    fills = {}
+    for name, kw in (("forwards", {"cuts": (16, 32)}), ("pieces", {"cuts": (), "max_chunk": 16})):
+        rt = runtime(tiny, strategy="offload", cache_experts=2 * e, stream_prefill=True)
+        with torch.inference_mode():
+            logits, _ = prefill(rt.decoder, ids, kv := rt.new_kv(48), **kw)
+        fills[name] = rt.store.stats.totals().fills
+        assert kv.length == 48 and rt.store.cache.capacity == 2 * e
+        fills[name + "_logits"] = logits
+        rt.close()
+    layers = preset_spec("tiny").num_moe_layers
+    assert fills["pieces"] <= layers * e < 2 * layers * e < fills["forwards"]
+    torch.testing.assert_close(fills["pieces_logits"], fills["forwards_logits"], rtol=1e-3, atol=1e-3)
 
 
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):

@@ -123,6 +123,8 @@ def test_float32_logits_and_greedy_match_transformers(hf_dir, ftw):
         want = ref(PROMPT[None]).logits[0]
     err = _rel_err(dec.forward(PROMPT, new_cache(dec, len(PROMPT))), want)
     assert err <= 1e-4, f"prefill logits relative error {err:.2e}"
+    err = _rel_err(dec.forward(PROMPT, new_cache(dec, len(PROMPT)), chunk=5), want)  # layer by layer, pieces of 5
+    assert err <= 1e-4, f"layer-by-layer prefill logits relative error {err:.2e}"
     assert_greedy_matches(dec, ref, PROMPT, NEW_TOKENS)
 
 

@@ -123,9 +123,11 @@ def test_a_long_second_chunk_matches_cpu_fused(model, monkeypatch):
 
 def test_gpu_budget_holds_a_long_prefill(tmp_path):
     """Everything the runtime allocates on the device (dense weights, slots, graph K/V, a request's
-    KV, two 8192-token prefill chunks, decode steps) stays within --gpu-budget: the plan counts
-    the prefill workspace, the prefix cache and the graph K/V, not only dense weights and KV."""
+    KV, a prompt run layer by layer in two 8192-token pieces, decode steps) stays within
+    --gpu-budget: the plan counts the prefill workspace (the whole prompt's residual stream
+    included), the prefix cache and the graph K/V, not only dense weights and KV."""
     from ftkit.runtime.engine.memory import plan_memory
+    from ftkit.runtime.kv.prefill import prefill
 
     spec = dataclasses.replace(demo_spec(4096), hidden_size=1024, moe_intermediate_size=512, num_experts=32,
                                top_k=8, num_heads=16, num_kv_heads=4, head_dim=64, num_layers=2,
@@ -147,9 +149,8 @@ def test_gpu_budget_holds_a_long_prefill(tmp_path):
         assert rt.decoder.graphs is not None and rt.decoder.graphs.capacity == tokens  # decode below: graphs
         kv = rt.new_kv(tokens)
         ids = torch.randint(0, spec.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
-        prompt, steps = ids[:-4], ids[-4:]  # the second chunk behind 8192 cached keys, then decode
-        for chunk in prompt.split(rt.prefill_chunk):
-            rt.decoder.forward(chunk.to(rt.device), kv, last_only=True)
+        prompt, steps = ids[:-4], ids[-4:]  # layer by layer, the second piece behind 8192 keys, then decode
+        prefill(rt.decoder, prompt.tolist(), kv, (), max_chunk=rt.prefill_chunk)
         for t in steps:
             rt.decoder.forward(t.view(1).to(rt.device), kv)
         torch.cuda.synchronize()

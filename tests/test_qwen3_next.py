@@ -98,6 +98,10 @@ def test_float32_logits_and_greedy_match_transformers(ftw, reference):
             want = ref(prompt[None]).logits[0]
         err = _rel_err(dec.forward(prompt, new_cache(dec, len(prompt))), want)
         assert err <= 1e-4, f"prefill of {len(prompt)}: logits relative error {err:.2e}"
+        # layer by layer in pieces (a GPU prefill's order): each linear-attention layer's state
+        # and each softmax layer's keys carry from one piece to the next
+        err = _rel_err(dec.forward(prompt, new_cache(dec, len(prompt)), chunk=7), want)
+        assert err <= 1e-4, f"layer-by-layer prefill of {len(prompt)}: logits relative error {err:.2e}"
     assert_greedy_matches(dec, ref, PROMPT, NEW_TOKENS)
 
 

@@ -35,9 +35,9 @@ def run_tokens(path, stream_prefill=False, **opts):
     distinct: list[dict[int, int]] = []
     real_run = rt.store.run
 
-    def spy(layer, hidden, ids, weights):
+    def spy(layer, hidden, ids, weights, final=True):
         distinct[-1][layer] = int(torch.unique(ids).numel())
-        return real_run(layer, hidden, ids, weights)
+        return real_run(layer, hidden, ids, weights, final=final)
 
     rt.store.run = spy
     kv = rt.new_kv(len(PROMPT) + len(DECODE))

@@ -15,7 +15,7 @@ from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
-from ..kv.boundaries import PAGE, Boundaries
+from ..kv.boundaries import Boundaries
 from ..kv.cache import PrefixCache
 from ..models import FAMILIES
 from ..models.kv import KVCache
@@ -44,7 +44,7 @@ class RuntimeOptions:
     anchor_slots: int = 32  # recurrent-state snapshots kept (hybrid families only)
     graphs: bool = True  # CUDA: batch-1 decode through CUDA graphs with device-side expert planning
     stream_prefill: bool | None = None  # whole-layer double buffering in prefill (None: on CUDA)
-    prefill_chunk: int = PREFILL_CHUNK  # GPU: tokens per prefill forward at most (activations vs streams)
+    prefill_chunk: int = PREFILL_CHUNK  # GPU: tokens per prefill piece at most (a piece's activations)
 
 
 class Runtime:
@@ -59,9 +59,8 @@ class Runtime:
         self.device = torch.device(opts.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but no CUDA device is available")
-        if opts.prefill_chunk < PAGE:  # prefill cuts only at page boundaries: no finer piece exists
-            raise ValueError(f"--prefill-chunk must be >= {PAGE} (prefill is cut at {PAGE}-token pages), "
-                             f"got {opts.prefill_chunk}")
+        if opts.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be at least 1 token, got {opts.prefill_chunk}")
         weights = self.ftw.dense_state()
         self.dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else weights["embed.weight"].dtype
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
@@ -80,8 +79,9 @@ class Runtime:
             self._setup_graphs()
         self.tokenizer = Tokenizer(self.path) if (self.path / "tokenizer.json").is_file() else None
         # On CPU every prefill is cut on this grid, cache on or off, so reuse is bitwise exact.
-        # On a GPU (results agree to rounding, not bitwise) prefill cuts only at anchors and every
-        # opts.prefill_chunk tokens, so chunks stay big enough to stream whole expert layers.
+        # On a GPU (results agree to rounding, not bitwise) prefill cuts only at anchors and runs
+        # each segment layer by layer in pieces of opts.prefill_chunk tokens, so a streamed
+        # expert layer crosses PCIe once for the whole segment.
         self.grid = Boundaries.for_tokenizer(self.tokenizer)
         self.prefill_chunk = opts.prefill_chunk if self.device.type != "cpu" else None
         self.prefix_cache = PrefixCache(

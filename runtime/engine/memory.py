@@ -137,10 +137,12 @@ def longest_request(spec: ModelSpec, kv_tokens: int) -> int:
 
 def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, chunk: int = PREFILL_CHUNK,
                             flash: bool = False) -> int:
-    """The transient activations of the largest prefill step on a GPU: a chunk of up to `chunk`
-    tokens ending at position `context`. Layers run one after another, so the peak is the
-    residual stream plus the largest of one layer's attention and its MLP or experts. `flash`:
-    a chunk behind cached keys runs flash attention (models.layers.flash_behind_cache)."""
+    """The transient activations of the largest prefill step on a GPU: a prompt of up to
+    `context` tokens run layer by layer in pieces of up to `chunk` (MoEDecoder.forward), the
+    last ending at position `context`. Pieces and layers run one after another, so the peak is
+    the whole prompt's residual stream, a piece's temporaries and the largest of one piece's
+    attention and its MLP or experts. `flash`: a piece behind cached keys runs flash attention
+    (models.layers.flash_behind_cache)."""
     b, t, h = dtype.itemsize, min(chunk, context), spec.hidden_size
     items = t * spec.top_k
     # the router's float32 logits, the sorted work lists, the grouped GEMM's intermediate rows
@@ -156,7 +158,7 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, c
         attention = qkv + t * spec.num_heads * 4
     else:
         attention = t * context * (b + 2) + 2 * context * spec.num_heads * spec.head_dim * b + qkv
-    return 4 * t * h * b + max(experts, mlp, attention)
+    return (context + 3 * t) * h * b + max(experts, mlp, attention)
 
 
 def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype, family: str) -> int:

@@ -140,6 +140,7 @@ class ExpertStore:
         self.device_planned = False  # set while layers are planned on the device (graph decode, extends)
         self.version = 0  # bumped when the cache is rebuilt (captured graphs point at its slots)
         self.holding = False  # a chunk-sized forward holds the hottest rows (`_hold_hottest`)
+        self.open_layer: int | None = None  # a MoE layer whose forward has more pieces to run
         self.clock: LayerClock | None = None  # marks each host-planned layer's phases when set
         if self.strategy == FUSED:
             for row in range(rows):
@@ -149,8 +150,11 @@ class ExpertStore:
     def ratio(self) -> float | None:
         return self.planner.ratio
 
-    def run(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Gate-weighted sum of the routed experts for `hidden` [T, H] at model layer `layer`."""
+    def run(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            final: bool = True) -> torch.Tensor:
+        """Gate-weighted sum of the routed experts for `hidden` [T, H] at model layer `layer`.
+        `final=False`: more pieces of this layer follow (a layer-by-layer prefill), so the layer
+        streamed in stays where it is until its last piece."""
         if self.device_plan is not None and self.device_plan.on_device:
             if self.device_planned:
                 return self.device_plan.run(layer, hidden, topk_ids, topk_weights)
@@ -172,6 +176,7 @@ class ExpertStore:
         # Most-used experts first: they are the ones worth filling.
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))
         self._hold_hottest(moe, len(rows), t * k)
+        self.open_layer = None if final else moe
         streamed = set(self.prefetcher.wait(moe)) if self.prefetcher else set()
         fill_all = t * k > CPU_MAX_TOKENS * len(rows)
         native = not fill_all and self._shares(hidden)
@@ -223,8 +228,9 @@ class ExpertStore:
             self._device_gemm(resident, groups, hidden, weights, y, k)
         elif resident:
             self._device_segments(resident, groups, hidden, weights, y, k)
-        self._stream_ahead(moe, len(rows), t * k, 2)
-        if moe == self.spec.num_moe_layers - 1:
+        if final:  # the next piece of this layer would find its buffer refilled
+            self._stream_ahead(moe, len(rows), t * k, 2)
+        if final and moe == self.spec.num_moe_layers - 1:
             self._release()
         busy = wait_cpu()
         self._mark("cpu_done")
@@ -277,8 +283,8 @@ class ExpertStore:
         for two layers while streaming (one for on-demand fills: an extend's), and the rest of
         the cache, the most recently used rows, stays resident for the decode that follows. Held
         from the forward's first chunk-sized layer to its last MoE layer."""
-        if moe_index == 0:
-            self._release()  # a new forward
+        if moe_index == 0 and self.open_layer != 0:
+            self._release()  # a new forward (not the next piece of its first layer)
         if self.holding or active < STREAM_FRACTION * self.spec.num_experts:
             return
         staging = (2 if self._streams(active, items) else 1) * self.spec.num_experts

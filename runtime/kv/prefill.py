@@ -16,27 +16,19 @@ def prefill(decoder: MoEDecoder, tokens: list[int], kv: KVCache, cuts: Iterable[
     """Run tokens[kv.length:] through `decoder` one segment per cut; returns the last position's
     logits and {cut: snapshot} for the cuts in `snapshot_at` that were reached.
 
-    `max_chunk` (GPU): cut only where a snapshot is taken or a segment would exceed it, so
-    prefill runs in large chunks; results then agree with a from-scratch run to rounding, not
-    bitwise, which is the GPU's contract anyway."""
+    `max_chunk` (GPU): cut only where a snapshot is taken, and run each segment layer by layer
+    in pieces of at most `max_chunk` tokens (`MoEDecoder.forward`'s `chunk`), so a streamed
+    expert layer crosses PCIe once per segment; results then agree with a from-scratch run to
+    rounding, not bitwise, which is the GPU's contract anyway."""
     start, n = kv.length, len(tokens)
     if max_chunk is not None:
-        cuts = _coarsen(sorted(p for p in cuts if start < p < n), start, set(snapshot_at), max_chunk)
+        cuts = [p for p in cuts if p in snapshot_at]
     device = decoder.w["embed.weight"].device
     snaps: dict[int, CacheSnapshot] = {}
     logits = None
     for end in [*sorted(p for p in cuts if start < p < n), n]:
-        logits = decoder.forward(torch.tensor(tokens[kv.length:end], device=device), kv, last_only=True)
+        logits = decoder.forward(torch.tensor(tokens[kv.length:end], device=device), kv, last_only=True,
+                                 chunk=max_chunk)
         if end in snapshot_at:
             snaps[end] = kv.snapshot()
     return logits[-1], snaps
-
-
-def _coarsen(cuts: list[int], start: int, keep: set[int], max_chunk: int) -> list[int]:
-    out, last = [], start
-    for i, p in enumerate(cuts):
-        nxt = cuts[i + 1] if i + 1 < len(cuts) else None
-        if p in keep or (nxt is not None and nxt - last > max_chunk):
-            out.append(p)
-            last = p
-    return out

@@ -23,10 +23,12 @@ if TYPE_CHECKING:
 
 class ExpertRunner(Protocol):
     def run(
-        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        final: bool = True,
     ) -> torch.Tensor:
         """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) -> [T, H]; `layer` is
-        the model layer index."""
+        the model layer index. `final=False`: more pieces of this layer's tokens follow in the
+        same forward (a long prompt runs layer by layer), so its experts are wanted again."""
         ...
 
 
@@ -67,27 +69,45 @@ class MoEDecoder:
         return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False,
+                chunk: int | None = None) -> torch.Tensor:
         """Logits [T, V] for input_ids [T] at positions cache.length.. ; appends to the cache.
         `last_only`: only the last position's [1, V] (prefill: a chunk's logits would take
-        T x V activations, 2.5 GB at 8192 tokens of a 152k vocabulary in bf16)."""
+        T x V activations, 2.5 GB at 8192 tokens of a 152k vocabulary in bf16).
+        `chunk` (GPU prefill): more tokens than this run layer by layer, each layer over pieces
+        of `chunk` tokens in order before the next layer starts. Activations stay those of one
+        piece (plus the residual stream of all T), while each layer's experts are needed over
+        one stretch of time: a streamed layer crosses PCIe once for the whole prompt, not once
+        per piece. Every piece attends to the keys the pieces before it wrote in that layer, so
+        the result is the forward's, to rounding."""
         g, t = self.graphs, input_ids.shape[0]
         if g is not None and t == 1 and g.accepts(cache):
             return g.step(input_ids, cache)
         if g is not None and g.takes(t, cache):  # a few tokens: the graph step's fused dense part
             return g.extend(input_ids, cache, last_only)
-        s = self.spec
-        x = F.embedding(input_ids, self.w["embed.weight"])
-        cos, sin = self.rope(cache.length, x.shape[0], x.dtype)
-        for i in range(s.num_layers):
-            p = f"layers.{i}."
-            x = x + self.mixer(i, self.norm(x, p + "attn_norm.weight"), cos, sin, cache)
-            h = self.norm(x, p + "mlp_norm.weight")
-            x = x + (self.moe(i, h) if s.is_moe(i) else self.mlp(p + "mlp", h))
-        cache.advance(x.shape[0])
-        if last_only:
-            x = x[-1:]
+        start, step = cache.length, chunk if chunk and t > chunk else t
+        # each piece its own tensor: views of one would keep the whole embedding alive next to them
+        xs = [F.embedding(ids, self.w["embed.weight"]) for ids in input_ids.split(step)]
+        ropes = [self.rope(start + n * step, x.shape[0], x.dtype) for n, x in enumerate(xs)]
+        try:
+            for i in range(self.spec.num_layers):
+                for n, (cos, sin) in enumerate(ropes):
+                    cache.length = start + n * step  # where this piece's keys go and its queries sit
+                    xs[n] = self.layer(i, xs[n], cos, sin, cache, final=n == len(xs) - 1)
+        finally:
+            cache.length = start
+        cache.advance(t)
+        x = xs[-1][-1:] if last_only else torch.cat(xs) if len(xs) > 1 else xs[0]
         return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
+
+    def layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+              final: bool = True) -> torch.Tensor:
+        """Layer i over x [T, H] at positions cache.length..: the token mixer, then the MLP or
+        routed experts, each added to the residual stream."""
+        p = f"layers.{i}."
+        x = x + self.mixer(i, self.norm(x, p + "attn_norm.weight"), cos, sin, cache)
+        h = self.norm(x, p + "mlp_norm.weight")
+        return x + (self.moe(i, h, final) if self.spec.is_moe(i) else self.mlp(p + "mlp", h))
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
@@ -156,11 +176,11 @@ class MoEDecoder:
         dtype = logits.dtype if self.cast_router_weights else torch.float32
         return softmax_topk(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
 
-    def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def moe(self, i: int, x: torch.Tensor, final: bool = True) -> torch.Tensor:
         s, p = self.spec, f"layers.{i}."
         ids, weights = self.route(i, x)
         self.last_routing[i] = (ids, weights)
-        out = self.experts.run(i, x, ids, weights)
+        out = self.experts.run(i, x, ids, weights, final=final)
         if s.shared_expert_intermediate_size:
             shared = self.mlp(p + "shared", x)
             if s.shared_expert_gate:  # Qwen2-MoE

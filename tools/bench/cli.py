@@ -117,8 +117,8 @@ def decode(
                                         "extend (a turn's reply)")] = 32,
     temperature: Annotated[float, typer.Option(help="timed decode steps sample at this temperature (0: argmax)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="with --temperature: the top-p cut")] = 1.0,
-    prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill forward at most, as ft-run's "
-                                               "--prefill-chunk (prompts and --chunks are cut so)")] = RuntimeOptions.prefill_chunk,
+    prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill piece at most, as ft-run's "
+                                               "--prefill-chunk (prompts and --chunks run so)")] = RuntimeOptions.prefill_chunk,
     repeat: Annotated[int, typer.Option(help="timed prefill turns (answer, chunk, answer, extend) per chunk "
                                         "size: medians reported")] = 1,
 ) -> None:
@@ -233,8 +233,8 @@ def _of_bound(r: dict) -> str:
 
 
 def _prefill_cell(p: dict) -> str:
-    forwards = f"/{p['forwards']}" if p.get("forwards", 1) > 1 else ""  # a prompt in several forwards
-    cell = f"{p['chunk']}{forwards}: {p['seconds']:.3f}s ({_pct(p['of_bound'])})"
+    pieces = f"/{p['pieces']}" if p.get("pieces", 1) > 1 else ""  # a prompt run in several pieces a layer
+    cell = f"{p['chunk']}{pieces}: {p['seconds']:.3f}s ({_pct(p['of_bound'])})"
     return cell + (f" +{p['extend']}: {p['extend_seconds']:.3f}s" if p.get("extend") else "")
 
 

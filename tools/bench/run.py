@@ -62,10 +62,10 @@ def step_kv_bytes(rt: Runtime, position: int) -> int:
 
 
 def prefill_forward(rt: Runtime, ids: torch.Tensor, kv) -> torch.Tensor:
-    """A prompt into an empty `kv` as ft-run prefills it on a GPU (`kv.prefill.prefill`):
-    forwards of `rt.prefill_chunk` tokens (one forward on CPU); the last position's logits [V]."""
-    step = rt.prefill_chunk or len(ids)
-    return runtime_prefill(rt.decoder, ids.tolist(), kv, range(step, len(ids), step))[0]
+    """A prompt into an empty `kv` as ft-run prefills it on a GPU (`kv.prefill.prefill`): one
+    forward, layer by layer in pieces of `rt.prefill_chunk` tokens (CPU: whole); the last
+    position's logits [V]."""
+    return runtime_prefill(rt.decoder, ids.tolist(), kv, (), max_chunk=rt.prefill_chunk)[0]
 
 
 WARMUP = 2  # untimed decode steps before the timed ones (kernel compilation, graph capture)
@@ -250,8 +250,8 @@ def worker_bound(rt: Runtime, stats, tokens: int, f: Figures, kv_bytes: float, c
 
 def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None, extend: int = 0,
             answer: int = 32, repeat: int = 1) -> dict:
-    """Seconds to prefill one `chunk`-token prompt (TTFT; forwards of at most the runtime's
-    `prefill_chunk` tokens, as ft-run cuts it, each streaming its layers) and how many of the experts resident
+    """Seconds to prefill one `chunk`-token prompt (TTFT; as ft-run runs it: layer by layer in
+    pieces of at most the runtime's `prefill_chunk` tokens, each layer streamed once) and how many of the experts resident
     before it still are after it. Timed warm: an untimed chunk of the same size runs first
     (`first_seconds`: its time; a new shape's first call pays allocations and kernel choices
     once), then `answer` untimed decode steps put a decode's experts back on top of the cache,
@@ -296,7 +296,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
     bound = moved / (pcie * 1e9) if pcie and moved else None
     return {
         "chunk": chunk,
-        "forwards": -(-chunk // (rt.prefill_chunk or chunk)),
+        "pieces": -(-chunk // (rt.prefill_chunk or chunk)),  # per layer: activations of one piece at a time
         "first_seconds": first,
         "tok_s": chunk / out["seconds"],
         "missed_gb": moved / 1e9,
