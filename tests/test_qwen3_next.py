@@ -166,6 +166,31 @@ def test_snapshot_restore_resumes_a_prefix(ftw):
     assert cache.states == {} and torch.equal(dec.forward(PROMPT, cache), whole)
 
 
+def test_layer_by_layer_prefill_takes_the_anchors_snapshots(ftw):
+    """A GPU prefill runs as one forward, layer by layer, its pieces also ending at the anchors:
+    each anchor's snapshot holds every linear-attention layer's state as that layer left it
+    there, the same as separate forwards cut at the anchors leave, and resuming from one gives
+    the same logits as a fresh run."""
+    from ftkit.runtime.kv.prefill import prefill
+
+    dec = ftw_decoder(ftw["float32"])
+    tokens = LONG.tolist()
+    points = [9, 90, len(tokens)]  # two anchors inside the prompt and its tail
+    seg_logits, seg = prefill(dec, tokens, new_cache(dec, 160), points, points)
+    kv = new_cache(dec, 160)
+    logits, snaps = prefill(dec, tokens, kv, points, points, max_chunk=32)
+    assert kv.length == len(tokens) and sorted(snaps) == sorted(seg) == points
+    assert _rel_err(logits, seg_logits) <= 1e-5
+    for p in points:
+        assert snaps[p].length == p and snaps[p].states.keys() == seg[p].states.keys() and seg[p].states
+        for i, state in seg[p].states.items():
+            for name, t in state.items():
+                torch.testing.assert_close(snaps[p].states[i][name], t, rtol=1e-5, atol=1e-5)
+    kv.restore(snaps[9])  # resume from the first anchor: the rest as if prefilled from scratch
+    rest = dec.forward(LONG[9:], kv)
+    assert _rel_err(rest[-1], dec.forward(LONG, new_cache(dec, 160))[-1]) <= 1e-5
+
+
 # ---- tools: convert, diagnose, strategies ---------------------------------------------------
 def test_convert_round_trip(hf_dir, ftw):
     with safe_open(hf_dir / "model.safetensors", "pt") as f:

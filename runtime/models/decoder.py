@@ -7,14 +7,14 @@ the expert weights wherever they live (device cache, host pool).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, SLIDING_ATTENTION, ModelSpec
-from .kv import KVCache
+from .kv import CacheSnapshot, KVCache
 from .layers import Rope, apply_rope, attention, linear, rms_norm, softmax_topk, swiglu
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class MoEDecoder:
         self.lm_head = weights["embed.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
         # model layer -> (topk_ids, topk_weights) of the last forward, for routing statistics
         self.last_routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.snapshots: dict[int, CacheSnapshot] = {}  # the last forward's `snapshot_at` snapshots
         # Batch-1 decode steps replayed from CUDA graphs (engine/graphs.py), where set up; it
         # also runs short extends.
         self.graphs: GraphSteps | None = None
@@ -70,33 +71,43 @@ class MoEDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False,
-                chunk: int | None = None) -> torch.Tensor:
+                chunk: int | None = None, snapshot_at: Collection[int] = ()) -> torch.Tensor:
         """Logits [T, V] for input_ids [T] at positions cache.length.. ; appends to the cache.
         `last_only`: only the last position's [1, V] (prefill: a chunk's logits would take
         T x V activations, 2.5 GB at 8192 tokens of a 152k vocabulary in bf16).
         `chunk` (GPU prefill): more tokens than this run layer by layer, each layer over pieces
-        of `chunk` tokens in order before the next layer starts. Activations stay those of one
-        piece (plus the residual stream of all T), while each layer's experts are needed over
-        one stretch of time: a streamed layer crosses PCIe once for the whole prompt, not once
-        per piece. Every piece attends to the keys the pieces before it wrote in that layer, so
-        the result is the forward's, to rounding."""
+        of at most `chunk` tokens in order before the next layer starts. Activations stay those
+        of one piece (plus the residual stream of all T), while each layer's experts are needed
+        over one stretch of time: a streamed layer crosses PCIe once for the whole prompt, not
+        once per piece. Every piece attends to the keys (and carries on the recurrent state)
+        the pieces before it left in that layer, so the result is the forward's, to rounding.
+        `snapshot_at`: positions inside this forward where pieces also end; `self.snapshots`
+        then holds the cache's snapshot at each, every layer's recurrent state as that layer
+        left it there: what a forward ending at that position would have left."""
         g, t = self.graphs, input_ids.shape[0]
         if g is not None and t == 1 and g.accepts(cache):
             return g.step(input_ids, cache)
         if g is not None and g.takes(t, cache):  # a few tokens: the graph step's fused dense part
             return g.extend(input_ids, cache, last_only)
-        start, step = cache.length, chunk if chunk and t > chunk else t
+        start = cache.length
+        pieces = _pieces(t, chunk or t, sorted(p - start for p in snapshot_at if start < p < start + t))
         # each piece its own tensor: views of one would keep the whole embedding alive next to them
-        xs = [F.embedding(ids, self.w["embed.weight"]) for ids in input_ids.split(step)]
-        ropes = [self.rope(start + n * step, x.shape[0], x.dtype) for n, x in enumerate(xs)]
+        xs = [F.embedding(input_ids[a:b], self.w["embed.weight"]) for a, b in pieces]
+        ropes = [self.rope(start + a, b - a, x.dtype) for (a, b), x in zip(pieces, xs, strict=True)]
+        states: dict[int, dict[int, dict[str, torch.Tensor]]] = {start + b: {} for a, b in pieces[:-1]
+                                                                 if start + b in snapshot_at}
         try:
             for i in range(self.spec.num_layers):
-                for n, (cos, sin) in enumerate(ropes):
-                    cache.length = start + n * step  # where this piece's keys go and its queries sit
-                    xs[n] = self.layer(i, xs[n], cos, sin, cache, final=n == len(xs) - 1)
+                for n, (a, b) in enumerate(pieces):
+                    cache.length = start + a  # where this piece's keys go and its queries sit
+                    xs[n] = self.layer(i, xs[n], *ropes[n], cache, final=n == len(pieces) - 1)
+                    if start + b in states and i in cache.states:
+                        states[start + b][i] = {k: v.clone() for k, v in cache.states[i].items()}
         finally:
             cache.length = start
         cache.advance(t)
+        if snapshot_at:
+            self.snapshots = {p: CacheSnapshot(p, s) for p, s in states.items()}
         x = xs[-1][-1:] if last_only else torch.cat(xs) if len(xs) > 1 else xs[0]
         return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
 
@@ -187,3 +198,16 @@ class MoEDecoder:
                 shared = torch.sigmoid(F.linear(x, self.w[p + "shared_gate.weight"])) * shared
             out = out + shared
         return out
+
+
+def _pieces(t: int, step: int, ends: list[int]) -> list[tuple[int, int]]:
+    """[a, b) spans covering 0..t: ending at each of `ends` (sorted, inside), at most `step` long."""
+    out, a = [], 0
+    for end in [*ends, t]:
+        while end - a > step:
+            out.append((a, a + step))
+            a += step
+        if end > a:
+            out.append((a, end))
+            a = end
+    return out
