@@ -13,14 +13,15 @@
 # EXTEND_STRATEGIES, REPEAT turns, GRAPHS), ab (for each tree of AB in turn, alternated on one
 # machine, in the environment AB_ENV_<name> adds, each run of AB_RUN: extend, that extend with
 # AB_STRATEGIES (default hybrid); decode, graph decode with AB_STRATEGIES (THREADS, default
-# 15); zerocopy, the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
+# 15); bigprompt, the bigprompt part at the first of PREFILL_CHUNKS with AB_STRATEGIES;
+# zerocopy, the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
 # CPU kernel's GB/s at 15 threads), hostmem (the loaded pool's read rate per GiB and where its
 # pages are), longctx (graph decode behind PROMPTS-token prompts), bigprompt (a LONG_CHUNK-token
-# prompt prefilled in forwards of each of PREFILL_CHUNKS tokens, then a 32-token extend; REPEAT
-# turns).
+# prompt prefilled layer by layer in pieces of each of PREFILL_CHUNKS tokens, then a 32-token
+# extend; REPEAT turns).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -117,19 +118,23 @@ if has longctx; then  # graph decode behind long prompts (attention reads the wh
     decode ${STRATEGIES:-hybrid} on --prompt $p --json "$OUT/longctx-$p.json" 2>&1 | tee "$OUT/longctx-$p.txt"
   done
 fi
-if has bigprompt; then  # a LONG_CHUNK-token prompt prefilled in forwards of each of PREFILL_CHUNKS
-  q12                   # tokens (ft-run --prefill-chunk), then a 32-token extend behind it
+bigprompt() {  # a LONG_CHUNK-token prompt prefilled layer by layer in pieces of $1 tokens (ft-run
+  # --prefill-chunk), then a 32-token extend behind it; $2: strategies, then more flags
+  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
+      --tokens 2 --chunks ${LONG_CHUNK:-32768} --prefill-chunk $1 --extend 32 --repeat ${REPEAT:-1} --strategies "$2" "${@:3}"
+}
+if has bigprompt; then  # each of PREFILL_CHUNKS
+  q12
   for c in ${PREFILL_CHUNKS:-8192 16384 32768}; do
-    $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
-        --tokens 2 --chunks ${LONG_CHUNK:-32768} --prefill-chunk $c --extend 32 --repeat ${REPEAT:-1} --strategies ${PREFILL_STRATEGIES:-hybrid} \
-        --json "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
+    bigprompt $c ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
   done
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
   # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
-  case " ${AB_RUN:-extend} " in *" decode "* | *" extend "*) q12 ;; esac
+  case " ${AB_RUN:-extend} " in *" decode "* | *" extend "* | *" bigprompt "*) q12 ;; esac
   for run in ${AB:-}; do  # AB_RUN: one or more of extend (REPEAT turns), decode (graph decode),
-    d=${run%%=*} name=${run#*=}  # zerocopy (the fills bench), cpubw; both of the first with AB_STRATEGIES
+    d=${run%%=*} name=${run#*=}  # bigprompt (the first of PREFILL_CHUNKS), zerocopy (the fills
+    # bench), cpubw; the first three with AB_STRATEGIES
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
     envs=AB_ENV_$name  # AB_ENV_<name>="VAR=value ...": that run's environment (a switch to compare)
     (
@@ -137,6 +142,8 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
     for kind in ${AB_RUN:-extend}; do
       case $kind in
         decode) decode ${AB_STRATEGIES:-hybrid} on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        bigprompt) c=${PREFILL_CHUNKS:-8192}; bigprompt ${c%% *} ${AB_STRATEGIES:-hybrid} \
+            --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         cpubw) for t in ${CPU_TOKENS:-1 9}; do  # the CPU kernel alone, T tokens per expert
             $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 2 --seconds 1 --tokens $t --experts-per-call 10 \
@@ -151,7 +158,9 @@ else:
     pool = out['runs'][0].get('host_pool')
     cpu += f\", pool {pool['huge_fraction']:.0%} huge {pool['numa_gib']}\" if pool else ''
     what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound{cpu})\"
-print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name-$kind.json" "$name ($d) $kind" || echo "$name ($d) $kind: failed, see ab-$name-$kind.txt"
+    if sys.argv[3] == 'bigprompt':
+        what = f\"{p['chunk']}-token prompt in {p['seconds']:.3f} s ({p['missed_gb']:.1f} GB moved), extend {1e3 * p['extend_seconds']:.1f} ms\"
+print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name-$kind.json" "$name ($d) $kind" $kind || echo "$name ($d) $kind: failed, see ab-$name-$kind.txt"
     done
     )
   done
