@@ -79,9 +79,9 @@ class Runtime:
             self._setup_graphs()
         self.tokenizer = Tokenizer(self.path) if (self.path / "tokenizer.json").is_file() else None
         # On CPU every prefill is cut on this grid, cache on or off, so reuse is bitwise exact.
-        # On a GPU (results agree to rounding, not bitwise) prefill cuts only at anchors and runs
-        # each segment layer by layer in pieces of opts.prefill_chunk tokens, so a streamed
-        # expert layer crosses PCIe once for the whole segment.
+        # On a GPU (results agree to rounding, not bitwise) a prompt is one forward, run layer by
+        # layer in pieces of opts.prefill_chunk tokens that also end at anchors, so a streamed
+        # expert layer crosses PCIe once for the whole prompt.
         self.grid = Boundaries.for_tokenizer(self.tokenizer)
         self.prefill_chunk = opts.prefill_chunk if self.device.type != "cpu" else None
         self.prefix_cache = PrefixCache(
