@@ -12,7 +12,7 @@ import pytest
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.ftw.random_model import write_random_ftw
-from ftkit.runtime.spec import SLIDING_ATTENTION
+from ftkit.runtime.spec import FULL_ATTENTION, SLIDING_ATTENTION
 from ftkit.tools.bench import run
 from ftkit.tools.bench.presets import preset_spec
 from ftkit.tools.bench.routing import Recorder, Replayer, Synthetic
@@ -167,6 +167,23 @@ def test_layer_by_layer_prefill_streams_each_layer_once(tiny):
     layers = preset_spec("tiny").num_moe_layers
     assert fills["pieces"] <= layers * e < 2 * layers * e < fills["forwards"]
     torch.testing.assert_close(fills["pieces_logits"], fills["forwards_logits"], rtol=1e-3, atol=1e-3)
+
+
+def test_presets_have_the_published_shapes():
+    """Expert sizes and layer kinds of the presets (no weights written): the issue's
+    qwen3-30b-a3b, and qwen3-next-80b-a3b cut to 4 layers as a benchmark would."""
+    from ftkit.runtime.ftw.manifest import slot_layout
+    from ftkit.runtime.spec import LINEAR_ATTENTION
+
+    q3 = preset_spec("qwen3-30b-a3b", 12)
+    assert (q3.num_layers, q3.num_experts, q3.top_k) == (12, 128, 8)
+    assert slot_layout(q3, "bfloat16").slot_bytes == 3 * 2048 * 768 * 2  # 9.44 MB
+    nxt = preset_spec("qwen3-next-80b-a3b", 4)
+    assert nxt.layer_kinds == (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)
+    assert (nxt.num_experts, nxt.top_k, nxt.shared_expert_intermediate_size) == (512, 10, 512)
+    assert slot_layout(nxt, "bfloat16").slot_bytes == 3 * 2048 * 512 * 2  # 6.29 MB
+    with pytest.raises(ValueError, match="--layers must be in 1..48"):
+        preset_spec("qwen3-next-80b-a3b", 49)
 
 
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):

@@ -191,6 +191,27 @@ def test_layer_by_layer_prefill_takes_the_anchors_snapshots(ftw):
     assert _rel_err(rest[-1], dec.forward(LONG, new_cache(dec, 160))[-1]) <= 1e-5
 
 
+def test_bench_prefill_with_anchors(ftw):
+    """ft-bench's `--anchors-every`: the prompt snapshots its recurrent state every N tokens, as a
+    hybrid model's turn boundaries ask; cut there (CPU) or in one layer-by-layer pass (GPU's
+    order, forced here), the last logits agree."""
+    from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+    from ftkit.tools.bench import run
+
+    rt = Runtime(ftw["float32"], RuntimeOptions(device="cpu", threads=2, strategy="offload", cache_experts=16))
+    try:
+        with torch.inference_mode():
+            cut = run.prefill_forward(rt, LONG[:100], rt.new_kv(100), anchors=24)
+            rt.prefill_chunk = 32
+            one_pass = run.prefill_forward(rt, LONG[:100], rt.new_kv(100), anchors=24)
+            rt.prefill_chunk = None
+        assert _rel_err(one_pass, cut) <= 1e-5
+        res = run.prefill(rt, 100, run.Figures(pcie_gbps=50.0, cpu_gbps=80.0, hbm_gbps=None), answer=2, anchors=24)
+        assert res["anchors"] == 4 and res["seconds"] > 0
+    finally:
+        rt.close()
+
+
 # ---- tools: convert, diagnose, strategies ---------------------------------------------------
 def test_convert_round_trip(hf_dir, ftw):
     with safe_open(hf_dir / "model.safetensors", "pt") as f:

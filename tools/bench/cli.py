@@ -121,6 +121,8 @@ def decode(
                                                "--prefill-chunk (prompts and --chunks run so)")] = RuntimeOptions.prefill_chunk,
     repeat: Annotated[int, typer.Option(help="timed prefill turns (answer, chunk, answer, extend) per chunk "
                                         "size: medians reported")] = 1,
+    anchors_every: Annotated[int, typer.Option(help="--chunks prompts snapshot their recurrent state every this "
+                                               "many tokens, as a hybrid model's turn boundaries do (0: none)")] = 0,
 ) -> None:
     """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
     if graphs not in ("on", "off", "both"):
@@ -129,6 +131,8 @@ def decode(
         raise typer.BadParameter("--stream-prefill takes auto, on or off")
     if repeat < 1:
         raise typer.BadParameter("--repeat takes 1 or more")
+    if anchors_every < 0:
+        raise typer.BadParameter("--anchors-every takes 0 (none) or a token count")
     modes = {"on": [True], "off": [False], "both": [False, True]}[graphs]
     if (routing.startswith("trace:") or record) and True in modes:
         # recording and replaying go through host lists; a captured graph would freeze its first answer
@@ -161,7 +165,8 @@ def decode(
                 if record:
                     override.save(record)
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
-                                   if trace_dir else None, extend, answer, repeat) for c in chunks.split(",") if c]
+                                   if trace_dir else None, extend, answer, repeat, anchors_every)
+                       for c in chunks.split(",") if c]
                 results["runs"].append({"strategy": rt.store.strategy, "cache_slots": rt.store.cache.capacity,
                                         "threads": rt.store.cpu.threads, "routing": routing,
                                         "figures": vars(figs), "decode": r, "prefill": pre,

@@ -21,7 +21,8 @@
 # CPU kernel's GB/s at 15 threads), hostmem (the loaded pool's read rate per GiB and where its
 # pages are), longctx (graph decode behind PROMPTS-token prompts), bigprompt (a LONG_CHUNK-token
 # prompt prefilled layer by layer in pieces of each of PREFILL_CHUNKS tokens, then a 32-token
-# extend; REPEAT turns).
+# extend; REPEAT turns), nextprefill (qwen3-next-80b-a3b cut to 4 layers: a LONG_CHUNK-token
+# prompt without and with an anchor every ANCHORS tokens; REPEAT turns).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -127,6 +128,15 @@ if has bigprompt; then  # each of PREFILL_CHUNKS
   q12
   for c in ${PREFILL_CHUNKS:-8192 16384 32768}; do
     bigprompt $c ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
+  done
+fi
+if has nextprefill; then  # a hybrid-attention model: qwen3-next-80b-a3b cut to 4 layers (12.9 GB of
+  # experts), a LONG_CHUNK-token prompt without and with a recurrent-state anchor every ANCHORS tokens
+  [ -f "$W/qn4.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-next-80b-a3b --layers 4 --out "$W/qn4.ftw" 2>&1 | tail -1; sync; }
+  for a in 0 ${ANCHORS:-2048}; do
+    $PY -m ftkit.tools.bench.cli decode -m "$W/qn4.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
+        --tokens 8 --chunks ${LONG_CHUNK:-32768} --anchors-every $a --extend 32 --repeat ${REPEAT:-1} \
+        --strategies ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/nextprefill-$a.json" 2>&1 | tee "$OUT/nextprefill-$a.txt"
   done
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.spec import FULL_ATTENTION, QK_NORM_HEAD, ModelSpec
 
 PRESETS: dict[str, ModelSpec] = {
@@ -23,6 +24,17 @@ PRESETS: dict[str, ModelSpec] = {
         layer_kinds=(FULL_ATTENTION,) * 32, norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=1e6,
         max_position_embeddings=32768,
     ),
+    # 48 layers, 3 of every 4 linear attention (recurrent state), 512 experts of 6.29 MB (bf16),
+    # top-10 and a shared expert: from the published config, through the family's own parser
+    "qwen3-next-80b-a3b": FAMILIES["qwen3_next"].spec_from_config({
+        "num_hidden_layers": 48, "hidden_size": 2048, "intermediate_size": 5120, "vocab_size": 151936,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "num_experts": 512,
+        "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "full_attention_interval": 4,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "architectures": ["Qwen3NextForCausalLM"]}),
     # small enough for CI: the qwen3 layout at toy sizes
     "tiny": ModelSpec(
         family="qwen3_moe", architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=128,

@@ -61,11 +61,13 @@ def step_kv_bytes(rt: Runtime, position: int) -> int:
     return sum(min(position + 1, rt.decoder.window(i) or position + 1) * per_key for i in layers)
 
 
-def prefill_forward(rt: Runtime, ids: torch.Tensor, kv) -> torch.Tensor:
+def prefill_forward(rt: Runtime, ids: torch.Tensor, kv, anchors: int = 0) -> torch.Tensor:
     """A prompt into an empty `kv` as ft-run prefills it on a GPU (`kv.prefill.prefill`): one
     forward, layer by layer in pieces of `rt.prefill_chunk` tokens (CPU: whole); the last
-    position's logits [V]."""
-    return runtime_prefill(rt.decoder, ids.tolist(), kv, (), max_chunk=rt.prefill_chunk)[0]
+    position's logits [V]. `anchors`: a recurrent-state snapshot every this many tokens, as a
+    hybrid model's turn boundaries ask (on CPU the prompt is then cut there)."""
+    points = range(anchors, len(ids), anchors) if anchors else ()
+    return runtime_prefill(rt.decoder, ids.tolist(), kv, points, points, max_chunk=rt.prefill_chunk)[0]
 
 
 WARMUP = 2  # untimed decode steps before the timed ones (kernel compilation, graph capture)
@@ -249,7 +251,7 @@ def worker_bound(rt: Runtime, stats, tokens: int, f: Figures, kv_bytes: float, c
 
 
 def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = None, extend: int = 0,
-            answer: int = 32, repeat: int = 1) -> dict:
+            answer: int = 32, repeat: int = 1, anchors: int = 0) -> dict:
     """Seconds to prefill one `chunk`-token prompt (TTFT; as ft-run runs it: layer by layer in
     pieces of at most the runtime's `prefill_chunk` tokens, each layer streamed once) and how many of the experts resident
     before it still are after it. Timed warm: an untimed chunk of the same size runs first
@@ -260,7 +262,8 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
     prefix hit); its shape also runs once untimed before. `repeat`: the timed turn (answer,
     chunk, answer, extend) runs this many times; times are medians, counts are means (every
     turn's times, moved bytes, layer phases and fill fraction in `*_all`). `trace_to` also writes
-    torch.profiler tables of a further chunk (and extend)."""
+    torch.profiler tables of a further chunk (and extend). `anchors`: the chunk snapshots its
+    recurrent state every this many tokens (`prefill_forward`)."""
     gen = torch.Generator().manual_seed(1)
     n = chunk + answer + extend
     ids = torch.randint(0, rt.spec.vocab_size, (n,), generator=gen).to(rt.device)
@@ -269,7 +272,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         scratch = rt.new_kv(chunk + 1)
         sync(rt)
         t0 = time.perf_counter()
-        prefill_forward(rt, ids[:chunk], scratch)
+        prefill_forward(rt, ids[:chunk], scratch, anchors)
         sync(rt)
         first = time.perf_counter() - t0
         del scratch
@@ -277,11 +280,11 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
             scratch = rt.new_kv(extend + 1)
             rt.decoder.forward(ids[:1], scratch)
             rt.decoder.forward(ids[n - extend:], scratch, last_only=True)
-    turns = [_turn(rt, ids, kv, chunk, answer, extend) for _ in range(repeat)]
+    turns = [_turn(rt, ids, kv, chunk, answer, extend, anchors) for _ in range(repeat)]
     if trace_to is not None:  # counted above: the profiled repeats do not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
-            _profiled(rt, lambda: prefill_forward(rt, ids[:chunk], kv), trace_to)
+            _profiled(rt, lambda: prefill_forward(rt, ids[:chunk], kv, anchors), trace_to)
             if extend:
                 extend_fn = lambda: rt.decoder.forward(ids[n - extend:], kv, last_only=True)  # noqa: E731
                 _profiled(rt, extend_fn, trace_to.with_name(trace_to.stem + "-extend.txt"))
@@ -297,6 +300,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
     return {
         "chunk": chunk,
         "pieces": -(-chunk // (rt.prefill_chunk or chunk)),  # per layer: activations of one piece at a time
+        "anchors": len(range(anchors, chunk, anchors)) if anchors else 0,
         "first_seconds": first,
         "tok_s": chunk / out["seconds"],
         "missed_gb": moved / 1e9,
@@ -313,7 +317,7 @@ def _summary(key: str, values: list):
     return statistics.median(values) if key.endswith("seconds") else statistics.fmean(values)
 
 
-def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: int) -> dict:
+def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: int, anchors: int = 0) -> dict:
     """One timed turn of `prefill`: `answer` untimed decode steps (a previous turn's), the chunk
     timed from position 0 of `kv`, then with `extend`: `answer` steps and the extend timed."""
     n = chunk + answer + extend
@@ -327,7 +331,7 @@ def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: i
         rt.store.stats.reset()
         sync(rt)
         t0 = time.perf_counter()
-        prefill_forward(rt, ids[:chunk], kv)
+        prefill_forward(rt, ids[:chunk], kv, anchors)
         sync(rt)
         seconds = time.perf_counter() - t0
         t, slot = rt.store.stats.totals(), rt.ftw.layout.slot_bytes
