@@ -156,10 +156,15 @@ def test_layer_by_layer_prefill_streams_each_layer_once(tiny):
     e = preset_spec("tiny").num_experts
     ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(3)).tolist()
     fills = {}
-    for name, kw in (("forwards", {"cuts": (16, 32)}), ("pieces", {"cuts": (), "max_chunk": 16})):
+    for name in ("forwards", "pieces"):
         rt = runtime(tiny, strategy="offload", cache_experts=2 * e, stream_prefill=True)
+        kv = rt.new_kv(48)
         with torch.inference_mode():
-            logits, _ = prefill(rt.decoder, ids, kv := rt.new_kv(48), **kw)
+            if name == "forwards":  # as GPU prefill ran before a7a05dd
+                for a in range(0, 48, 16):
+                    logits = rt.decoder.forward(torch.tensor(ids[a : a + 16]), kv, last_only=True)[-1]
+            else:
+                logits, _ = prefill(rt.decoder, ids, kv, (), max_chunk=16)
         fills[name] = rt.store.stats.totals().fills
         assert kv.length == 48 and rt.store.cache.capacity == 2 * e
         fills[name + "_logits"] = logits
@@ -167,6 +172,40 @@ def test_layer_by_layer_prefill_streams_each_layer_once(tiny):
     layers = preset_spec("tiny").num_moe_layers
     assert fills["pieces"] <= layers * e < 2 * layers * e < fills["forwards"]
     torch.testing.assert_close(fills["pieces_logits"], fills["forwards_logits"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("strategy", ["cpu", "hybrid", "offload"])
+def test_cpu_prefill_batches_experts_bitwise(tiny, strategy):
+    """On CPU a prompt is cut at every 16-token page (bitwise prefix reuse); one forward with
+    those cuts, the routed experts run once for all pages, gives the same bits (logits and K/V)
+    as one forward per page, and reads each active expert once instead of once per page."""
+    import torch
+
+    from ftkit.runtime.kv.prefill import prefill
+
+    ids = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(5)).tolist()
+    out, calls = {}, {}
+    for name in ("pages", "batched"):
+        rt = runtime(tiny, strategy=strategy, cache_experts=None if strategy == "cpu" else 24, bandwidth_ratio=0.5)
+        cuts = rt.grid.scan(ids)
+        seen = []
+        real = rt.store.run
+        rt.store.run = lambda *a, seen=seen, real=real, **kw: seen.append(a[1].shape[0]) or real(*a, **kw)
+        kv = rt.new_kv(100)
+        with torch.inference_mode():
+            if name == "pages":  # as CPU prefill ran before
+                for a, b in zip([0, *cuts], [*cuts, 100], strict=False):
+                    if a < b <= 100:
+                        logits = rt.decoder.forward(torch.tensor(ids[a:b]), kv, last_only=True)[-1]
+            else:
+                logits, _ = prefill(rt.decoder, ids, kv, cuts)
+        out[name], calls[name] = (logits, kv), seen
+        rt.close()
+    assert torch.equal(out["batched"][0], out["pages"][0])
+    for i in out["pages"][1].k:
+        assert torch.equal(out["batched"][1].k[i][:100], out["pages"][1].k[i][:100])
+    layers = preset_spec("tiny").num_moe_layers
+    assert calls["batched"] == [100] * layers and len(calls["pages"]) == 7 * layers  # pages of 16
 
 
 def test_presets_have_the_published_shapes():

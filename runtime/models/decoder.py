@@ -71,26 +71,31 @@ class MoEDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False,
-                chunk: int | None = None, snapshot_at: Collection[int] = ()) -> torch.Tensor:
+                chunk: int | None = None, snapshot_at: Collection[int] = (), cuts: Collection[int] = ()) -> torch.Tensor:
         """Logits [T, V] for input_ids [T] at positions cache.length.. ; appends to the cache.
         `last_only`: only the last position's [1, V] (prefill: a chunk's logits would take
         T x V activations, 2.5 GB at 8192 tokens of a 152k vocabulary in bf16).
-        `chunk` (GPU prefill): more tokens than this run layer by layer, each layer over pieces
-        of at most `chunk` tokens in order before the next layer starts. Activations stay those
-        of one piece (plus the residual stream of all T), while each layer's experts are needed
-        over one stretch of time: a streamed layer crosses PCIe once for the whole prompt, not
-        once per piece. Every piece attends to the keys (and carries on the recurrent state)
-        the pieces before it left in that layer, so the result is the forward's, to rounding.
+        `chunk` (prefill): more tokens than this run layer by layer, each layer over pieces of at
+        most `chunk` tokens in order before the next layer starts. Activations stay those of one
+        piece (plus the residual stream of all T), while each layer's experts are needed over
+        one stretch of time: a streamed layer crosses PCIe once for the whole prompt, not once
+        per piece. Every piece attends to the keys (and carries on the recurrent state) the
+        pieces before it left in that layer, so the result is the forward's, to rounding.
         `snapshot_at`: positions inside this forward where pieces also end; `self.snapshots`
         then holds the cache's snapshot at each, every layer's recurrent state as that layer
-        left it there: what a forward ending at that position would have left."""
+        left it there: what a forward ending at that position would have left.
+        `cuts` (CPU prefill): positions where pieces also end, for everything but the routed
+        experts, which run once for consecutive pieces of up to `chunk` tokens together. A
+        token's expert output does not depend on the others in its batch, so the result is
+        bitwise that of one forward per piece, with each expert read once per batch."""
         g, t = self.graphs, input_ids.shape[0]
         if g is not None and t == 1 and g.accepts(cache):
             return g.step(input_ids, cache)
         if g is not None and g.takes(t, cache):  # a few tokens: the graph step's fused dense part
             return g.extend(input_ids, cache, last_only)
-        start = cache.length
-        pieces = _pieces(t, chunk or t, sorted(p - start for p in snapshot_at if start < p < start + t))
+        start, step = cache.length, chunk or t
+        pieces = _pieces(t, step, sorted({p - start for p in (*snapshot_at, *cuts) if start < p < start + t}))
+        batches = _batches(pieces, step)
         # each piece its own tensor: views of one would keep the whole embedding alive next to them
         xs = [F.embedding(input_ids[a:b], self.w["embed.weight"]) for a, b in pieces]
         ropes = [self.rope(start + a, b - a, x.dtype) for (a, b), x in zip(pieces, xs, strict=True)]
@@ -98,11 +103,19 @@ class MoEDecoder:
                                                                  if start + b in snapshot_at}
         try:
             for i in range(self.spec.num_layers):
-                for n, (a, b) in enumerate(pieces):
-                    cache.length = start + a  # where this piece's keys go and its queries sit
-                    xs[n] = self.layer(i, xs[n], *ropes[n], cache, final=n == len(pieces) - 1)
-                    if start + b in states and i in cache.states:
-                        states[start + b][i] = {k: v.clone() for k, v in cache.states[i].items()}
+                p = f"layers.{i}."
+                for m, batch in enumerate(batches):
+                    hs = []
+                    for n in batch:
+                        cache.length = start + pieces[n][0]  # where this piece's keys go and its queries sit
+                        xs[n] = xs[n] + self.mixer(i, self.norm(xs[n], p + "attn_norm.weight"), *ropes[n], cache)
+                        hs.append(self.norm(xs[n], p + "mlp_norm.weight"))
+                        if start + pieces[n][1] in states and i in cache.states:
+                            states[start + pieces[n][1]][i] = {k: v.clone() for k, v in cache.states[i].items()}
+                    outs = (self.moe_pieces(i, hs, final=m == len(batches) - 1) if self.spec.is_moe(i)
+                            else [self.mlp(p + "mlp", h) for h in hs])
+                    for n, out in zip(batch, outs, strict=True):
+                        xs[n] = xs[n] + out
         finally:
             cache.length = start
         cache.advance(t)
@@ -111,16 +124,6 @@ class MoEDecoder:
         x = xs[-1][-1:] if last_only else torch.cat(xs) if len(xs) > 1 else xs[0]
         return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
 
-    def layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-              final: bool = True) -> torch.Tensor:
-        """Layer i over x [T, H] at positions cache.length..: the token mixer, then the MLP or
-        routed experts, each added to the residual stream."""
-        p = f"layers.{i}."
-        x = x + self.mixer(i, self.norm(x, p + "attn_norm.weight"), cos, sin, cache)
-        h = self.norm(x, p + "mlp_norm.weight")
-        return x + (self.moe(i, h, final) if self.spec.is_moe(i) else self.mlp(p + "mlp", h))
-
-    @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """Logits [B, V] for one new token of each of B sequences. Attention runs per sequence
         (its own cache and position); everything else, the routed experts above all, runs once
@@ -187,17 +190,26 @@ class MoEDecoder:
         dtype = logits.dtype if self.cast_router_weights else torch.float32
         return softmax_topk(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
 
-    def moe(self, i: int, x: torch.Tensor, final: bool = True) -> torch.Tensor:
+    def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return self.moe_pieces(i, [x])[0]
+
+    def moe_pieces(self, i: int, xs: list[torch.Tensor], final: bool = True) -> list[torch.Tensor]:
+        """Layer i's MoE output for each of the pieces `xs`: each piece routed and its shared
+        expert run as a forward of it alone would, the routed experts once for all of them.
+        `final=False`: more pieces of this layer follow in this forward (ExpertRunner.run)."""
         s, p = self.spec, f"layers.{i}."
-        ids, weights = self.route(i, x)
+        routes = [self.route(i, x) for x in xs]
+        ids, weights = (torch.cat(r) for r in zip(*routes, strict=True)) if len(xs) > 1 else routes[0]
         self.last_routing[i] = (ids, weights)
-        out = self.experts.run(i, x, ids, weights, final=final)
+        out = self.experts.run(i, torch.cat(xs) if len(xs) > 1 else xs[0], ids, weights, final=final)
+        outs = list(out.split([x.shape[0] for x in xs]))
         if s.shared_expert_intermediate_size:
-            shared = self.mlp(p + "shared", x)
-            if s.shared_expert_gate:  # Qwen2-MoE
-                shared = torch.sigmoid(F.linear(x, self.w[p + "shared_gate.weight"])) * shared
-            out = out + shared
-        return out
+            for n, x in enumerate(xs):
+                shared = self.mlp(p + "shared", x)
+                if s.shared_expert_gate:  # Qwen2-MoE
+                    shared = torch.sigmoid(F.linear(x, self.w[p + "shared_gate.weight"])) * shared
+                outs[n] = outs[n] + shared
+        return outs
 
 
 def _pieces(t: int, step: int, ends: list[int]) -> list[tuple[int, int]]:
@@ -210,4 +222,17 @@ def _pieces(t: int, step: int, ends: list[int]) -> list[tuple[int, int]]:
         if end > a:
             out.append((a, end))
             a = end
+    return out
+
+
+def _batches(pieces: list[tuple[int, int]], limit: int) -> list[list[int]]:
+    """Consecutive pieces (by index) grouped while their tokens add up to at most `limit`."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for n, (a, b) in enumerate(pieces):
+        if out[-1] and size + b - a > limit:
+            out.append([])
+            size = 0
+        out[-1].append(n)
+        size += b - a
     return out
