@@ -124,6 +124,7 @@ class MoEDecoder:
         x = xs[-1][-1:] if last_only else torch.cat(xs) if len(xs) > 1 else xs[0]
         return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
 
+    @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """Logits [B, V] for one new token of each of B sequences. Attention runs per sequence
         (its own cache and position); everything else, the routed experts above all, runs once
