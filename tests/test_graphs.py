@@ -41,6 +41,14 @@ def model(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def next_model(hf_checkpoint, tmp_path_factory):
+    """Qwen3-Next: three gated-DeltaNet layers (recurrent states) and a gated attention layer."""
+    path = tmp_path_factory.mktemp("graphs-next") / "m.ftw"
+    convert(make_plan(hf_checkpoint("qwen3_next")), path)
+    return path
+
+
 def run(path, graphs: bool, device: str, **opts) -> tuple[torch.Tensor, Runtime, list[int]]:
     """Logits of prefill, decode steps and a second prefill; the runtime; what the decode steps
     counted: [active, hits, fills, cpu]."""
@@ -95,11 +103,12 @@ def test_graph_decode_matches_fused(model, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "qwen3_moe_sparse"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "qwen3_moe_sparse", "qwen3_next"])
 def test_graph_decode_matches_fused_across_families(hf_checkpoint, tmp_path, family):
     """Q/K/V biases and no Q/K norm (Qwen2-MoE: the fused path with a concatenated biased QKV),
     a whole-projection Q/K norm (OLMoE: the torch attention path), dense layers between MoE
-    ones (sparse Qwen3-MoE)."""
+    ones (sparse Qwen3-MoE), a family's own token mixers (Qwen3-Next: recurrent states in
+    static buffers, gated attention, (1 + weight) norms)."""
     path = tmp_path / "m.ftw"
     convert(make_plan(hf_checkpoint(family)), path)
     ref, ref_rt, _ = run(path, graphs=False, device="cpu", strategy="fused")
@@ -107,7 +116,8 @@ def test_graph_decode_matches_fused_across_families(hf_checkpoint, tmp_path, fam
     got, rt, _ = run(path, graphs=True, device="cuda" if CUDA else "cpu", strategy="offload", cache_experts=6)
     assert rt.store.device_plan is not None, "the graph path did not run"
     graphs, w = rt.decoder.graphs, rt.decoder.w
-    assert bool(graphs.qkv) == (family != "olmoe")
+    assert bool(graphs.qkv) == (family not in ("olmoe", "qwen3_next"))
+    assert bool(graphs.recurrent) == (family == "qwen3_next")
     for i, (weight, bias) in graphs.qkv.items():
         assert (bias is not None) == (family == "qwen2_moe")
         for kind, cat in (("weight", weight), ("bias", bias)):
@@ -391,17 +401,26 @@ def _greedy_steps(rt: Runtime, kv, token: int, n: int) -> list[int]:
     return out
 
 
+def _states(kv) -> dict:
+    return {(i, n): t.float().cpu().clone() for i, st in kv.states.items() for n, t in st.items()}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(strategy="offload", cache_experts=8),
                                  dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)],
                          ids=["offload", "hybrid"])
-def test_greedy_pipeline_matches_step_by_step(model, cfg):
-    """GraphDecode.pipeline (each step queued before the previous token is read) gives the tokens
-    and K/V rows of greedy decoding one step at a time, also when stopped early and continued
-    step by step; with fed inputs (the benchmark) it reads back the argmax of each fed step."""
+@pytest.mark.parametrize("which", ["model", "next_model"])
+def test_greedy_pipeline_matches_step_by_step(request, which, cfg):
+    """GraphDecode.pipeline (each step queued before the previous token is read) gives the tokens,
+    K/V rows and recurrent states of greedy decoding one step at a time, also when stopped early
+    and continued step by step (the dropped step's state change undone); with fed inputs (the
+    benchmark) it reads back the argmax of each fed step."""
+    model = request.getfixturevalue(which)
     rt, kv, first = _prefilled(model, cfg)
     ref = _greedy_steps(rt, kv, first, 8)
     ref_k = {i: kv.k[i][: kv.length].clone() for i in kv.k}
+    ref_states = _states(kv)
+    assert bool(ref_states) == (which == "next_model")
     rt.close()
 
     rt = _graph_runtime(model, **cfg)  # generation takes the pipelined path when greedy
@@ -417,6 +436,8 @@ def test_greedy_pipeline_matches_step_by_step(model, cfg):
     got += _greedy_steps(rt, kv, got[-1], 5)
     assert got == ref
     assert all(torch.allclose(kv.k[i][: kv.length], ref_k[i], rtol=1e-4, atol=1e-5) for i in ref_k)
+    got_states = _states(kv)
+    assert all(torch.allclose(got_states[n], ref_states[n], rtol=1e-4, atol=1e-5) for n in ref_states)
     rt.close()
 
     fed, outs = DECODE[:6], []

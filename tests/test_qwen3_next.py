@@ -31,7 +31,7 @@ import gguf_fixtures as gfx
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.checkpoint.inventory import take_inventory
 from ftkit.runtime.ftw.reader import FTWModel
-from ftkit.runtime.models import FAMILIES, qwen3_next
+from ftkit.runtime.models import FAMILIES, decoder, qwen3_next
 from ftkit.runtime.models.layers import attention
 from ftkit.runtime.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from ftkit.tools.convert.pipeline import convert, make_plan
@@ -110,7 +110,7 @@ def test_bfloat16_logits_close_to_transformers(ftw, reference, monkeypatch):
     for prompt in (PROMPT, LONG):
         with torch.no_grad():
             want = ref(prompt[None]).logits[0]
-        monkeypatch.setattr(qwen3_next, "attention", attention)
+        monkeypatch.setattr(decoder, "attention", attention)
         got = dec.forward(prompt, new_cache(dec, len(prompt)))
         assert got.dtype == torch.bfloat16
         # SDPA accumulates differently from eager attention; random weights amplify that.
@@ -118,7 +118,7 @@ def test_bfloat16_logits_close_to_transformers(ftw, reference, monkeypatch):
         # Everything else (the (1 + w) norms, the conv, the chunked delta rule and its casts, the
         # gated norm, the output gate) rounds as transformers does: with its attention swapped
         # in, the logits are bit-identical.
-        monkeypatch.setattr(qwen3_next, "attention", _eager_attention)
+        monkeypatch.setattr(decoder, "attention", _eager_attention)
         assert torch.equal(dec.forward(prompt, new_cache(dec, len(prompt))), want)
 
 

@@ -88,22 +88,25 @@ def test_softmax_topk_matches_torch(renorm, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norms_match_torch(dtype):
+@pytest.mark.parametrize("offset", [False, True], ids=["weight", "one-plus-weight"])
+def test_rms_norms_match_torch(dtype, offset):
+    """Both forms: the weight times the cast-back value, and Qwen3-Next's float32 (1 + weight)."""
     from ftkit.kernels.triton.norm import add_rms_norm
     from ftkit.kernels.triton.norm import rms_norm as triton_rms_norm
 
     gen = torch.Generator().manual_seed(3)
     x, delta = (torch.randn((3, 100), generator=gen).to(dtype) for _ in range(2))  # a masked tail
-    w = (1 + 0.1 * torch.randn(100, generator=gen)).to(dtype)
-    s, h = add_rms_norm(x.to(DEV), delta.to(DEV), w.to(DEV), 1e-6)
+    w = ((0 if offset else 1) + 0.1 * torch.randn(100, generator=gen)).to(dtype)  # (1 + w) near 1 too
+    s, h = add_rms_norm(x.to(DEV), delta.to(DEV), w.to(DEV), 1e-6, offset)
     assert s.dtype == h.dtype == dtype and s.shape == h.shape == x.shape
     # bf16: the interpreter truncates where the GPU rounds to nearest, so a few ulps of slack
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     assert torch.allclose(s.cpu().float(), (x + delta).float(), **tol)
     if dtype == torch.float32 or CUDA:
         assert torch.equal(s.cpu(), x + delta)
-    assert torch.allclose(h.cpu().float(), rms_norm(x + delta, w, 1e-6).float(), **tol)
-    assert torch.allclose(triton_rms_norm(x.to(DEV), w.to(DEV), 1e-6).cpu().float(), rms_norm(x, w, 1e-6).float(), **tol)
+    assert torch.allclose(h.cpu().float(), rms_norm(x + delta, w, 1e-6, offset).float(), **tol)
+    got = triton_rms_norm(x.to(DEV), w.to(DEV), 1e-6, offset)
+    assert got.dtype == dtype and torch.allclose(got.cpu().float(), rms_norm(x, w, 1e-6, offset).float(), **tol)
 
 
 @pytest.mark.parametrize("n, k, bias, bn", [(40, 96, False, None), (7, 130, True, 4), (128, 64, False, 1)])
@@ -123,3 +126,4 @@ def test_gemv_matches_linear(n, k, bias, bn):
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2**-6, atol=1e-2)
     with pytest.raises(ValueError, match="contiguous"):
         gemv(x.to(DEV), w.to(DEV).t())
+

@@ -3,8 +3,9 @@
 Eager torch spends seven kernels on an RMSNorm (cast, square, mean, add, rsqrt, scale, cast,
 weight); a decode step has four norms per layer, and inside a CUDA graph each kernel still costs
 microseconds. Same maths: float32 statistics, the normalised value cast to x's dtype, then the
-weight product in the promoted dtype. `add_rms_norm` also takes the residual add that precedes
-every norm of a decoder layer into the same launch.
+weight product in the promoted dtype. `offset=True` is Qwen3-Next's form instead: the value times
+(1 + weight), all in float32, then the cast. `add_rms_norm` also takes the residual add that
+precedes every norm of a decoder layer into the same launch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n, eps, BLOCK: tl.constexpr, ADD: tl.constexpr):
+def _rms_norm(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n, eps, BLOCK: tl.constexpr, ADD: tl.constexpr,
+              OFFSET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     m = c < n
@@ -27,8 +29,11 @@ def _rms_norm(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n, eps, BLOCK: tl.constexpr
     dtype = x.dtype
     x = x.to(tl.float32)
     h = x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
-    h = h.to(dtype).to(tl.float32)
     w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+    if OFFSET:
+        w = w + 1.0
+    else:
+        h = h.to(dtype).to(tl.float32)
     tl.store(out_ptr + row * n + c, (w * h).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -37,24 +42,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.is_contiguous() else x2.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _dtype(x: torch.Tensor, weight: torch.Tensor, offset: bool) -> torch.dtype:
+    return x.dtype if offset else torch.promote_types(x.dtype, weight.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of a CUDA tensor (rows up to 16384 wide)."""
     n = x.shape[-1]
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x2.shape, dtype=_dtype(x, weight, offset), device=x.device)
     if x2.shape[0]:
-        _rms_norm[(x2.shape[0],)](x2, x2, weight, x2, out, n, eps, BLOCK=triton.next_power_of_2(n), ADD=False)
+        _rms_norm[(x2.shape[0],)](x2, x2, weight, x2, out, n, eps, BLOCK=triton.next_power_of_2(n), ADD=False,
+                                  OFFSET=offset)
     return out.view(*x.shape[:-1], n)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rms_norm(s, weight, eps)) for s = x + delta (same shape), in one launch; the values
     are torch's for those two ops."""
     n = x.shape[-1]
     x2, d2 = _rows(x), _rows(delta)
     s = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, delta.dtype), device=x.device)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(s.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x2.shape, dtype=_dtype(s, weight, offset), device=x.device)
     if x2.shape[0]:
-        _rms_norm[(x2.shape[0],)](x2, d2, weight, s, out, n, eps, BLOCK=triton.next_power_of_2(n), ADD=True)
+        _rms_norm[(x2.shape[0],)](x2, d2, weight, s, out, n, eps, BLOCK=triton.next_power_of_2(n), ADD=True,
+                                  OFFSET=offset)
     return s.view(x.shape), out.view(x.shape)

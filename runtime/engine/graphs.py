@@ -12,6 +12,10 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
   cache writes are one Triton launch per layer (kernels/triton/decode.py), and attention two
   (its keys split in chunks across the GPU, kernels/triton/attention.py), instead of about
   twenty;
+- a family with its own token mixer (Qwen3-Next: gated DeltaNet and gated attention layers)
+  runs it as its decoder writes it, keys and values going to the static buffers through the
+  mixer's `kv` hook; recurrent states live in static buffers too, bound like K/V and changed in
+  place;
 - each residual add and the RMSNorm after it are one Triton launch (kernels/triton/norm.py), so
   a piece hands the next one the residual stream and its normed value;
 - the routed experts go through the store's DevicePlan (hits, fills and the CPU set decided on
@@ -50,9 +54,6 @@ LAYERS_PER_GRAPH = 2
 
 def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
     """Why this model cannot decode through graphs here, or None."""
-    cls = type(decoder)
-    if cls.mixer is not MoEDecoder.mixer or cls.attention is not MoEDecoder.attention:
-        return f"{decoder.spec.architecture} has its own token mixer"
     if decoder.rope.dynamic:
         return "dynamic NTK rope changes with the sequence length"
     if store.stats.trace:
@@ -61,9 +62,12 @@ def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
 
 
 def _fused_attention(decoder: MoEDecoder):
-    """The Triton decode-attention kernels where this family's Q/K treatment is what they do
-    (per-head RMSNorm or none, no clipping), else None (the torch ops run)."""
-    s = decoder.spec
+    """The Triton decode-attention kernels where this family's attention is what they do
+    (MoEDecoder's, per-head RMSNorm or none, no clipping), else None (the decoder's own token
+    mixer runs, its keys and values going to the static buffers)."""
+    s, cls = decoder.spec, type(decoder)
+    if cls.mixer is not MoEDecoder.mixer or cls.attention is not MoEDecoder.attention or decoder.norm_offset:
+        return None
     if s.qk_norm not in (QK_NORM_HEAD, QK_NORM_NONE) or s.extra.get("clip_qkv"):
         return None
     try:
@@ -101,6 +105,12 @@ class GraphDecode:
         layers = attention_layers(s)
         self.k = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
+        # Recurrent (linear-attention) layers' states: static buffers shaped as the first bound
+        # sequence's, carved from one flat buffer so one copy saves them all (`_flat`).
+        self.recurrent = sorted(set(range(s.num_layers)) - set(layers))
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+        self.flat: torch.Tensor | None = None
+        self.flat_saved: torch.Tensor | None = None
         self.cos, self.sin = decoder.rope(0, capacity, dtype)
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -133,7 +143,9 @@ class GraphDecode:
             print(f"ftkit: sequences longer than {self.capacity} tokens (the graph K/V capacity) decode "
                   "without CUDA graphs (raise --kv-tokens)", file=sys.stderr)
             self.said_too_long = True
-        return not cache.states and cache.max_tokens <= self.capacity and cache.length < cache.max_tokens
+        # recurrent states exist once a forward has run (a first token goes the eager way)
+        return (cache.max_tokens <= self.capacity and cache.length < cache.max_tokens
+                and all(i in cache.states for i in self.recurrent))
 
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [1, V] for one token at position cache.length; appends its K/V."""
@@ -155,8 +167,9 @@ class GraphDecode:
         yielded token's step has appended its input's K/V. When the caller stops early, the
         step in flight is waited for and dropped (its expert counts stay in the stats, its
         sampler draw is rewound); running it again writes the same K/V row and draws the same
-        token. `feed` (benchmarks): the inputs after `first` are these device token ids instead
-        of the picks, which are still read back."""
+        token (recurrent states are put back as they were before it). `feed` (benchmarks): the
+        inputs after `first` are these device token ids instead of the picks, which are still
+        read back."""
         limit = min(limit, cache.max_tokens - cache.length)
         if limit <= 0:
             return
@@ -170,6 +183,8 @@ class GraphDecode:
 
         def launch(i: int) -> None:
             self.store.device_plan.adapt()  # between steps, from the counters of those finished
+            if self.flat is not None:  # what to put back should the caller stop before this step
+                self.flat_saved.copy_(self.flat)
             logits = self._launch(span)
             if sampler is not None:
                 draws[i % 2] = sampler.draws()
@@ -195,6 +210,8 @@ class GraphDecode:
         finally:
             if in_flight and cuda:  # nothing may touch the cache or its slots under a running step
                 done[(i + 1) % 2].synchronize()
+            if in_flight and self.flat is not None:
+                self.flat.copy_(self.flat_saved)
             if in_flight and sampler is not None:
                 sampler.rewind(draws[(i + 1) % 2])
 
@@ -238,25 +255,32 @@ class GraphDecode:
         dec, s = self.decoder, self.decoder.spec
         if state is None:
             state = self._embed(self.token)
-        if not self.fused:
+        if self.fused:
+            def attend(i: int, h: torch.Tensor) -> torch.Tensor:
+                q = self._rope_store(i, h, self.k[i], self.v[i], (self.cos, self.sin, 0))
+                return self.few.decode_attention(q, self.k[i], self.v[i], self.pos, dec.window(i))
+
+            mix = self._projected(attend)
+        else:  # the decoder's own token mixer, its keys and values in the static buffers
             cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
             keys = self.positions[:span]
             visible = keys <= self.pos
 
-        def attend(i: int, h: torch.Tensor) -> torch.Tensor:
-            window = dec.window(i)
-            if self.fused:
-                q = self._rope_store(i, h, self.k[i], self.v[i], (self.cos, self.sin, 0))
-                return self.few.decode_attention(q, self.k[i], self.v[i], self.pos, window)
-            q, k, v = dec.qkv(i, h, cos, sin)
-            self.k[i].index_copy_(0, self.pos, k)
-            self.v[i].index_copy_(0, self.pos, v)
-            mask = visible if window is None else visible & (keys > self.pos - window)
-            return decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
+            def kv(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                self.k[i].index_copy_(0, self.pos, k)
+                self.v[i].index_copy_(0, self.pos, v)
+                window = dec.window(i)
+                mask = visible if window is None else visible & (keys > self.pos - window)
+                return decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
+
+            bound = self.bound()  # its recurrent states are the static ones (`_bind`)
+
+            def mix(i: int, h: torch.Tensor) -> torch.Tensor:
+                return dec.mixer(i, h, cos, sin, bound, kv)
 
         self.store.device_planned = True
         try:
-            x, h = self._layers(state, layers, attend)
+            x, h = self._layers(state, layers, mix)
         finally:
             self.store.device_planned = False
         if layers.stop < s.num_layers:
@@ -296,7 +320,7 @@ class GraphDecode:
 
         self.store.device_planned = on_device
         try:
-            _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), attend)
+            _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), self._projected(attend))
         finally:
             self.store.device_planned = False
         cache.advance(t)
@@ -306,17 +330,23 @@ class GraphDecode:
         x = F.embedding(ids, self.decoder.w["embed.weight"])
         return x, self.decoder.norm(x, "layers.0.attn_norm.weight")
 
+    def _projected(self, attend):
+        """The token mixer from `attend(i, h)`, layer i's attention output [T, heads, D]: that
+        through the output projection."""
+        def mix(i: int, h: torch.Tensor) -> torch.Tensor:
+            return self.decoder.linear(f"layers.{i}.attn.o", attend(i, h).reshape(h.shape[0], -1))
+        return mix
+
     def _layers(self, state: tuple[torch.Tensor, torch.Tensor], layers: range,
-                attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `layers` on (residual stream, its attn_norm): `attend(i, h)` gives layer i's
-        attention output [T, heads, D]; each residual add comes with the next RMSNorm. Returns the
-        stream and its norm by the next layer's attn_norm (the final norm after the last)."""
+                mix) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `layers` on (residual stream, its attn_norm): `mix(i, h)` gives layer i's token
+        mixer output [T, H]; each residual add comes with the next RMSNorm. Returns the stream
+        and its norm by the next layer's attn_norm (the final norm after the last)."""
         dec, s = self.decoder, self.decoder.spec
         x, h = state
         for i in layers:
             p = f"layers.{i}."
-            out = attend(i, h)
-            x, h = self._add_norm(x, dec.linear(p + "attn.o", out.reshape(h.shape[0], -1)), p + "mlp_norm.weight")
+            x, h = self._add_norm(x, mix(i, h), p + "mlp_norm.weight")
             delta = dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h)
             nxt = f"layers.{i + 1}.attn_norm.weight" if i + 1 < s.num_layers else "final_norm.weight"
             x, h = self._add_norm(x, delta, nxt)
@@ -341,20 +371,22 @@ class GraphDecode:
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """x + delta and its RMSNorm by the weight `name`, in one launch."""
-        return self.add_rms_norm(x, delta, self.decoder.w[name], self.decoder.spec.rms_norm_eps)
+        dec = self.decoder
+        return self.add_rms_norm(x, delta, dec.w[name], dec.spec.rms_norm_eps, dec.norm_offset)
 
     def _capture(self, span: int) -> list[torch.cuda.CUDAGraph]:
         plan = self.store.device_plan_for_graphs()
-        saved = [t.clone() for t in (plan.counts, self.token, self.pos)]
+        kept = [t for t in (plan.counts, self.token, self.pos, self.flat) if t is not None]
+        saved = [t.clone() for t in kept]
         # Warm-up on a side stream (Triton compiles, cuBLAS picks kernels): it runs this very
-        # step, which is idempotent (same K/V row, a valid cache state), minus its counts and
-        # its move to the next token and position.
+        # step, which is idempotent (same K/V row, a valid cache state), minus its counts, the
+        # recurrent states it advanced and its move to the next token and position.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._forward(span)
         torch.cuda.current_stream().wait_stream(side)
-        for t, old in zip((plan.counts, self.token, self.pos), saved, strict=True):
+        for t, old in zip(kept, saved, strict=True):
             t.copy_(old)
         torch.cuda.synchronize(self.token.device)
         plan.rebase()  # the warm-up's compile time is no measure of the split
@@ -375,14 +407,40 @@ class GraphDecode:
         return graphs
 
     def _bind(self, cache: KVCache) -> None:
-        """Point `cache` at the static K/V buffers (copying its rows in); the previously bound
-        sequence gets its own copy back."""
+        """Point `cache` at the static K/V and state buffers (copying its rows and states in);
+        the previously bound sequence gets its own copy back. States are checked every time:
+        a restored snapshot or a restart brings new tensors."""
         prev = self.bound() if self.bound is not None else None
-        if prev is cache:
-            return
-        if prev is not None:
-            for i in self.k:
-                prev.k[i], prev.v[i] = prev.k[i].clone(), prev.v[i].clone()
+        if prev is not cache:
+            if prev is not None:
+                for i in self.k:
+                    prev.k[i], prev.v[i] = prev.k[i].clone(), prev.v[i].clone()
+                for i in prev.states:
+                    prev.states[i] = {n: t.clone() for n, t in prev.states[i].items()}
+            self._bind_kv(cache)
+        if self.flat is None and cache.states:
+            self._carve(cache.states)
+        for i, state in cache.states.items():
+            for name, t in state.items():
+                mine = self.states[i][name]
+                if t is not mine:
+                    mine.copy_(t)
+                    state[name] = mine
+
+    def _carve(self, like: dict[int, dict[str, torch.Tensor]]) -> None:
+        """The static state buffers, shaped as `like`, views of one flat buffer."""
+        align = 256
+        sizes = {(i, n): -(-t.numel() * t.element_size() // align) * align for i, st in like.items() for n, t in st.items()}
+        with torch.inference_mode(False):  # written by graph capture's restore outside inference mode too
+            self.flat = torch.zeros(sum(sizes.values()), dtype=torch.uint8, device=self.token.device)
+            self.flat_saved = torch.empty_like(self.flat)
+        at = 0
+        for (i, n), size in sizes.items():
+            t = like[i][n]
+            self.states.setdefault(i, {})[n] = self.flat[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            at += size
+
+    def _bind_kv(self, cache: KVCache) -> None:
         n = cache.length
         for i in self.k:
             self.k[i][:n].copy_(cache.k[i][:n])

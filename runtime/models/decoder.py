@@ -7,7 +7,7 @@ the expert weights wherever they live (device cache, host pool).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -32,6 +32,11 @@ class ExpertRunner(Protocol):
         ...
 
 
+# (layer, q [T, heads, D], k, v [T, kv_heads, D]) -> attention output [T, heads, D]: stores the
+# new keys and values and attends over everything cached (MoEDecoder.mixer's `kv`)
+KVAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class GraphSteps(Protocol):
     def accepts(self, cache: KVCache) -> bool: ...
 
@@ -51,6 +56,7 @@ class MoEDecoder:
     cast_router_weights = True
     # layer kinds this decoder's forward pass implements; a subclass adds what it handles
     supported_kinds: frozenset[str] = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})
+    norm_offset = False  # RMSNorms multiply by (1 + weight) in float32 (Qwen3-Next); layers.rms_norm
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner):
         kinds = set(spec.layer_kinds) - self.supported_kinds
@@ -145,21 +151,30 @@ class MoEDecoder:
         return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(x, self.w[name], self.spec.rms_norm_eps)
+        return rms_norm(x, self.w[name], self.spec.rms_norm_eps, self.norm_offset)
 
-    def mixer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The layer's token mixer: attention here; families with other layer kinds override."""
-        return self.attention(i, x, cos, sin, cache)
+    def mixer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+              kv: KVAttend | None = None) -> torch.Tensor:
+        """The layer's token mixer: attention here; families with other layer kinds override.
+        `kv` (graph decode): where keys and values go and what they attend over, instead of
+        `cache`'s rows at cache.length; a recurrent layer still keeps its state in
+        `cache.states`, updated in place (graph decode binds it to static buffers)."""
+        return self.attention(i, x, cos, sin, cache, kv)
 
     def mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, *(self.w[f"{prefix}.{n}.weight"] for n in ("gate", "up", "down")))
 
-    def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k, v = self.qkv(i, x, cos, sin)
-        offset = cache.length
-        k, v = cache.append(i, k, v)
-        out = attention(q, k, v, offset, self.window(i))
+    def attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                  kv: KVAttend | None = None) -> torch.Tensor:
+        out = (kv or self.cached(cache))(i, *self.qkv(i, x, cos, sin))
         return self.linear(f"layers.{i}.attn.o", out.reshape(x.shape[0], -1))
+
+    def cached(self, cache: KVCache) -> KVAttend:
+        """Attention over `cache`: the new keys and values appended at cache.length, causal."""
+        def kv(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            offset = cache.length
+            return attention(q, *cache.append(i, k, v), offset, self.window(i))
+        return kv
 
     def window(self, i: int) -> int | None:
         """The layer's sliding window, None for full attention."""

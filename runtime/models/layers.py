@@ -19,13 +19,16 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from ..spec import ModelSpec
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32; the weight multiplies the cast-back value.
-    On CUDA one Triton launch does the same (see kernels/triton/norm.py)."""
+    `offset` (Qwen3-Next, transformers' Qwen3NextRMSNorm): the float32 value times (1 + weight),
+    then the cast. On CUDA one Triton launch does the same (see kernels/triton/norm.py)."""
     if x.is_cuda and _triton_norm() is not None and x.shape[-1] <= 16384 and weight.shape == x.shape[-1:]:
-        return _triton_norm()(x, weight, eps)
+        return _triton_norm()(x, weight, eps, offset)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from ..checkpoint.base import CheckpointError
 from ..spec import FULL_ATTENTION, LINEAR_ATTENTION, QK_NORM_HEAD, ModelSpec
 from .base import GGUF_RULES, HF_RULES, Family, Mapped, llama_dense_shapes, moe_spec, rules
-from .decoder import ExpertRunner, MoEDecoder
+from .decoder import ExpertRunner, KVAttend, MoEDecoder
 from .kv import KVCache
-from .layers import apply_rope, attention
+from .layers import apply_rope, rms_norm
 
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule default
 
@@ -71,13 +71,6 @@ OFFSET_NORMS = ("attn_norm.weight", "mlp_norm.weight", "attn.q_norm.weight", "at
 
 
 # ---- numerics (mirroring transformers' modeling_qwen3_next) ----------------------------------
-def rms_norm_1p(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3NextRMSNorm: float32 x * rsqrt(mean(x^2) + eps) * (1 + weight), then the cast."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).to(x.dtype)
-
-
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3NextRMSNormGated: norm in float32, weight times the cast-back value, times silu(gate)."""
     h = x.float()
@@ -141,6 +134,7 @@ def delta_rule_chunked(
 # ---- the forward pass ---------------------------------------------------------------------
 class Qwen3NextDecoder(MoEDecoder):
     supported_kinds = frozenset({FULL_ATTENTION, LINEAR_ATTENTION})
+    norm_offset = True
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner):
         super().__init__(spec, weights, experts)
@@ -150,26 +144,22 @@ class Qwen3NextDecoder(MoEDecoder):
         self.kernel = e["linear_conv_kernel_dim"]
         self.fused_qkvz = e.get("linear_in_proj", "qkvz") == "qkvz"
 
-    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm_1p(x, self.w[name], self.spec.rms_norm_eps)
-
-    def mixer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def mixer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+              kv: KVAttend | None = None) -> torch.Tensor:
         if self.spec.layer_kinds[i] == LINEAR_ATTENTION:
             return self.linear_attention(i, x, cache)
-        return self.gated_attention(i, x, cos, sin, cache)
+        return self.gated_attention(i, x, cos, sin, kv or self.cached(cache))
 
-    def gated_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def gated_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVAttend) -> torch.Tensor:
         s, p, t = self.spec, f"layers.{i}.attn.", x.shape[0]
         q, gate = self.linear(p + "q", x).view(t, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(t, -1)
-        q = rms_norm_1p(q, self.w[p + "q_norm.weight"], s.rms_norm_eps)
-        k = rms_norm_1p(self.linear(p + "k", x).view(t, s.num_kv_heads, s.head_dim), self.w[p + "k_norm.weight"], s.rms_norm_eps)
+        q = rms_norm(q, self.w[p + "q_norm.weight"], s.rms_norm_eps, offset=True)
+        k = rms_norm(self.linear(p + "k", x).view(t, s.num_kv_heads, s.head_dim), self.w[p + "k_norm.weight"],
+                     s.rms_norm_eps, offset=True)
         v = self.linear(p + "v", x).view(t, s.num_kv_heads, s.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        offset = cache.length
-        k, v = cache.append(i, k, v)
-        out = attention(q, k, v, offset).reshape(t, -1) * torch.sigmoid(gate)
-        return self.linear(p + "o", out)
+        out = kv(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.linear(p + "o", out.reshape(t, -1) * torch.sigmoid(gate))
 
     def _projections(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q|k|v channels [T, 2*Kd + Vd], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
@@ -196,8 +186,9 @@ class Qwen3NextDecoder(MoEDecoder):
                 "ssm": torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=x.device),
             }
         # Causal depthwise conv over [previous inputs | these], in the weight's dtype, then SiLU.
+        # States change in place: graph decode binds them to static buffers.
         seq = torch.cat((state["conv"], qkv.transpose(0, 1).to(state["conv"].dtype)), dim=-1)
-        state["conv"] = seq[:, seq.shape[1] - (self.kernel - 1):].clone()
+        state["conv"].copy_(seq[:, seq.shape[1] - (self.kernel - 1):])
         qkv = F.silu(F.conv1d(seq[None].to(conv_w.dtype), conv_w.view(channels, 1, -1), groups=channels)[0])
         qkv = qkv.to(x.dtype).transpose(0, 1)
         kd = self.hk * self.dk
@@ -212,7 +203,8 @@ class Qwen3NextDecoder(MoEDecoder):
         q, k = l2norm(q), l2norm(k)
         q = q * self.dk**-0.5
         rule = delta_rule_recurrent if t == 1 else delta_rule_chunked
-        out, state["ssm"] = rule(q, k, v, g, beta, state["ssm"])
+        out, ssm = rule(q, k, v, g, beta, state["ssm"])
+        state["ssm"].copy_(ssm)
         out = out.transpose(0, 1).to(x.dtype)  # [T, Hv, Dv]
         out = gated_rms_norm(out, z, w[p + "norm.weight"], s.rms_norm_eps)
         return self.linear(p + "out_proj", out.reshape(t, -1))

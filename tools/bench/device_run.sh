@@ -14,15 +14,17 @@
 # machine, in the environment AB_ENV_<name> adds, each run of AB_RUN: extend, that extend with
 # AB_STRATEGIES (default hybrid); decode, graph decode with AB_STRATEGIES (THREADS, default
 # 15); bigprompt, the bigprompt part at the first of PREFILL_CHUNKS with AB_STRATEGIES;
-# zerocopy, the fills bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
+# nextdecode, the nextdecode part's graph decode with AB_STRATEGIES; zerocopy, the fills
+# bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
 # CPU kernel's GB/s at 15 threads), hostmem (the loaded pool's read rate per GiB and where its
 # pages are), longctx (graph decode behind PROMPTS-token prompts), bigprompt (a LONG_CHUNK-token
 # prompt prefilled layer by layer in pieces of each of PREFILL_CHUNKS tokens, then a 32-token
-# extend; REPEAT turns), nextprefill (qwen3-next-80b-a3b cut to 4 layers: a LONG_CHUNK-token
-# prompt without and with an anchor every ANCHORS tokens; REPEAT turns).
+# extend; REPEAT turns), nextdecode (qwen3-next-80b-a3b cut to 4 layers: decode per strategy,
+# graphs off and on), nextprefill (the same model: a LONG_CHUNK-token prompt without and with
+# an anchor every ANCHORS tokens; REPEAT turns).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -130,9 +132,20 @@ if has bigprompt; then  # each of PREFILL_CHUNKS
     bigprompt $c ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
   done
 fi
-if has nextprefill; then  # a hybrid-attention model: qwen3-next-80b-a3b cut to 4 layers (12.9 GB of
-  # experts), a LONG_CHUNK-token prompt without and with a recurrent-state anchor every ANCHORS tokens
+qn4() {  # a hybrid-attention model: qwen3-next-80b-a3b cut to 4 layers (12.9 GB of experts)
   [ -f "$W/qn4.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-next-80b-a3b --layers 4 --out "$W/qn4.ftw" 2>&1 | tail -1; sync; }
+}
+nextdecode() {  # decode on the qn4 model; $1: strategies, $2: graphs, then more flags
+  $PY -m ftkit.tools.bench.cli decode -m "$W/qn4.ftw" --cache-fraction 0.35 --threads ${THREADS:-15} \
+      --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-32} --strategies "$1" --graphs "$2" "${@:3}"
+}
+if has nextdecode; then  # three DeltaNet layers (recurrent states) and one gated attention layer
+  qn4
+  nextdecode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} --json "$OUT/nextdecode.json" --trace-dir "$OUT/nextdecode-trace" 2>&1 | tee "$OUT/nextdecode.txt"
+fi
+if has nextprefill; then  # qn4: a LONG_CHUNK-token prompt without and with a recurrent-state anchor
+  # every ANCHORS tokens
+  qn4
   for a in 0 ${ANCHORS:-2048}; do
     $PY -m ftkit.tools.bench.cli decode -m "$W/qn4.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
         --tokens 8 --chunks ${LONG_CHUNK:-32768} --anchors-every $a --extend 32 --repeat ${REPEAT:-1} \
@@ -142,9 +155,10 @@ fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
   # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
   case " ${AB_RUN:-extend} " in *" decode "* | *" extend "* | *" bigprompt "*) q12 ;; esac
+  case " ${AB_RUN:-extend} " in *" nextdecode "*) qn4 ;; esac
   for run in ${AB:-}; do  # AB_RUN: one or more of extend (REPEAT turns), decode (graph decode),
-    d=${run%%=*} name=${run#*=}  # bigprompt (the first of PREFILL_CHUNKS), zerocopy (the fills
-    # bench), cpubw; the first three with AB_STRATEGIES
+    d=${run%%=*} name=${run#*=}  # nextdecode (graph decode of qn4), bigprompt (the first of
+    # PREFILL_CHUNKS), zerocopy (the fills bench), cpubw; the first four with AB_STRATEGIES
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
     envs=AB_ENV_$name  # AB_ENV_<name>="VAR=value ...": that run's environment (a switch to compare)
     (
@@ -152,6 +166,7 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
     for kind in ${AB_RUN:-extend}; do
       case $kind in
         decode) decode ${AB_STRATEGIES:-hybrid} on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        nextdecode) nextdecode ${AB_STRATEGIES:-hybrid} on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         bigprompt) c=${PREFILL_CHUNKS:-8192}; bigprompt ${c%% *} ${AB_STRATEGIES:-hybrid} \
             --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
