@@ -127,3 +127,34 @@ def test_gemv_matches_linear(n, k, bias, bn):
     with pytest.raises(ValueError, match="contiguous"):
         gemv(x.to(DEV), w.to(DEV).t())
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_delta_rule_step_matches_torch(hf_checkpoint, tmp_path, monkeypatch, dtype):
+    """A decode token's DeltaNet core in the two Triton launches (kernels/triton/delta_rule.py:
+    the conv and its state shift, then the delta rule and the gated norm), taken on CUDA, gives
+    the torch ops' logits and recurrent states token after token (the interpreter here)."""
+    if not CUDA and dtype == "bfloat16":
+        pytest.skip("the interpreter truncates bf16 where the GPU rounds")
+    from test_fidelity import PROMPT, _rel_err
+
+    from ftkit.kernels.triton import delta_rule
+    from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+    from ftkit.runtime.models import qwen3_next
+    from ftkit.tools.convert.pipeline import convert, make_plan
+
+    convert(make_plan(hf_checkpoint("qwen3_next"), dtype=dtype), tmp_path / "m.ftw")
+    rt = Runtime(tmp_path / "m.ftw", RuntimeOptions(threads=2, device=DEV, strategy="fused", graphs=False))
+    tokens, runs = [5, 77, 300, 12, 9, 41], []
+    for kernels in (None, delta_rule):
+        monkeypatch.setattr(qwen3_next, "_step_kernels", lambda x, k=kernels: k)
+        cache = rt.new_kv(len(PROMPT) + len(tokens))
+        rt.decoder.forward(PROMPT.to(DEV), cache)
+        logits = torch.cat([rt.decoder.forward(torch.tensor([t], device=DEV), cache) for t in tokens]).cpu()
+        runs.append((logits, {(i, n): t.float().cpu() for i, st in cache.states.items() for n, t in st.items()}))
+    rt.close()
+    (ref, ref_states), (got, got_states) = runs
+    tol = 1e-4 if dtype == "float32" else 5e-2  # bf16: one rounding apart per step, random weights amplify
+    assert _rel_err(got, ref) < tol
+    assert ref_states.keys() == got_states.keys() == {(i, n) for i in range(3) for n in ("conv", "ssm")}
+    for name, want in ref_states.items():
+        assert torch.allclose(got_states[name], want, rtol=tol, atol=tol), name

@@ -32,6 +32,7 @@ to every RMSNorm weight except `ssm_norm`; `sanitize` undoes the last two.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -185,6 +186,13 @@ class Qwen3NextDecoder(MoEDecoder):
                 "conv": torch.zeros(channels, self.kernel - 1, dtype=x.dtype, device=x.device),
                 "ssm": torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=x.device),
             }
+        kernels = _step_kernels(x) if t == 1 else None
+        if kernels is not None:  # one decode token: the recurrent core in two launches
+            act = kernels.conv_step(qkv[0], state["conv"], conv_w)
+            out = kernels.delta_step(act, z.reshape(-1).contiguous(), b[0].contiguous(), a[0].contiguous(),
+                                     w[p + "A_log"], w[p + "dt_bias"], state["ssm"], w[p + "norm.weight"],
+                                     s.rms_norm_eps)
+            return self.linear(p + "out_proj", out[None])
         # Causal depthwise conv over [previous inputs | these], in the weight's dtype, then SiLU.
         # States change in place: graph decode binds them to static buffers.
         seq = torch.cat((state["conv"], qkv.transpose(0, 1).to(state["conv"].dtype)), dim=-1)
@@ -208,6 +216,21 @@ class Qwen3NextDecoder(MoEDecoder):
         out = out.transpose(0, 1).to(x.dtype)  # [T, Hv, Dv]
         out = gated_rms_norm(out, z, w[p + "norm.weight"], s.rms_norm_eps)
         return self.linear(p + "out_proj", out.reshape(t, -1))
+
+
+def _step_kernels(x: torch.Tensor):
+    """The Triton decode-step kernels (kernels/triton/delta_rule.py) for a token on CUDA, where
+    Triton is there; else None (the torch ops run)."""
+    return _delta_rule() if x.is_cuda else None
+
+
+@functools.cache
+def _delta_rule():
+    try:
+        from ftkit.kernels.triton import delta_rule
+    except ImportError:
+        return None
+    return delta_rule
 
 
 # ---- the family ---------------------------------------------------------------------------
