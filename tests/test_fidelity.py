@@ -63,6 +63,9 @@ class BankExperts:
     def __init__(self, spec: ModelSpec, banks: HostBanks):
         self.spec, self.banks = spec, banks
 
+    def expect(self, layer: int, topk_ids: list[torch.Tensor]) -> None:
+        pass
+
     def run(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             final: bool = True) -> torch.Tensor:
         out = torch.zeros_like(hidden)

@@ -121,6 +121,30 @@ def test_a_long_second_chunk_matches_cpu_fused(model, monkeypatch):
     assert flash < 1.5 * masked and flash < 0.1  # bf16 roundings, amplified by random layers
 
 
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_layer_by_layer_prefill_reads_each_layers_routing_once(model, monkeypatch, strategy):
+    """A prompt run layer by layer in pieces routes every piece of a layer before their experts
+    run, and the store reads that routing back in one copy a layer (`ExpertStore.expect`), not
+    once a piece: no piece sorts its own, and the logits are one forward's."""
+    from ftkit.runtime.experts.store import ExpertStore
+
+    ids = torch.randint(0, 300, (240,), generator=torch.Generator().manual_seed(4))  # 3 x 80 tokens x top-4
+    sorted_calls = []
+    real = ExpertStore._sorted
+    monkeypatch.setattr(ExpertStore, "_sorted", lambda self, flat: sorted_calls.append(flat.numel()) or real(self, flat))
+    out = {}
+    for chunk in (None, 80):
+        rt = Runtime(model, RuntimeOptions(threads=4, device="cuda", dtype="float32", strategy=strategy,
+                                           cache_experts=40, bandwidth_ratio=0.5))
+        with torch.inference_mode():
+            out[chunk] = rt.decoder.forward(ids.to(rt.device), rt.new_kv(240), chunk=chunk).float().cpu()
+        calls, sorted_calls[:] = list(sorted_calls), []
+        assert not rt.store.ahead
+        rt.close()
+        assert len(calls) == (rt.spec.num_moe_layers if chunk is None else 0), calls
+    torch.testing.assert_close(out[80], out[None], rtol=1e-4, atol=1e-4)
+
+
 def test_gpu_budget_holds_a_long_prefill(tmp_path):
     """Everything the runtime allocates on the device (dense weights, slots, graph K/V, a request's
     KV, a prompt run layer by layer in two 8192-token pieces, decode steps) stays within

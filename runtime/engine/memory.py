@@ -141,7 +141,8 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, c
     `context` tokens run layer by layer in pieces of up to `chunk` (MoEDecoder.forward), the
     last ending at position `context`. Pieces and layers run one after another, so the peak is
     the whole prompt's residual stream, a piece's temporaries and the largest of one piece's
-    attention and its MLP or experts. `flash`: a piece behind cached keys runs flash attention
+    attention and its MLP or experts, plus every piece's routing of a layer (read back together,
+    ExpertStore.expect). `flash`: a piece behind cached keys runs flash attention
     (models.layers.flash_behind_cache)."""
     b, t, h = dtype.itemsize, min(chunk, context), spec.hidden_size
     items = t * spec.top_k
@@ -158,7 +159,8 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, c
         attention = qkv + t * spec.num_heads * 4
     else:
         attention = t * context * (b + 2) + 2 * context * spec.num_heads * spec.head_dim * b + qkv
-    return (context + 3 * t) * h * b + max(experts, mlp, attention)
+    routes = context * spec.top_k * (3 * 8 + b)  # ids, weights, their sort and its copy, every piece
+    return (context + 3 * t) * h * b + routes + max(experts, mlp, attention)
 
 
 def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype, family: str) -> int:

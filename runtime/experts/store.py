@@ -141,6 +141,8 @@ class ExpertStore:
         self.version = 0  # bumped when the cache is rebuilt (captured graphs point at its slots)
         self.holding = False  # a chunk-sized forward holds the hottest rows (`_hold_hottest`)
         self.open_layer: int | None = None  # a MoE layer whose forward has more pieces to run
+        # each next piece's routing (the ids tensor itself), read back ahead by `expect` and sorted
+        self.ahead: deque[tuple[torch.Tensor, np.ndarray, list[int]]] = deque()
         self.clock: LayerClock | None = None  # marks each host-planned layer's phases when set
         if self.strategy == FUSED:
             for row in range(rows):
@@ -149,6 +151,31 @@ class ExpertStore:
     @property
     def ratio(self) -> float | None:
         return self.planner.ratio
+
+    def expect(self, layer: int, topk_ids: list[torch.Tensor]) -> None:
+        """A layer-by-layer prefill's pieces of `layer`, routed before any of their experts run:
+        on a GPU their routing comes back to the host in one copy, so the GPU drains once a layer
+        instead of once a piece, and the host plans each next piece while the GPU runs the one
+        before (a 32768-token prompt in pieces of 8192: 12 drains instead of 48). Not where the
+        CPU branch may get work: its inputs are staged to ride on each piece's own read-back."""
+        e = self.spec.num_experts
+        if len(topk_ids) < 2 or not topk_ids[0].is_cuda or self.strategy == CPU or (
+                self.strategy == HYBRID and min(ids.numel() for ids in topk_ids) <= CPU_MAX_TOKENS * e):
+            return
+        flat = [ids.reshape(-1) for ids in topk_ids]
+        both = torch.cat([t for f in flat for t in (torch.argsort(f, stable=True), torch.bincount(f, minlength=e))])
+        parts = np.split(both.cpu().numpy(), np.cumsum([n for f in flat for n in (f.numel(), e)])[:-1])
+        self.ahead = deque((ids, order, counts.tolist())
+                           for ids, order, counts in zip(topk_ids, parts[::2], parts[1::2], strict=True))
+
+    def _routing(self, topk_ids: torch.Tensor) -> tuple[np.ndarray, list[int]]:
+        """The assignments sorted by expert and each expert's count: read back by `expect` (the
+        same ids tensor, so nothing left by a forward that failed half-way is ever taken) or now."""
+        if self.ahead and self.ahead[0][0] is topk_ids:
+            _, order, counts = self.ahead.popleft()
+            return order, counts
+        self.ahead.clear()
+        return self._sorted(topk_ids.reshape(-1))
 
     def run(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             final: bool = True) -> torch.Tensor:
@@ -164,7 +191,7 @@ class ExpertStore:
         moe = self.spec.moe_index(layer)
         base = moe * self.spec.num_experts
         staged = self._stage(hidden, topk_weights)  # before the read-back below, which it rides on
-        order, counts = self._sorted(topk_ids.reshape(-1))
+        order, counts = self._routing(topk_ids)
         self._mark("routed")
         self._collect_cpu()
         groups: dict[int, np.ndarray] = {}  # row -> flat assignment indices (t * k + j)

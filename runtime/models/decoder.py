@@ -31,6 +31,12 @@ class ExpertRunner(Protocol):
         same forward (a long prompt runs layer by layer), so its experts are wanted again."""
         ...
 
+    def expect(self, layer: int, topk_ids: list[torch.Tensor]) -> None:
+        """The routing of each piece `run` gets next for `layer`, in order: a layer-by-layer
+        forward routes all its pieces before their experts run (the runner may read it back
+        once, not once a piece)."""
+        ...
+
 
 # (layer, q [T, heads, D], k, v [T, kv_heads, D]) -> attention output [T, heads, D]: stores the
 # new keys and values and attends over everything cached (MoEDecoder.mixer's `kv`)
@@ -109,17 +115,24 @@ class MoEDecoder:
                                                                  if start + b in snapshot_at}
         try:
             for i in range(self.spec.num_layers):
-                p = f"layers.{i}."
+                p, moe = f"layers.{i}.", self.spec.is_moe(i)
+                # Every piece's token mixer (and routing) first: a piece's mixer needs only the keys
+                # (or state) the pieces before it left, not their experts; so the experts runner
+                # sees the layer's whole routing before its first piece's experts.
+                routes = []
+                for n, (a, b) in enumerate(pieces):
+                    cache.length = start + a  # where this piece's keys go and its queries sit
+                    xs[n] = xs[n] + self.mixer(i, self.norm(xs[n], p + "attn_norm.weight"), *ropes[n], cache)
+                    if start + b in states and i in cache.states:
+                        states[start + b][i] = {k: v.clone() for k, v in cache.states[i].items()}
+                    if moe:  # the normed input is recomputed below rather than kept for every piece
+                        routes.append(self.route(i, self.norm(xs[n], p + "mlp_norm.weight")))
+                if moe:
+                    self.experts.expect(i, [ids for ids, _ in routes])
                 for m, batch in enumerate(batches):
-                    hs = []
-                    for n in batch:
-                        cache.length = start + pieces[n][0]  # where this piece's keys go and its queries sit
-                        xs[n] = xs[n] + self.mixer(i, self.norm(xs[n], p + "attn_norm.weight"), *ropes[n], cache)
-                        hs.append(self.norm(xs[n], p + "mlp_norm.weight"))
-                        if start + pieces[n][1] in states and i in cache.states:
-                            states[start + pieces[n][1]][i] = {k: v.clone() for k, v in cache.states[i].items()}
-                    outs = (self.moe_pieces(i, hs, final=m == len(batches) - 1) if self.spec.is_moe(i)
-                            else [self.mlp(p + "mlp", h) for h in hs])
+                    hs = [self.norm(xs[n], p + "mlp_norm.weight") for n in batch]
+                    outs = (self.moe_pieces(i, hs, final=m == len(batches) - 1, routes=[routes[n] for n in batch])
+                            if moe else [self.mlp(p + "mlp", h) for h in hs])
                     for n, out in zip(batch, outs, strict=True):
                         xs[n] = xs[n] + out
         finally:
@@ -209,12 +222,14 @@ class MoEDecoder:
     def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return self.moe_pieces(i, [x])[0]
 
-    def moe_pieces(self, i: int, xs: list[torch.Tensor], final: bool = True) -> list[torch.Tensor]:
+    def moe_pieces(self, i: int, xs: list[torch.Tensor], final: bool = True,
+                   routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[torch.Tensor]:
         """Layer i's MoE output for each of the pieces `xs`: each piece routed and its shared
         expert run as a forward of it alone would, the routed experts once for all of them.
-        `final=False`: more pieces of this layer follow in this forward (ExpertRunner.run)."""
+        `final=False`: more pieces of this layer follow in this forward (ExpertRunner.run).
+        `routes`: each piece's routing, where already computed."""
         s, p = self.spec, f"layers.{i}."
-        routes = [self.route(i, x) for x in xs]
+        routes = routes or [self.route(i, x) for x in xs]
         ids, weights = (torch.cat(r) for r in zip(*routes, strict=True)) if len(xs) > 1 else routes[0]
         self.last_routing[i] = (ids, weights)
         out = self.experts.run(i, torch.cat(xs) if len(xs) > 1 else xs[0], ids, weights, final=final)
