@@ -191,6 +191,41 @@ def test_layer_by_layer_prefill_takes_the_anchors_snapshots(ftw):
     assert _rel_err(rest[-1], dec.forward(LONG, new_cache(dec, 160))[-1]) <= 1e-5
 
 
+def test_expert_runner_gets_the_routing_it_was_told_to_expect(ftw):
+    """Layer by layer, pieces ending at anchors inside a chunk run their experts together: the
+    runner is told each layer's routing up front (`expect`, which a GPU store reads back in one
+    copy), as the very tensors its `run` calls then get, in order."""
+    from collections import deque
+
+    from test_fidelity import BankExperts
+
+    from ftkit.runtime.kv.prefill import prefill
+
+    calls = {"expected": 0, "taken": 0}
+
+    class Spy(BankExperts):
+        ahead: deque = deque()
+
+        def expect(self, layer, topk_ids):
+            assert not self.ahead  # every one expected before was taken
+            self.ahead.extend((layer, ids) for ids in topk_ids)
+            calls["expected"] += len(topk_ids)
+
+        def run(self, layer, hidden, topk_ids, topk_weights, final=True):
+            want = self.ahead.popleft()
+            assert want[0] == layer and want[1] is topk_ids
+            calls["taken"] += 1
+            return super().run(layer, hidden, topk_ids, topk_weights, final)
+
+    dec = ftw_decoder(ftw["float32"])
+    want = dec.forward(LONG, new_cache(dec, 160))[-1]
+    dec.experts = Spy(dec.spec, dec.experts.banks)
+    points = list(range(10, 150, 10))  # pieces of 10 tokens, batched up to 32 tokens
+    logits, _ = prefill(dec, LONG.tolist(), new_cache(dec, 160), points, points, max_chunk=32)
+    assert calls["taken"] == calls["expected"] == dec.spec.num_moe_layers * 5  # batches of 30 tokens
+    assert _rel_err(logits, want) <= 1e-5
+
+
 def test_bench_prefill_with_anchors(ftw):
     """ft-bench's `--anchors-every`: the prompt snapshots its recurrent state every N tokens, as a
     hybrid model's turn boundaries ask; cut there (CPU) or in one layer-by-layer pass (GPU's

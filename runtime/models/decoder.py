@@ -127,11 +127,12 @@ class MoEDecoder:
                         states[start + b][i] = {k: v.clone() for k, v in cache.states[i].items()}
                     if moe:  # the normed input is recomputed below rather than kept for every piece
                         routes.append(self.route(i, self.norm(xs[n], p + "mlp_norm.weight")))
-                if moe:
+                if moe:  # each batch's routing as `run` will get it
+                    routes = [_joined([routes[n] for n in batch]) for batch in batches]
                     self.experts.expect(i, [ids for ids, _ in routes])
                 for m, batch in enumerate(batches):
                     hs = [self.norm(xs[n], p + "mlp_norm.weight") for n in batch]
-                    outs = (self.moe_pieces(i, hs, final=m == len(batches) - 1, routes=[routes[n] for n in batch])
+                    outs = (self.moe_pieces(i, hs, final=m == len(batches) - 1, routing=routes[m])
                             if moe else [self.mlp(p + "mlp", h) for h in hs])
                     for n, out in zip(batch, outs, strict=True):
                         xs[n] = xs[n] + out
@@ -223,14 +224,13 @@ class MoEDecoder:
         return self.moe_pieces(i, [x])[0]
 
     def moe_pieces(self, i: int, xs: list[torch.Tensor], final: bool = True,
-                   routes: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[torch.Tensor]:
+                   routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Layer i's MoE output for each of the pieces `xs`: each piece routed and its shared
         expert run as a forward of it alone would, the routed experts once for all of them.
         `final=False`: more pieces of this layer follow in this forward (ExpertRunner.run).
-        `routes`: each piece's routing, where already computed."""
+        `routing`: the pieces' (ids, weights) one after another, where already computed."""
         s, p = self.spec, f"layers.{i}."
-        routes = routes or [self.route(i, x) for x in xs]
-        ids, weights = (torch.cat(r) for r in zip(*routes, strict=True)) if len(xs) > 1 else routes[0]
+        ids, weights = routing or _joined([self.route(i, x) for x in xs])
         self.last_routing[i] = (ids, weights)
         out = self.experts.run(i, torch.cat(xs) if len(xs) > 1 else xs[0], ids, weights, final=final)
         outs = list(out.split([x.shape[0] for x in xs]))
@@ -241,6 +241,11 @@ class MoEDecoder:
                     shared = torch.sigmoid(F.linear(x, self.w[p + "shared_gate.weight"])) * shared
                 outs[n] = outs[n] + shared
         return outs
+
+
+def _joined(routes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pieces' (ids, weights) one after another (one piece's as they are)."""
+    return routes[0] if len(routes) == 1 else tuple(torch.cat(r) for r in zip(*routes, strict=True))
 
 
 def _pieces(t: int, step: int, ends: list[int]) -> list[tuple[int, int]]:
