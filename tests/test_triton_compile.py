@@ -24,7 +24,17 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ftkit.kernels.triton import attention, decode, experts, gemv, norm, plan, router, zero_copy  # noqa: E402
+from ftkit.kernels.triton import (  # noqa: E402
+    attention,
+    decode,
+    delta_rule,
+    experts,
+    gemv,
+    norm,
+    plan,
+    router,
+    zero_copy,
+)
 
 PLAN_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "base": "i32", "table_ptr": "*i32",
@@ -53,9 +63,14 @@ KERNELS = [
     (plan._merge, {"out_ptr": "*bf16", "dev_ptr": "*bf16", "host_ptr": "*fp32", "gpos_ptr": "*i32", "H": "i32"},
      dict(K=8, HAS_DEV=True, HAS_CPU=True, BLOCK=256)),
     (norm._rms_norm, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*fp32", "sum_ptr": "*bf16", "out_ptr": "*fp32",
-                      "n": "i32", "eps": "fp32"}, dict(BLOCK=2048, ADD=False)),
-    (norm._rms_norm, {**{n: "*bf16" for n in ("x_ptr", "d_ptr", "w_ptr", "sum_ptr", "out_ptr")}, "n": "i32",
-                      "eps": "fp32"}, dict(BLOCK=2048, ADD=True)),
+                      "n": "i32", "eps": "fp32"}, dict(BLOCK=2048, ADD=False, OFFSET=False)),
+    *((norm._rms_norm, {**{n: "*bf16" for n in ("x_ptr", "d_ptr", "w_ptr", "sum_ptr", "out_ptr")}, "n": "i32",
+                        "eps": "fp32"}, dict(BLOCK=2048, ADD=True, OFFSET=offset)) for offset in (False, True)),
+    (delta_rule._conv_step, {**{n: "*bf16" for n in ("x_ptr", "s_ptr", "w_ptr", "out_ptr")}, "C": "i32"},
+     dict(KS=4, BC=256)),
+    (delta_rule._delta_step, {**{n: "*bf16" for n in ("qkv_ptr", "z_ptr", "b_ptr", "a_ptr", "dt_ptr", "nw_ptr", "out_ptr")},
+                              "alog_ptr": "*fp32", "s_ptr": "*fp32", "R": "i32", "eps": "fp32"},
+     dict(HK=16, DK=128, DV=128, BK=128, BV=128)),
     (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64", "count_ptr": "*i32"}, dict(TIMER=True)),
     (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
     (zero_copy._wait_word, {"ctrl_ptr": "*i32", "value": "i32"}, {}),
