@@ -10,6 +10,7 @@ import torch
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.memory import plan_memory, prefill_workspace_bytes
 from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.server.launch import make_plan, planned_runtime
 
 
@@ -102,3 +103,22 @@ def test_graph_kv_holds_the_longest_request_the_budget_admits(model):
         assert rt.opts.kv_tokens == plan.kv_tokens == 2 * context
     finally:
         rt.close()
+
+
+def test_graph_decode_reserves_the_recurrent_states(hf_checkpoint, tmp_path):
+    """A hybrid-attention model's graph decode keeps its recurrent states in static buffers and a
+    saved copy (engine/graphs.py): the plan reserves both, beside the graph K/V."""
+    from ftkit.runtime.models import qwen3_next
+    from ftkit.tools.convert.pipeline import convert
+    from ftkit.tools.convert.pipeline import make_plan as convert_plan
+
+    path = tmp_path / "m.ftw"
+    convert(convert_plan(hf_checkpoint("qwen3_next"), dtype="bfloat16"), path)
+    opts = RuntimeOptions(device="cuda", strategy="offload", cache_experts=8)
+    plan = plan_memory(path, opts, 256, None)
+    states = qwen3_next.recurrent_state_bytes(FTWModel(path).spec, torch.bfloat16)
+    assert states and plan.graph_state_bytes == 2 * states
+    assert plan.graph_bytes == 256 * plan.kv_bytes_per_token + 2 * states
+    assert "graph K/V 256 tokens and states" in plan.describe()
+    assert plan_memory(path, dataclasses.replace(opts, graphs=False), 256, None).graph_state_bytes == 0
+    assert plan_memory(path, dataclasses.replace(opts, device="cpu"), 256, None).graph_bytes == 0

@@ -106,7 +106,7 @@ class GraphDecode:
         self.k = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
         # Recurrent (linear-attention) layers' states: static buffers shaped as the first bound
-        # sequence's, carved from one flat buffer so one copy saves them all (`_flat`).
+        # sequence's, carved from one flat buffer so one copy saves (or restores) them all.
         self.recurrent = sorted(set(range(s.num_layers)) - set(layers))
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.flat: torch.Tensor | None = None

@@ -43,6 +43,7 @@ class MemoryPlan:
     prefix_tokens: int = 0  # K/V rows the prefix cache may hold, on the same device
     graph_tokens: int = 0  # static K/V rows of CUDA graph decode (engine/graphs.py)
     workspace_bytes: int = 0  # a prefill chunk's transient activations (GPU: prefill_workspace_bytes)
+    graph_state_bytes: int = 0  # graph decode's static recurrent states and their saved copy
 
     @property
     def prefix_bytes(self) -> int:
@@ -50,7 +51,7 @@ class MemoryPlan:
 
     @property
     def graph_bytes(self) -> int:
-        return self.graph_tokens * self.kv_bytes_per_token
+        return self.graph_tokens * self.kv_bytes_per_token + self.graph_state_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -77,7 +78,8 @@ class MemoryPlan:
         terms = [("dense weights", self.dense_bytes), (f"KV {self.kv_tokens} tokens", self.kv_bytes),
                  (f"{self.expert_slots} expert slots", self.expert_bytes),
                  (f"prefix cache {self.prefix_tokens} tokens", self.prefix_bytes),
-                 (f"graph K/V {self.graph_tokens} tokens", self.graph_bytes),
+                 (f"graph K/V {self.graph_tokens} tokens" + (" and states" if self.graph_state_bytes else ""),
+                  self.graph_bytes),
                  ("prefill workspace", self.workspace_bytes)]
         return [(label, b) for label, b in terms if b or label == "dense weights"]
 
@@ -177,10 +179,12 @@ def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: torch.d
     workspace of a `chunk`-token prefill forward, both sized by the longest request `kv_tokens`
     admits."""
     longest = longest_request(spec, kv_tokens)
+    graph = graphs and cuda
     return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, slot_bytes, budget_bytes,
-                      prefix_tokens, longest if graphs and cuda else 0,
+                      prefix_tokens, longest if graph else 0,
                       prefill_workspace_bytes(spec, longest, dtype, chunk, flash_behind_cache(dtype, spec.head_dim, "cuda"))
-                      if cuda else 0)
+                      if cuda else 0,
+                      2 * FAMILIES[spec.family].recurrent_state_bytes(spec, dtype) if graph else 0)
 
 
 def plan_memory(model: Path | FTWModel, opts: RuntimeOptions, kv_tokens: int, budget_bytes: int | None) -> MemoryPlan:

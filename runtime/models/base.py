@@ -134,6 +134,10 @@ class Family:
         """Every dense tensor the forward pass needs, with its shape."""
         return llama_dense_shapes(spec)
 
+    def recurrent_state_bytes(self, spec: ModelSpec, dtype: torch.dtype) -> int:
+        """One sequence's recurrent-state bytes (linear-attention layers), whatever its length."""
+        return 0
+
     # ---- forward ---------------------------------------------------------------------------
     def decoder(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner) -> MoEDecoder:
         """The forward pass over canonical dense weights; routed experts run in `experts`."""

@@ -356,6 +356,9 @@ class Qwen3Next(Family):
             out[q + "out_proj.weight"] = (h, vd)
         return out
 
+    def recurrent_state_bytes(self, spec: ModelSpec, dtype: torch.dtype) -> int:
+        return recurrent_state_bytes(spec, dtype)
+
 
 def recurrent_state_bytes(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of one sequence's linear-attention state (conv inputs in `dtype`, the delta-rule
