@@ -545,10 +545,11 @@ def test_a_short_extend_runs_the_fused_dense_part(model, capacity, cfg):
     _same_turns(ref, got)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe_rope", "qwen3_moe_sparse"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe_rope", "qwen3_moe_sparse", "olmoe", "qwen3_next"])
 def test_a_short_extend_matches_across_families(hf_checkpoint, tmp_path, family):
     """Q/K/V biases without Q/K norms (Qwen2-MoE), YaRN's scaled rotary tables, dense layers
-    between MoE ones (sparse Qwen3-MoE): the extend path against the eager forward pass."""
+    between MoE ones (sparse Qwen3-MoE), the torch attention (OLMoE), a family's own token
+    mixers and recurrent states (Qwen3-Next): the extend path against the eager forward pass."""
     path = tmp_path / "m.ftw"
     convert(make_plan(hf_checkpoint(family)), path)
     turns = [PROMPT, [33], MORE]
@@ -557,6 +558,32 @@ def test_a_short_extend_matches_across_families(hf_checkpoint, tmp_path, family)
     # 10 tokens x top-2 may route to all 8 experts (host-planned), MORE's 3 x 2 fit the 6 slots
     assert got[2] == [(len(PROMPT), False), (len(MORE), True)]
     _same_turns(_turns(path, turns, False, strategy="offload", cache_experts=6), got)
+
+
+def test_a_short_prompt_with_anchors_takes_their_snapshots(next_model):
+    """A few tokens with recurrent-state anchors inside run the forward that takes the
+    snapshots (the extend path would not): each equals the state a prompt ending there leaves."""
+    from ftkit.runtime.kv.prefill import prefill
+
+    snaps, states = {}, {}
+    for graphs in (True, False):
+        rt = _graph_runtime(next_model, strategy="offload", cache_experts=8) if graphs else Runtime(
+            next_model, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32",
+                                       strategy="offload", cache_experts=8, graphs=False))
+        with torch.inference_mode():
+            if graphs:
+                _, snaps = prefill(rt.decoder, PROMPT, rt.new_kv(32), [4, 7], [4, 7], max_chunk=8192)
+            else:
+                for end in (4, 7):
+                    kv = rt.new_kv(32)
+                    rt.decoder.forward(torch.tensor(PROMPT[:end], device=rt.device), kv)
+                    states[end] = _states(kv)
+        rt.close()
+    assert sorted(snaps) == [4, 7]
+    for end in (4, 7):
+        got = {(i, n): t.float().cpu() for i, st in snaps[end].states.items() for n, t in st.items()}
+        assert got.keys() == states[end].keys() and got
+        assert all(torch.allclose(got[n], states[end][n], rtol=1e-4, atol=1e-5) for n in got)
 
 
 @pytest.mark.gpu

@@ -22,9 +22,9 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
   the GPU, the CPU branch started by a doorbell, not by Python);
 - a step is a few graphs of two layers each, replayed back to back, so the GPU need not wait
   for the host to launch the whole step.
-A short extend (2..64 tokens after a prefix hit, `extend`) runs eagerly with the host planning
-its experts, but through the same fused dense part, the few-query attention kernel in place of
-the one-query one. Without CUDA (`capture=False`) the same step runs eagerly: tests check it on
+A short extend (2..64 tokens after a prefix hit, `extend`) runs eagerly, its experts planned on
+the device where they fit, through the same fused dense part with the few-query attention kernel
+in place of the one-query one (a family with its own token mixer: that mixer over the cache). Without CUDA (`capture=False`) the same step runs eagerly: tests check it on
 CPU.
 """
 
@@ -290,10 +290,9 @@ class GraphDecode:
         self.pos.add_(1)
         return logits
 
-    def takes(self, tokens: int, cache: KVCache) -> bool:
-        """Whether `extend` runs these tokens: a few (the few-query attention kernel's limit), on
-        the fused attention path."""
-        return self.fused is not None and 1 < tokens <= self.few.MAX_QUERIES and not cache.states
+    def takes(self, tokens: int) -> bool:
+        """Whether `extend` runs these tokens: a few (the few-query attention kernel's limit)."""
+        return 1 < tokens <= self.few.MAX_QUERIES
 
     def extend(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits for a few tokens at cache.length.. (an agent turn after a prefix hit), eager,
@@ -301,7 +300,9 @@ class GraphDecode:
         writes in one launch, the few-query attention kernel, each residual add fused with the
         RMSNorm after it (8 kernels a layer instead of ~23). The experts are planned on the
         device (`DevicePlan.takes`): no layer waits for its routing on the host, which with the
-        host planner cost ~0.8 ms a layer, more than the launches (docs/benchmarks.md)."""
+        host planner cost ~0.8 ms a layer, more than the launches (docs/benchmarks.md). A family
+        with its own token mixer (Qwen3-Next) runs that as its forward pass does, over the
+        cache's rows and recurrent states, with the rest as here."""
         dec, t, start = self.decoder, input_ids.shape[0], cache.length
         plan = self.store.device_plan_for_graphs()
         on_device = plan.takes(t)
@@ -310,17 +311,25 @@ class GraphDecode:
             plan.adapt(extend=True)  # from the extends before this one
         end = cache.room(t)
         self.pos.fill_(start)
-        # rotary tables: the static ones, or this run's beyond them (sequences past the capacity)
-        table = (self.cos, self.sin, 0) if end <= self.capacity else (*dec.rope(start, t, self.cos.dtype), start)
+        if self.fused:
+            # rotary tables: the static ones, or this run's beyond them (sequences past the capacity)
+            table = (self.cos, self.sin, 0) if end <= self.capacity else (*dec.rope(start, t, self.cos.dtype), start)
 
-        def attend(i: int, h: torch.Tensor) -> torch.Tensor:
-            k_all, v_all = cache.k[i], cache.v[i]
-            q = self._rope_store(i, h, k_all, v_all, table)
-            return self.few.few_query_attention(q, k_all[:end], v_all[:end], start, dec.window(i))
+            def attend(i: int, h: torch.Tensor) -> torch.Tensor:
+                k_all, v_all = cache.k[i], cache.v[i]
+                q = self._rope_store(i, h, k_all, v_all, table)
+                return self.few.few_query_attention(q, k_all[:end], v_all[:end], start, dec.window(i))
+
+            mix = self._projected(attend)
+        else:
+            cos, sin = dec.rope(start, t, self.cos.dtype)
+
+            def mix(i: int, h: torch.Tensor) -> torch.Tensor:
+                return dec.mixer(i, h, cos, sin, cache)
 
         self.store.device_planned = on_device
         try:
-            _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), self._projected(attend))
+            _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), mix)
         finally:
             self.store.device_planned = False
         cache.advance(t)

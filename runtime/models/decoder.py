@@ -48,7 +48,7 @@ class GraphSteps(Protocol):
 
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor: ...
 
-    def takes(self, tokens: int, cache: KVCache) -> bool: ...
+    def takes(self, tokens: int) -> bool: ...
 
     def extend(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
 
@@ -103,10 +103,11 @@ class MoEDecoder:
         g, t = self.graphs, input_ids.shape[0]
         if g is not None and t == 1 and g.accepts(cache):
             return g.step(input_ids, cache)
-        if g is not None and g.takes(t, cache):  # a few tokens: the graph step's fused dense part
-            return g.extend(input_ids, cache, last_only)
         start, step = cache.length, chunk or t
-        pieces = _pieces(t, step, sorted({p - start for p in (*snapshot_at, *cuts) if start < p < start + t}))
+        ends = sorted({p - start for p in (*snapshot_at, *cuts) if start < p < start + t})
+        if g is not None and g.takes(t) and not ends:  # a few tokens: the graph step's fused dense part
+            return g.extend(input_ids, cache, last_only)
+        pieces = _pieces(t, step, ends)
         batches = _batches(pieces, step)
         # each piece its own tensor: views of one would keep the whole embedding alive next to them
         xs = [F.embedding(input_ids[a:b], self.w["embed.weight"]) for a, b in pieces]
