@@ -405,11 +405,13 @@ def _states(kv) -> dict:
     return {(i, n): t.float().cpu().clone() for i, st in kv.states.items() for n, t in st.items()}
 
 
+OFFLOAD8 = dict(strategy="offload", cache_experts=8)
+HYBRID8 = dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [dict(strategy="offload", cache_experts=8),
-                                 dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)],
-                         ids=["offload", "hybrid"])
-@pytest.mark.parametrize("which", ["model", "next_model"])
+@pytest.mark.parametrize(("which", "cfg"), [("model", OFFLOAD8), ("model", HYBRID8), ("next_model", HYBRID8)],
+                         ids=["offload", "hybrid", "qwen3_next-hybrid"])
 def test_greedy_pipeline_matches_step_by_step(request, which, cfg):
     """GraphDecode.pipeline (each step queued before the previous token is read) gives the tokens,
     K/V rows and recurrent states of greedy decoding one step at a time, also when stopped early
