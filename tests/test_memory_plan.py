@@ -116,7 +116,7 @@ def test_graph_decode_reserves_the_recurrent_states(hf_checkpoint, tmp_path):
     convert(convert_plan(hf_checkpoint("qwen3_next"), dtype="bfloat16"), path)
     opts = RuntimeOptions(device="cuda", strategy="offload", cache_experts=8)
     plan = plan_memory(path, opts, 256, None)
-    states = qwen3_next.recurrent_state_bytes(FTWModel(path).spec, torch.bfloat16)
+    states = qwen3_next.FAMILY.recurrent_state_bytes(FTWModel(path).spec, torch.bfloat16)
     assert states and plan.graph_state_bytes == 2 * states
     assert plan.graph_bytes == 256 * plan.kv_bytes_per_token + 2 * states
     assert "graph K/V 256 tokens and states" in plan.describe()

@@ -144,7 +144,7 @@ def test_snapshot_restore_resumes_a_prefix(ftw):
     first = dec.forward(a, cache)
     snap = cache.snapshot()
     assert snap.length == 5 and set(snap.states) == {0, 1, 2}
-    assert snap.nbytes == qwen3_next.recurrent_state_bytes(dec.spec, torch.float32)
+    assert snap.nbytes == qwen3_next.FAMILY.recurrent_state_bytes(dec.spec, torch.float32)
     rest = dec.forward(b, cache)
     assert _rel_err(torch.cat((first, rest)), whole) <= 1e-5
     after_b = dec.forward(torch.tensor([9]), cache)

@@ -114,25 +114,29 @@ class MoEDecoder:
         ropes = [self.rope(start + a, b - a, x.dtype) for (a, b), x in zip(pieces, xs, strict=True)]
         states: dict[int, dict[int, dict[str, torch.Tensor]]] = {start + b: {} for a, b in pieces[:-1]
                                                                  if start + b in snapshot_at}
+        keep = len(batches) == 1  # one batch needs every piece's normed input at once anyway
         try:
             for i in range(self.spec.num_layers):
                 p, moe = f"layers.{i}.", self.spec.is_moe(i)
                 # Every piece's token mixer (and routing) first: a piece's mixer needs only the keys
                 # (or state) the pieces before it left, not their experts; so the experts runner
                 # sees the layer's whole routing before its first piece's experts.
-                routes = []
+                routes, normed = [], {}
                 for n, (a, b) in enumerate(pieces):
                     cache.length = start + a  # where this piece's keys go and its queries sit
                     xs[n] = xs[n] + self.mixer(i, self.norm(xs[n], p + "attn_norm.weight"), *ropes[n], cache)
                     if start + b in states and i in cache.states:
                         states[start + b][i] = {k: v.clone() for k, v in cache.states[i].items()}
-                    if moe:  # the normed input is recomputed below rather than kept for every piece
-                        routes.append(self.route(i, self.norm(xs[n], p + "mlp_norm.weight")))
+                    if moe:  # with several batches the normed input is recomputed below, not kept
+                        h = self.norm(xs[n], p + "mlp_norm.weight")
+                        routes.append(self.route(i, h))
+                        if keep:
+                            normed[n] = h
                 if moe:  # each batch's routing as `run` will get it
                     routes = [_joined([routes[n] for n in batch]) for batch in batches]
                     self.experts.expect(i, [ids for ids, _ in routes])
                 for m, batch in enumerate(batches):
-                    hs = [self.norm(xs[n], p + "mlp_norm.weight") for n in batch]
+                    hs = [normed[n] if n in normed else self.norm(xs[n], p + "mlp_norm.weight") for n in batch]
                     outs = (self.moe_pieces(i, hs, final=m == len(batches) - 1, routing=routes[m])
                             if moe else [self.mlp(p + "mlp", h) for h in hs])
                     for n, out in zip(batch, outs, strict=True):

@@ -357,20 +357,16 @@ class Qwen3Next(Family):
         return out
 
     def recurrent_state_bytes(self, spec: ModelSpec, dtype: torch.dtype) -> int:
-        return recurrent_state_bytes(spec, dtype)
-
-
-def recurrent_state_bytes(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of one sequence's linear-attention state (conv inputs in `dtype`, the delta-rule
-    memory in float32), independent of its length; what a snapshot copies."""
-    e = spec.extra
-    layers = spec.layer_kinds.count(LINEAR_ATTENTION)
-    if not layers:
-        return 0
-    channels = 2 * e["linear_num_key_heads"] * e["linear_key_head_dim"] + e["linear_num_value_heads"] * e["linear_value_head_dim"]
-    conv = channels * (e["linear_conv_kernel_dim"] - 1) * torch.empty((), dtype=dtype).element_size()
-    ssm = e["linear_num_value_heads"] * e["linear_key_head_dim"] * e["linear_value_head_dim"] * 4
-    return layers * (conv + ssm)
+        """Bytes of one sequence's linear-attention state (conv inputs in `dtype`, the delta-rule
+        memory in float32), independent of its length; what a snapshot copies."""
+        e = spec.extra
+        layers = spec.layer_kinds.count(LINEAR_ATTENTION)
+        if not layers:
+            return 0
+        channels = 2 * e["linear_num_key_heads"] * e["linear_key_head_dim"] + e["linear_num_value_heads"] * e["linear_value_head_dim"]
+        conv = channels * (e["linear_conv_kernel_dim"] - 1) * dtype.itemsize
+        ssm = e["linear_num_value_heads"] * e["linear_key_head_dim"] * e["linear_value_head_dim"] * 4
+        return layers * (conv + ssm)
 
 
 def _float(t: torch.Tensor, name: str) -> torch.Tensor:
