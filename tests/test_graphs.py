@@ -239,6 +239,44 @@ def test_plan_kernel_evicts_the_oldest_slot_no_hit_holds():
     assert counts.tolist() == [1, 3, 0] and out.gcount.tolist() == [4, 0]
 
 
+@pytest.mark.parametrize("cap", [20, 100, 300])
+def test_plan_kernel_victims_match_a_plain_lru_search(cap):
+    """Across several blocks of the two-level victim search (ties in the stamps, free slots,
+    hits anywhere), the fills take exactly the slots a plain search takes: the oldest stamp
+    (lowest slot on ties) that no hit holds and no earlier fill took."""
+    from ftkit.kernels.triton import plan
+
+    dev = "cuda" if CUDA else "cpu"
+    k, experts = 16, 512
+    g = torch.Generator().manual_seed(cap)
+    owner = torch.randperm(experts, generator=g)[:cap].to(torch.int32)
+    owner[torch.rand(cap, generator=g) < 0.2] = -1  # free slots (stamped -1)
+    stamp = torch.randint(0, cap // 2 + 1, (cap,), generator=g)  # many ties
+    stamp[owner < 0] = -1
+    table = torch.full((experts,), -1, dtype=torch.int32)
+    table[owner[owner >= 0].long()] = torch.nonzero(owner >= 0).flatten().to(torch.int32)
+    resident = owner[owner >= 0].long()
+    hits = resident[torch.randperm(len(resident), generator=g)[: min(5, len(resident) // 2)]]
+    absent = torch.tensor([e for e in range(experts) if table[e] < 0])
+    ids = torch.cat([hits, absent[torch.randperm(len(absent), generator=g)[: k - len(hits)]]])
+    ids = ids[torch.randperm(k, generator=g)]
+    held = {int(table[e]) for e in hits}
+    stamps, want = stamp.tolist(), []
+    for e in ids.tolist():  # offload: every miss filled, in top-k order
+        if int(table[e]) < 0:
+            free = [s for s in range(cap) if s not in held and s not in want]
+            want.append(min(free, key=lambda s: (stamps[s], s)))
+    t = [v.to(dev) for v in (ids, torch.full((k,), 1 / k), torch.zeros(4), table, owner, stamp,
+                             torch.tensor([cap]), torch.tensor([1.0]), torch.zeros(3, dtype=torch.int64))]
+    out = plan.LayerBuffers(k, torch.device(dev), torch.float32)
+    plan.plan(*t[:3], 0, *t[3:], out, None, cap, plan.OFFLOAD_MODE)
+    n = int(out.gcount[0])
+    fills = out.gfill.cpu()[:n].bool()
+    got = out.gslot.cpu()[:n][fills].tolist()
+    assert got == want
+    assert sorted(int(s) for s in out.gslot.cpu()[:n][~fills]) == sorted(held)
+
+
 def test_plan_tokens_decides_per_expert_across_tokens():
     """A few tokens planned as one layer: an expert routed by several tokens is one decision;
     misses are filled most-used first into the oldest slots, the rest go to the CPU; GEMM tiles

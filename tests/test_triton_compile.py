@@ -45,7 +45,7 @@ PLAN_SIG = {
 PLAN_TOKENS_SIG = {
     "ids_ptr": "*i64", "w_ptr": "*bf16", "x_ptr": "*bf16", "n_items": "i32", "base": "i32", "table_ptr": "*i32",
     "owner_ptr": "*i32", "stamp_ptr": "*i64", "clock_ptr": "*i64", "ratio_ptr": "*fp32", "counts_ptr": "*i64",
-    "fill_all_above": "i32", "e_tile_ptr": "*i32", "e_hit_ptr": "*i32", "tiles_ptr": "*i32", "tfill_ptr": "*i32",
+    "fill_all_above": "i32", "e_tile_ptr": "*i32", "tiles_ptr": "*i32", "tfill_ptr": "*i32",
     "trow_ptr": "*i64", "tok_ptr": "*i32", "sw_ptr": "*fp32", "dst_ptr": "*i32", "gpos_ptr": "*i32",
     "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32", "XN": "i32", "NMAX": "i32",
 }
@@ -56,9 +56,9 @@ GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "count_ptr": "*i32", "H": "i32", "
 GEMM_CONSTS = dict(PREC="tf32", UPCAST=False, BLOCK_M=experts.GEMM_M, BLOCK_N=experts.GEMM_N, BLOCK_K=experts.GEMM_K)
 
 KERNELS = [
-    (plan._plan, PLAN_SIG, dict(K=8, KP=8, CAP=1024, MODE=plan.HYBRID_MODE, HAS_CPU=True, BLOCK_H=1024)),
-    (plan._plan, PLAN_SIG, dict(K=6, KP=8, CAP=0, MODE=plan.CPU_MODE, HAS_CPU=True, BLOCK_H=1024)),
-    (plan._plan_tokens, PLAN_TOKENS_SIG, dict(E=128, EP=128, K=8, NP=512, BN=64, CAP=1024, MODE=plan.HYBRID_MODE,
+    (plan._plan, PLAN_SIG, dict(K=8, KP=8, CAP=1024, SB=32, MODE=plan.HYBRID_MODE, HAS_CPU=True, BLOCK_H=1024)),
+    (plan._plan, PLAN_SIG, dict(K=6, KP=8, CAP=0, SB=1, MODE=plan.CPU_MODE, HAS_CPU=True, BLOCK_H=1024)),
+    (plan._plan_tokens, PLAN_TOKENS_SIG, dict(E=128, EP=128, K=8, NP=512, BN=64, CAP=16384, SB=128, MODE=plan.HYBRID_MODE,
                                               HAS_CPU=True, BLOCK_H=1024)),
     (plan._merge, {"out_ptr": "*bf16", "dev_ptr": "*bf16", "host_ptr": "*fp32", "gpos_ptr": "*i32", "H": "i32"},
      dict(K=8, HAS_DEV=True, HAS_CPU=True, BLOCK=256)),

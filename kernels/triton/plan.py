@@ -41,17 +41,31 @@ def _lookup(table_ptr, rows, lanes, W: tl.constexpr, CAP: tl.constexpr):
 
 
 @triton.jit
-def _claim(rows, slot, hit, fill, rank, q, held, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, W: tl.constexpr,
-           CAP: tl.constexpr):
+def _claim(rows, slot, hit, fill, rank, q, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, W: tl.constexpr,
+           CAP: tl.constexpr, SB: tl.constexpr):
     """Victims for the fills (lanes of width W): the r-th fill takes the least recently stamped
-    slot that no hit of this layer holds (`held` [CAP] > 0) and no earlier fill took (q passes of
-    an argmin, not W); table, owner and stamps updated. Returns the lanes' slots."""
-    c = tl.arange(0, CAP)
-    stamps = tl.load(stamp_ptr + c, mask=c < cap, other=NEVER)
-    stamps = tl.where(held > 0, NEVER, stamps)
+    slot that no hit of this layer holds and no earlier fill took; table, owner and stamps
+    updated. Returns the lanes' slots.
+    The stamps are searched in two levels: each block of SB slots keeps its minimum, and a pass
+    takes the argmin over the CAP / SB block minima, then over that block's SB stamps (reread),
+    so q passes cost O(CAP + q (CAP / SB + SB)) rather than O(q CAP): the whole cache of a
+    48-layer model is thousands of slots. Held and taken slots are marked NEVER in the stamps
+    themselves; every one of them is stamped with the new clock at the end."""
+    tl.store(stamp_ptr + slot, tl.full([W], NEVER, tl.int64), mask=hit)
+    tl.debug_barrier()
+    nb = tl.arange(0, CAP // SB)
+    b = tl.arange(0, SB)
+    c = nb[:, None] * SB + b[None, :]
+    block_min = tl.min(tl.load(stamp_ptr + c, mask=c < cap, other=NEVER), axis=1)
     for r in range(0, q):
-        v = tl.argmin(stamps, axis=0).to(tl.int32)
-        stamps = tl.where(c == v, NEVER, stamps)
+        blk = tl.argmin(block_min, axis=0)
+        cb = blk * SB + b
+        stamps = tl.load(stamp_ptr + cb, mask=cb < cap, other=NEVER)
+        o = tl.argmin(stamps, axis=0)
+        v = (blk * SB + o).to(tl.int32)
+        block_min = tl.where(nb == blk, tl.min(tl.where(b == o, NEVER, stamps), axis=0), block_min)
+        tl.store(stamp_ptr + v, tl.full([], NEVER, tl.int64))
+        tl.debug_barrier()  # the next pass may reread this block
         slot = tl.where(fill & (rank == r), v, slot)
     old = tl.load(owner_ptr + slot, mask=fill, other=-1)
     tl.store(table_ptr + old, -1, mask=fill & (old >= 0))
@@ -102,8 +116,8 @@ def _payload_items(payload_ptr, j, mask, w, rows, on_cpu, token, XN, NMAX):
 @triton.jit
 def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_ptr, ratio_ptr, counts_ptr,
           gslot_ptr, gw_ptr, grow_ptr, gfill_ptr, gpos_ptr, gcount_ptr, payload_ptr, cap, H, XN, NMAX,
-          K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, MODE: tl.constexpr, HAS_CPU: tl.constexpr,
-          BLOCK_H: tl.constexpr):
+          K: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SB: tl.constexpr, MODE: tl.constexpr,
+          HAS_CPU: tl.constexpr, BLOCK_H: tl.constexpr):
     j = tl.arange(0, KP)
     valid = j < K
     rows = base + tl.load(ids_ptr + j, mask=valid, other=0).to(tl.int64)
@@ -114,10 +128,7 @@ def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_pt
     fill = miss & (rank < q)
     on_cpu = miss & (rank >= q)
     if CAP > 0:
-        c = tl.arange(0, CAP)
-        held = tl.sum(((c[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1)  # the hits' slots
-        slot = _claim(rows, slot, hit, fill, rank, q, held, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, KP,
-                      CAP)
+        slot = _claim(rows, slot, hit, fill, rank, q, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, KP, CAP, SB)
     w = tl.load(w_ptr + j, mask=valid, other=0.0)
     dev = hit | fill
     pos = tl.cumsum(dev.to(tl.int32), axis=0) - 1
@@ -137,10 +148,11 @@ def _plan(ids_ptr, w_ptr, x_ptr, base, table_ptr, owner_ptr, stamp_ptr, clock_pt
 
 @triton.jit
 def _plan_tokens(ids_ptr, w_ptr, x_ptr, n_items, base, table_ptr, owner_ptr, stamp_ptr, clock_ptr, ratio_ptr,
-                 counts_ptr, fill_all_above, e_tile_ptr, e_hit_ptr, tiles_ptr, tfill_ptr, trow_ptr, tok_ptr, sw_ptr,
+                 counts_ptr, fill_all_above, e_tile_ptr, tiles_ptr, tfill_ptr, trow_ptr, tok_ptr, sw_ptr,
                  dst_ptr, gpos_ptr, gcount_ptr, payload_ptr, cap, H, XN, NMAX,
                  E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, NP: tl.constexpr, BN: tl.constexpr,
-                 CAP: tl.constexpr, MODE: tl.constexpr, HAS_CPU: tl.constexpr, BLOCK_H: tl.constexpr):
+                 CAP: tl.constexpr, SB: tl.constexpr, MODE: tl.constexpr, HAS_CPU: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
     # Per expert of the layer: how many of the n_items (token, k) items route to it.
     e = tl.arange(0, EP)
     cnt = tl.zeros([EP], tl.int32)
@@ -162,15 +174,7 @@ def _plan_tokens(ids_ptr, w_ptr, x_ptr, n_items, base, table_ptr, owner_ptr, sta
     fill = miss & (rank < q)
     on_cpu = miss & (rank >= q)
     if CAP > 0:
-        # the slots this layer's hits hold: those whose owner is a hit row (a gather through
-        # scratch, not a [CAP, experts] comparison)
-        tl.store(e_hit_ptr + e, hit.to(tl.int32), mask=e < E)
-        tl.debug_barrier()
-        c = tl.arange(0, CAP)
-        o = tl.load(owner_ptr + c, mask=c < cap, other=-1) - base
-        held = tl.load(e_hit_ptr + o, mask=(o >= 0) & (o < E), other=0)
-        slot = _claim(rows, slot, hit, fill, rank, q, held, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, EP,
-                      CAP)
+        slot = _claim(rows, slot, hit, fill, rank, q, table_ptr, owner_ptr, stamp_ptr, clock_ptr, cap, EP, CAP, SB)
     # The items sorted by expert (then by item): expert e's run starts at the items of the
     # experts before it. GEMM tiles, one per device expert: fills first (their reads over PCIe
     # are the long ones), then hits; each points at its expert's run.
@@ -228,6 +232,15 @@ def _merge(out_ptr, dev_ptr, host_ptr, gpos_ptr, H, K: tl.constexpr, HAS_DEV: tl
     tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
 
+def _slots(cap: int) -> dict[str, int]:
+    """The victim search's shape: CAP (cap rounded up to a power of two; 0: no cache) in blocks
+    of SB, about its square root, so both levels stay short."""
+    if not cap:
+        return dict(CAP=0, SB=1)
+    full = triton.next_power_of_2(cap)
+    return dict(CAP=full, SB=1 << (full.bit_length() // 2))
+
+
 class LayerBuffers:
     """What `plan` decides for one layer (allocated inside the step, so graph-safe)."""
 
@@ -255,7 +268,6 @@ class TokenBuffers:
         self.gpos = torch.empty(items, **i32)  # item -> its GEMM output row (itself), -1: CPU
         self.gcount = torch.empty(2, **i32)  # valid tiles, CPU experts
         self.e_tile = torch.empty(experts, **i32)  # scratch: each expert's tile (-1: none)
-        self.e_hit = torch.empty(experts, **i32)  # scratch: 1 where the expert is a hit
 
 
 def plan(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, base: int, table: torch.Tensor,
@@ -269,8 +281,7 @@ def plan(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, base: int, t
     _plan[(1,)](ids, weights, x, base, table, owner, stamp, clock, ratio, counts, out.gslot, out.gw, out.grow,
                 out.gfill, out.gpos, out.gcount, payload if payload is not None else x, cap, x.numel(),
                 max_tokens * x.numel(), max_tokens * k, K=k, KP=triton.next_power_of_2(k),
-                CAP=triton.next_power_of_2(cap) if cap else 0, MODE=mode, HAS_CPU=payload is not None, BLOCK_H=1024,
-                num_warps=num_warps)
+                **_slots(cap), MODE=mode, HAS_CPU=payload is not None, BLOCK_H=1024, num_warps=num_warps)
 
 
 def plan_tokens(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, base: int, experts: int,
@@ -285,11 +296,11 @@ def plan_tokens(ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor, base:
     nmax = max_tokens * k
     np_ = triton.next_power_of_2(nmax)
     _plan_tokens[(1,)](ids.reshape(-1), weights.reshape(-1), x, t * k, base, table, owner, stamp, clock, ratio,
-                       counts, fill_all_above, out.e_tile, out.e_hit, out.tiles, out.tfill, out.trow, out.tokens,
+                       counts, fill_all_above, out.e_tile, out.tiles, out.tfill, out.trow, out.tokens,
                        out.weights, out.dst, out.gpos, out.gcount, payload if payload is not None else x, cap,
                        x.shape[1], max_tokens * x.shape[1], nmax, E=experts, EP=triton.next_power_of_2(experts),
-                       K=k, NP=np_, BN=min(64, np_), CAP=triton.next_power_of_2(cap) if cap else 0, MODE=mode,
-                       HAS_CPU=payload is not None, BLOCK_H=1024, num_warps=8)
+                       K=k, NP=np_, BN=min(64, np_), **_slots(cap), MODE=mode, HAS_CPU=payload is not None,
+                       BLOCK_H=1024, num_warps=8)
 
 
 def merge(dev: torch.Tensor | None, host, gpos: torch.Tensor, hidden: int, dtype: torch.dtype,

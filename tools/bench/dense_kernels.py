@@ -12,9 +12,11 @@ two launches), at that shape:
 - the router's softmax-top-k, the device planner's `plan` (8 misses, half filled, so 4 victim
   passes: every layer's rows are cycled through a cache that cannot hold them) and the merge,
   at several warp counts;
+- `plan` and `plan_tokens` (a 32-token extend) against the cache's size, up to a whole
+  qwen3-next-80b-a3b's 8601 slots, hybrid and offload (every miss a victim pass);
 - the step's attention (`attention.decode_attention`) at several positions behind a 32k-token
   cache: the time a long agent context adds to every token.
-Needs CUDA. `--only attention` (or small, linear) runs one part.
+Needs CUDA. `--only attention` (or small, plan, linear) runs one part.
 """
 
 from __future__ import annotations
@@ -98,23 +100,13 @@ def _small(rows: list, spec) -> None:
     for warps in (1, 2, 4):
         us = _us_per_call([lambda warps=warps: softmax_topk(logits, k, True, torch.bfloat16, num_warps=warps)] * 16)
         rows.append(dict(kernel="softmax_topk", variant=f"w={warps}", us=us))
-    layers, cap = 200, 537  # 1600 rows cycled through 537 slots: LRU misses every one
-    table = torch.full((layers * e,), -1, dtype=torch.int32, device="cuda")
-    owner = torch.full((cap,), -1, dtype=torch.int32, device="cuda")
-    stamp = torch.full((cap,), -1, dtype=torch.int64, device="cuda")
-    clock = torch.zeros((), dtype=torch.int64, device="cuda")
-    ratio = torch.tensor(0.5, device="cuda")
-    counts = torch.zeros(3, dtype=torch.int64, device="cuda")
+    payload = zero_copy.Mapped(torch.zeros(h + 4 * k + 1, dtype=torch.float32, pin_memory=True))
+    x = torch.randn(h, dtype=torch.bfloat16, device="cuda")
     ids = torch.randperm(e, device="cuda")[:k].contiguous()
     w = torch.rand(k, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(h, dtype=torch.bfloat16, device="cuda")
-    host = torch.zeros(h + 4 * k + 1, dtype=torch.float32, pin_memory=True)
-    payload = zero_copy.Mapped(host)
-    out = dplan.LayerBuffers(k, torch.device("cuda"), w.dtype)
     for warps in (1, 2, 4, 8):
-        calls = [lambda b=b, warps=warps: dplan.plan(ids, w, x, b * e, table, owner, stamp, clock, ratio, counts, out, payload,
-                                        cap, dplan.HYBRID_MODE, num_warps=warps) for b in range(layers)]
-        rows.append(dict(kernel="plan (4 fills)", variant=f"w={warps}", us=_us_per_call(calls, replays=5)))
+        rows.append(dict(kernel="plan (4 fills)", variant=f"w={warps}",
+                         us=_plan_us(ids, w, x, e, 537, payload, dplan.HYBRID_MODE, warps)))
     dev = torch.randn(k, h, dtype=torch.bfloat16, device="cuda")
     gpos = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5], dtype=torch.int32, device="cuda")[:k]
     rows.append(dict(kernel="merge", variant="as is",
@@ -122,6 +114,55 @@ def _small(rows: list, spec) -> None:
     r, d, nw = (torch.randn(1, h, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     rows.append(dict(kernel="add_rms_norm", variant="as is",
                      us=_us_per_call([lambda: add_rms_norm(r, d, nw, 1e-6)] * 16)))
+
+
+def _cache(layers: int, e: int, cap: int) -> tuple:
+    """An empty cache of `cap` slots for `layers` layers of `e` experts: table, owner, stamps,
+    clock, counters and a hybrid split of one half."""
+    i32, i64 = dict(dtype=torch.int32, device="cuda"), dict(dtype=torch.int64, device="cuda")
+    return (torch.full((layers * e,), -1, **i32), torch.full((cap,), -1, **i32), torch.full((cap,), -1, **i64),
+            torch.zeros((), **i64), torch.tensor(0.5, device="cuda"), torch.zeros(3, **i64))
+
+
+def _plan_us(ids, w, x, e: int, cap: int, payload, mode: int, warps: int = 8) -> float:
+    """`plan`'s microseconds for one token (k misses) on a cache of `cap` slots: the layers'
+    rows are cycled through a cache that cannot hold them, so every fill is a victim pass."""
+    k = ids.numel()
+    layers = max(200, -(-3 * cap // k))
+    table, owner, stamp, clock, ratio, counts = _cache(layers, e, cap)
+    out = dplan.LayerBuffers(k, torch.device("cuda"), w.dtype)
+    return _us_per_call([lambda b=b: dplan.plan(ids, w, x, b * e, table, owner, stamp, clock, ratio, counts, out,
+                                                payload, cap, mode, num_warps=warps) for b in range(layers)], replays=3)
+
+
+def _plan_tokens_us(ids, w, x, e: int, cap: int, payload) -> float:
+    """`plan_tokens`' microseconds for one layer of T tokens [T, k] (hybrid), as `_plan_us`."""
+    t, k = ids.shape
+    layers = max(50, -(-3 * cap // e))
+    table, owner, stamp, clock, ratio, counts = _cache(layers, e, cap)
+    out = dplan.TokenBuffers(e, t * k, torch.device("cuda"))
+    return _us_per_call([lambda b=b: dplan.plan_tokens(ids, w, x, b * e, e, table, owner, stamp, clock, ratio, counts,
+                                                       16, out, payload, cap, dplan.HYBRID_MODE, t)
+                         for b in range(layers)], replays=3)
+
+
+def _planning(rows: list, caps=(537, 2150, 8601), tokens: int = 32) -> None:
+    """`plan` and `plan_tokens` against the cache's size: 537 slots is the 12-layer bench
+    model's, 2150 the whole qwen3-30b-a3b's and 8601 the whole qwen3-next-80b-a3b's at 35%."""
+    for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b"):
+        spec = preset_spec(name, 1)
+        k, e, h = spec.top_k, spec.num_experts, spec.hidden_size
+        x = torch.randn(tokens, h, dtype=torch.bfloat16, device="cuda")
+        ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(tokens)])
+        w = torch.rand(tokens, k, dtype=torch.bfloat16, device="cuda")
+        payload = zero_copy.Mapped(torch.zeros(tokens * h + 4 * tokens * k + 1, dtype=torch.float32,
+                                               pin_memory=True))
+        for cap in caps:
+            for mode, label in ((dplan.HYBRID_MODE, "hybrid"), (dplan.OFFLOAD_MODE, "offload")):
+                rows.append(dict(kernel=f"plan {name} k={k}", variant=f"{cap} slots, {label}",
+                                 us=_plan_us(ids[0], w[0], x[0], e, cap, payload, mode)))
+            rows.append(dict(kernel=f"plan_tokens {name} {tokens} tokens", variant=f"{cap} slots, hybrid",
+                             us=_plan_tokens_us(ids, w, x, e, cap, payload)))
 
 
 def _attention(rows: list, spec, positions=(64, 1024, 8192, 32767), capacity: int = 32768) -> None:
@@ -141,7 +182,7 @@ def _attention(rows: list, spec, positions=(64, 1024, 8192, 32767), capacity: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--only", choices=("small", "linear", "attention"), help="run one part")
+    ap.add_argument("--only", choices=("small", "plan", "linear", "attention"), help="run one part")
     args = ap.parse_args()
     spec = preset_spec("qwen3-30b-a3b", 1)
     h, d = spec.hidden_size, spec.head_dim
@@ -149,6 +190,8 @@ def main() -> None:
     rows = [dict(kernel="noop", variant="triton", us=_us_per_call([lambda: _noop[(1,)](flag)] * 64))]
     if args.only in (None, "small"):
         _small(rows, spec)
+    if args.only in (None, "plan"):
+        _planning(rows)
     if args.only in (None, "linear"):
         _linears(rows, {"qkv": ((spec.num_heads + 2 * spec.num_kv_heads) * d, h), "o": (h, spec.num_heads * d),
                         "router": (spec.num_experts, h), "lm_head": (spec.vocab_size, h)})

@@ -15,11 +15,11 @@
 # AB_STRATEGIES (default hybrid); decode, graph decode with AB_STRATEGIES (THREADS, default
 # 15); bigprompt, the bigprompt part at the first of PREFILL_CHUNKS with AB_STRATEGIES;
 # nextdecode, the nextdecode part's graph decode with AB_STRATEGIES; zerocopy, the fills
-# bench; cpubw, the CPU kernel at CPU_TOKENS), sampled (hybrid decode
+# bench; cpubw, the CPU kernel at CPU_TOKENS; plan, the planning kernels against the cache's size), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
-# CPU kernel's GB/s at 15 threads), hostmem (the loaded pool's read rate per GiB and where its
+# CPU kernel's GB/s at 15 threads at each of CPU_SHAPES), hostmem (the loaded pool's read rate per GiB and where its
 # pages are), longctx (graph decode behind PROMPTS-token prompts), bigprompt (a LONG_CHUNK-token
 # prompt prefilled layer by layer in pieces of each of PREFILL_CHUNKS tokens, then a 32-token
 # extend; REPEAT turns), nextdecode (qwen3-next-80b-a3b cut to 4 layers: decode per strategy,
@@ -83,8 +83,13 @@ if has hostmem; then  # the loaded pool's read rate per GiB and its pages, in HO
   q12
   for i in $(seq ${HOSTMEM_RUNS:-1}); do $PY -m ftkit.tools.bench.hostmem -m "$W/q12.ftw" 2>&1 | tee -a "$OUT/hostmem.txt"; done
 fi
-if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (machines differ)
-  $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 4 2>&1 | tail -4
+if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (machines differ), at
+  # each of CPU_SHAPES (H,I,experts per call: the q12 and qn4 experts by default), each expert
+  # alone (--shared: hybrid's and the cpu strategy's schedule) and all of a call's together
+  for shape in ${CPU_SHAPES:-2048,768,8 2048,512,10}; do
+    $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 4 --no-torch --shared --shape ${shape%,*} \
+        --experts-per-call ${shape##*,} 2>&1 | tail -5 | sed "s/^/$shape /" | tee -a "$OUT/cpubw.txt"
+  done
 fi
 decode() {  # decode on the q12 model (THREADS CPU threads); $1: strategies, $2: graphs, then more flags
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads ${THREADS:-15} \
@@ -149,7 +154,8 @@ if has nextprefill; then  # qn4: a LONG_CHUNK-token prompt without and with a re
   for a in 0 ${ANCHORS:-2048}; do
     $PY -m ftkit.tools.bench.cli decode -m "$W/qn4.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
         --tokens 8 --chunks ${LONG_CHUNK:-32768} --anchors-every $a --extend 32 --repeat ${REPEAT:-1} \
-        --strategies ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/nextprefill-$a.json" 2>&1 | tee "$OUT/nextprefill-$a.txt"
+        --strategies ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/nextprefill-$a.json" --trace-dir "$OUT/nextprefill-$a-trace" \
+        2>&1 | tee "$OUT/nextprefill-$a.txt"
   done
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
@@ -158,7 +164,8 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
   case " ${AB_RUN:-extend} " in *" nextdecode "*) qn4 ;; esac
   for run in ${AB:-}; do  # AB_RUN: one or more of extend (REPEAT turns), decode (graph decode),
     d=${run%%=*} name=${run#*=}  # nextdecode (graph decode of qn4), bigprompt (the first of
-    # PREFILL_CHUNKS), zerocopy (the fills bench), cpubw; the first four with AB_STRATEGIES
+    # PREFILL_CHUNKS), zerocopy (the fills bench), cpubw, plan (the planning kernels against the
+    # cache's size: copy this tree's dense_kernels.py into an older tree); the first four with AB_STRATEGIES
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
     envs=AB_ENV_$name  # AB_ENV_<name>="VAR=value ...": that run's environment (a switch to compare)
     (
@@ -170,6 +177,8 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
         bigprompt) c=${PREFILL_CHUNKS:-8192}; bigprompt ${c%% *} ${AB_STRATEGIES:-hybrid} \
             --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        plan) $PY -m ftkit.tools.bench.dense_kernels --only plan --json "$OUT/ab-$name-$kind.json" \
+            > "$OUT/ab-$name-$kind.txt" 2>&1; grep -E 'plan' "$OUT/ab-$name-$kind.txt" | sed "s/^/$name /"; continue ;;
         cpubw) for t in ${CPU_TOKENS:-1 9}; do  # the CPU kernel alone, T tokens per expert
             $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 2 --seconds 1 --tokens $t --experts-per-call 10 \
                 --no-torch 2>&1 | grep -E '^\S* +15 ' | sed "s/^/$name T=$t /"; done; continue ;;
