@@ -100,7 +100,8 @@ def _small(rows: list, spec) -> None:
     for warps in (1, 2, 4):
         us = _us_per_call([lambda warps=warps: softmax_topk(logits, k, True, torch.bfloat16, num_warps=warps)] * 16)
         rows.append(dict(kernel="softmax_topk", variant=f"w={warps}", us=us))
-    payload = zero_copy.Mapped(torch.zeros(h + 4 * k + 1, dtype=torch.float32, pin_memory=True))
+    host = torch.zeros(h + 4 * k + 1, dtype=torch.float32, pin_memory=True)  # alive while mapped
+    payload = zero_copy.Mapped(host)
     x = torch.randn(h, dtype=torch.bfloat16, device="cuda")
     ids = torch.randperm(e, device="cuda")[:k].contiguous()
     w = torch.rand(k, dtype=torch.bfloat16, device="cuda")
@@ -155,8 +156,8 @@ def _planning(rows: list, caps=(537, 2150, 8601), tokens: int = 32) -> None:
         x = torch.randn(tokens, h, dtype=torch.bfloat16, device="cuda")
         ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(tokens)])
         w = torch.rand(tokens, k, dtype=torch.bfloat16, device="cuda")
-        payload = zero_copy.Mapped(torch.zeros(tokens * h + 4 * tokens * k + 1, dtype=torch.float32,
-                                               pin_memory=True))
+        host = torch.zeros(tokens * h + 4 * tokens * k + 1, dtype=torch.float32, pin_memory=True)
+        payload = zero_copy.Mapped(host)
         for cap in caps:
             for mode, label in ((dplan.HYBRID_MODE, "hybrid"), (dplan.OFFLOAD_MODE, "offload")):
                 rows.append(dict(kernel=f"plan {name} k={k}", variant=f"{cap} slots, {label}",

@@ -287,8 +287,9 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
             _profiled(rt, lambda: prefill_forward(rt, ids[:chunk], kv, anchors), trace_to)
             if extend:
                 extend_fn = lambda: rt.decoder.forward(ids[n - extend:], kv, last_only=True)  # noqa: E731
+                behind = kv.snapshot()  # recurrent states cannot be truncated back to the chunk
                 _profiled(rt, extend_fn, trace_to.with_name(trace_to.stem + "-extend.txt"))
-                kv.truncate(chunk)  # the same extend again, behind the same chunk
+                kv.restore(behind)  # the same extend again, behind the same chunk
                 _host_profiled(rt, extend_fn, trace_to.with_name(trace_to.stem + "-extend-host.txt"))
     out = {key: _summary(key, [t[key] for t in turns]) for key in turns[0]}
     if repeat > 1:
