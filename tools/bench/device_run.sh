@@ -14,7 +14,8 @@
 # machine, in the environment AB_ENV_<name> adds, each run of AB_RUN: extend, that extend with
 # AB_STRATEGIES (default hybrid); decode, graph decode with AB_STRATEGIES (THREADS, default
 # 15); bigprompt, the bigprompt part at the first of PREFILL_CHUNKS with AB_STRATEGIES;
-# nextdecode, the nextdecode part's graph decode with AB_STRATEGIES; zerocopy, the fills
+# nextdecode, the nextdecode part's graph decode with AB_STRATEGIES; nextprefill, the
+# nextprefill part's prompt with anchors every ANCHORS tokens (default none); zerocopy, the fills
 # bench; cpubw, the CPU kernel at CPU_TOKENS; plan, the planning kernels against the cache's size), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
@@ -148,22 +149,25 @@ if has nextdecode; then  # three DeltaNet layers (recurrent states) and one gate
   qn4
   nextdecode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} --json "$OUT/nextdecode.json" --trace-dir "$OUT/nextdecode-trace" 2>&1 | tee "$OUT/nextdecode.txt"
 fi
-if has nextprefill; then  # qn4: a LONG_CHUNK-token prompt without and with a recurrent-state anchor
-  # every ANCHORS tokens
+nextprefill() {  # qn4: a LONG_CHUNK-token prompt with a recurrent-state anchor every $1 tokens (0:
+  # none), then a 32-token extend; $2: strategies, then more flags
+  $PY -m ftkit.tools.bench.cli decode -m "$W/qn4.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
+      --tokens 8 --chunks ${LONG_CHUNK:-32768} --anchors-every $1 --extend 32 --repeat ${REPEAT:-1} --strategies "$2" "${@:3}"
+}
+if has nextprefill; then  # without anchors and with one every ANCHORS tokens
   qn4
   for a in 0 ${ANCHORS:-2048}; do
-    $PY -m ftkit.tools.bench.cli decode -m "$W/qn4.ftw" --cache-fraction 0.35 --threads 15 --profile "$(realpath "$PROFILE")" \
-        --tokens 8 --chunks ${LONG_CHUNK:-32768} --anchors-every $a --extend 32 --repeat ${REPEAT:-1} \
-        --strategies ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/nextprefill-$a.json" --trace-dir "$OUT/nextprefill-$a-trace" \
+    nextprefill $a ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/nextprefill-$a.json" --trace-dir "$OUT/nextprefill-$a-trace" \
         2>&1 | tee "$OUT/nextprefill-$a.txt"
   done
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
   # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
   case " ${AB_RUN:-extend} " in *" decode "* | *" extend "* | *" bigprompt "*) q12 ;; esac
-  case " ${AB_RUN:-extend} " in *" nextdecode "*) qn4 ;; esac
+  case " ${AB_RUN:-extend} " in *" nextdecode "* | *" nextprefill "*) qn4 ;; esac
   for run in ${AB:-}; do  # AB_RUN: one or more of extend (REPEAT turns), decode (graph decode),
-    d=${run%%=*} name=${run#*=}  # nextdecode (graph decode of qn4), bigprompt (the first of
+    d=${run%%=*} name=${run#*=}  # nextdecode (graph decode of qn4), nextprefill (its prompt, anchors
+    # every ANCHORS tokens, default none), bigprompt (the first of
     # PREFILL_CHUNKS), zerocopy (the fills bench), cpubw, plan (the planning kernels against the
     # cache's size: copy this tree's dense_kernels.py into an older tree); the first four with AB_STRATEGIES
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
@@ -175,6 +179,8 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
         decode) decode ${AB_STRATEGIES:-hybrid} on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         nextdecode) nextdecode ${AB_STRATEGIES:-hybrid} on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         bigprompt) c=${PREFILL_CHUNKS:-8192}; bigprompt ${c%% *} ${AB_STRATEGIES:-hybrid} \
+            --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        nextprefill) nextprefill ${ANCHORS:-0} ${AB_STRATEGIES:-hybrid} \
             --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         plan) $PY -m ftkit.tools.bench.dense_kernels --only plan --json "$OUT/ab-$name-$kind.json" \
@@ -192,7 +198,7 @@ else:
     pool = out['runs'][0].get('host_pool')
     cpu += f\", pool {pool['huge_fraction']:.0%} huge {pool['numa_gib']}\" if pool else ''
     what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound{cpu})\"
-    if sys.argv[3] == 'bigprompt':
+    if sys.argv[3] in ('bigprompt', 'nextprefill'):
         what = f\"{p['chunk']}-token prompt in {p['seconds']:.3f} s ({p['missed_gb']:.1f} GB moved), extend {1e3 * p['extend_seconds']:.1f} ms\"
 print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name-$kind.json" "$name ($d) $kind" $kind || echo "$name ($d) $kind: failed, see ab-$name-$kind.txt"
     done
