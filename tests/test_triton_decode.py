@@ -132,8 +132,7 @@ def test_gemv_matches_linear(n, k, bias, bn):
 def test_delta_rule_step_matches_torch(hf_checkpoint, tmp_path, monkeypatch, dtype):
     """A decode token's DeltaNet core in the two Triton launches (kernels/triton/delta_rule.py:
     the conv and its state shift, then the delta rule and the gated norm), taken on CUDA, gives
-    the torch ops' logits and recurrent states token after token (the interpreter here); the
-    prompt before them takes the chunk scan."""
+    the torch ops' logits and recurrent states token after token (the interpreter here)."""
     if not CUDA and dtype == "bfloat16":
         pytest.skip("the interpreter truncates bf16 where the GPU rounds")
     from test_fidelity import PROMPT, _rel_err
@@ -147,7 +146,7 @@ def test_delta_rule_step_matches_torch(hf_checkpoint, tmp_path, monkeypatch, dty
     rt = Runtime(tmp_path / "m.ftw", RuntimeOptions(threads=2, device=DEV, strategy="fused", graphs=False))
     tokens, runs = [5, 77, 300, 12, 9, 41], []
     for kernels in (None, delta_rule):
-        monkeypatch.setattr(qwen3_next, "_kernels", lambda x, k=kernels: k)
+        monkeypatch.setattr(qwen3_next, "_step_kernels", lambda x, k=kernels: k)
         cache = rt.new_kv(len(PROMPT) + len(tokens))
         rt.decoder.forward(PROMPT.to(DEV), cache)
         logits = torch.cat([rt.decoder.forward(torch.tensor([t], device=DEV), cache) for t in tokens]).cpu()
@@ -159,25 +158,3 @@ def test_delta_rule_step_matches_torch(hf_checkpoint, tmp_path, monkeypatch, dty
     assert ref_states.keys() == got_states.keys() == {(i, n) for i in range(3) for n in ("conv", "ssm")}
     for name, want in ref_states.items():
         assert torch.allclose(got_states[name], want, rtol=tol, atol=tol), name
-
-
-def test_chunk_scan_matches_torch():
-    """The prefill's scan over chunks in one Triton launch gives the torch loop's outputs and
-    state (float32, several chunks, value heads split into column blocks)."""
-    from ftkit.kernels.triton import delta_rule
-    from ftkit.runtime.models.qwen3_next import scan_chunks
-
-    gen = torch.Generator().manual_seed(0)
-    h, n, c, dk, dv = 2, 5, 16, 32, 64
-
-    def r(*shape, scale=0.3):
-        return (torch.randn(shape, generator=gen) * scale).to(DEV)
-
-    q, k, kc = r(h, n, c, dk), r(h, n, c, dk), r(h, n, c, dk)
-    values = r(h, n, dv, c).transpose(-1, -2)  # column-major, as solve_triangular returns it
-    args = (q, k, values, kc, r(h, n, c, c).tril(), torch.rand((h, n), generator=gen).to(DEV), r(h, dk, dv))
-    want_out, want_state = scan_chunks(*args)
-    got_out, got_state = delta_rule.chunk_scan(*args)
-    torch.testing.assert_close(got_out.cpu(), want_out.cpu(), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_state.cpu(), want_state.cpu(), rtol=1e-4, atol=1e-4)
-    assert delta_rule.chunk_scan(q[..., :12], k[..., :12], *args[2:3], kc[..., :12], *args[4:]) is None  # Dk 12

@@ -1,5 +1,4 @@
-"""A gated-DeltaNet layer's recurrent core (Qwen3-Next) on CUDA: one decode token in two
-launches, and the scan over a prompt's chunks in one.
+"""One decode token through a gated-DeltaNet layer's recurrent core (Qwen3-Next), in two launches.
 
 In torch the token's causal conv, the delta-rule step and the gated RMSNorm are some fifty small
 kernels a layer, each reading the [heads, Dk, Dv] float32 state or a sliver of a vector; inside
@@ -10,11 +9,6 @@ this kind. Here:
 - `delta_step`: per value head, the L2-normalised query and key of its key head, the decay
   g = -exp(A_log) * softplus(a + dt_bias) and rate beta = sigmoid(b), one step of the delta
   rule on the head's state (read and written once), and the gated RMSNorm of its output.
-- `chunk_scan`: the sequential part of the chunked prefill, the only part that loops: per chunk,
-  the new values against the carried state, the chunk's output and the state passed on. In torch
-  that is a Python loop of some ten launches per 64-token chunk (a 32k-token prompt: 5,000 a
-  layer, host-bound); here one program per (value head, BV value columns) keeps its [Dk, BV]
-  slice of the state in registers and walks every chunk.
 The maths and roundings are models/qwen3_next.py's (float32 state and sums, the casts where the
 torch code casts); only the order of the float32 sums differs.
 """
@@ -98,48 +92,3 @@ def delta_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
     _delta_step[(hv,)](qkv, z, b, a, a_log, dt_bias, state, norm_weight, out, hv // hk, eps,
                        HK=hk, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=8 if bk * bv >= 8192 else 4)
     return out
-
-
-# Two stages of the loop's loads in flight: at C=64, Dk=Dv=128, BV=32 that is 139 KB of shared
-# memory; the default three need 262 KB, past an H100/H200's 227 KB.
-SCAN_LAUNCH = dict(num_warps=4, num_stages=2)
-
-
-@triton.jit
-def _chunk_scan(q_ptr, k_ptr, v_ptr, kc_ptr, intra_ptr, decay_ptr, s_ptr, out_ptr, N, C: tl.constexpr,
-                DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    h = tl.program_id(0)
-    c, dk, dv = tl.arange(0, C), tl.arange(0, DK), tl.program_id(1) * BV + tl.arange(0, BV)
-    s_at = h.to(tl.int64) * DK * DV + dk[:, None] * DV + dv[None, :]
-    state = tl.load(s_ptr + s_at)
-    for i in range(N):
-        n = h.to(tl.int64) * N + i  # the chunk's index in [H, N]
-        at_k = n * C * DK + c[:, None] * DK + dk[None, :]
-        at_v = n * C * DV + c[:, None] * DV + dv[None, :]
-        v_new = tl.load(v_ptr + at_v) - tl.dot(tl.load(kc_ptr + at_k), state, input_precision=PREC)
-        intra = tl.load(intra_ptr + n * C * C + c[:, None] * C + c[None, :])
-        out = tl.dot(tl.load(q_ptr + at_k), state, input_precision=PREC)
-        out += tl.dot(intra, v_new, input_precision=PREC)
-        tl.store(out_ptr + at_v, out)
-        k = tl.load(k_ptr + at_k)
-        state = state * tl.load(decay_ptr + n) + tl.dot(tl.trans(k), v_new, input_precision=PREC)
-    tl.store(s_ptr + s_at, state)
-
-
-def chunk_scan(q: torch.Tensor, k: torch.Tensor, new_values: torch.Tensor, k_cumdecay: torch.Tensor,
-               intra: torch.Tensor, chunk_decay: torch.Tensor, state: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The scan of `qwen3_next.scan_chunks` (same arguments, float32: q, k, k_cumdecay
-    [H, N, C, Dk], new_values [H, N, C, Dv], intra [H, N, C, C], chunk_decay [H, N], state
-    [H, Dk, Dv]). Returns (out [H, N, C, Dv], the new state), or None where the shapes do not
-    suit the kernel (a dimension not a power of two or under 16)."""
-    h, n, c, dk = k.shape
-    dv = new_values.shape[-1]
-    if any(d < 16 or d & (d - 1) for d in (c, dk, dv)):
-        return None
-    bv = min(32, dv)
-    out = torch.empty(new_values.shape, dtype=torch.float32, device=q.device)  # row-major, as the kernel writes
-    state = state.clone(memory_format=torch.contiguous_format)
-    args = (x.contiguous() for x in (q, k, new_values, k_cumdecay, intra, chunk_decay))  # solve_triangular's: column-major
-    _chunk_scan[(h, dv // bv)](*args, state, out, n, C=c, DK=dk, DV=dv, BV=bv, PREC="ieee", **SCAN_LAUNCH)
-    return out, state

@@ -122,28 +122,14 @@ def delta_rule_chunked(
     k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()
-    args = (q, k, new_values, k_cumdecay, intra, chunk_decay, state.to(new_values))
-    kernels = _kernels(q)
-    done = kernels.chunk_scan(*args) if kernels is not None else None
-    out, state = done if done is not None else scan_chunks(*args)
-    return out.reshape(h, n * chunk, -1)[:, :t], state
-
-
-def scan_chunks(q: torch.Tensor, k: torch.Tensor, new_values: torch.Tensor, k_cumdecay: torch.Tensor,
-                intra: torch.Tensor, chunk_decay: torch.Tensor, state: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked rule's sequential part: per chunk, the new values against the state carried
-    in, the chunk's output and the state passed on. q, k, k_cumdecay [H, N, C, Dk] (q and k
-    already decayed), new_values [H, N, C, Dv], intra [H, N, C, C], chunk_decay [H, N, 1, 1] or
-    [H, N]; state [H, Dk, Dv]. Returns (out [H, N, C, Dv], the new state)."""
-    out = torch.empty_like(new_values)
-    decay = chunk_decay.reshape(*chunk_decay.shape[:2], 1, 1)
-    for i in range(q.shape[1]):
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.zeros_like(new_values)
+    state = state.to(new_values)
+    for i in range(n):
         v_new = new_values[:, i] - k_cumdecay[:, i] @ state
         out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
-        state = state * decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    return out, state
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(h, n * chunk, -1)[:, :t], state
 
 
 # ---- the forward pass ---------------------------------------------------------------------
@@ -200,7 +186,7 @@ class Qwen3NextDecoder(MoEDecoder):
                 "conv": torch.zeros(channels, self.kernel - 1, dtype=x.dtype, device=x.device),
                 "ssm": torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=x.device),
             }
-        kernels = _kernels(x) if t == 1 else None
+        kernels = _step_kernels(x) if t == 1 else None
         if kernels is not None:  # one decode token: the recurrent core in two launches
             act = kernels.conv_step(qkv[0], state["conv"], conv_w)
             out = kernels.delta_step(act, z.reshape(-1).contiguous(), b[0].contiguous(), a[0].contiguous(),
@@ -232,8 +218,8 @@ class Qwen3NextDecoder(MoEDecoder):
         return self.linear(p + "out_proj", out.reshape(t, -1))
 
 
-def _kernels(x: torch.Tensor):
-    """The Triton DeltaNet kernels (kernels/triton/delta_rule.py) for tensors on CUDA, where
+def _step_kernels(x: torch.Tensor):
+    """The Triton decode-step kernels (kernels/triton/delta_rule.py) for a token on CUDA, where
     Triton is there; else None (the torch ops run)."""
     return _delta_rule() if x.is_cuda else None
 
