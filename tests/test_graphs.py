@@ -448,8 +448,11 @@ HYBRID8 = dict(strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("which", "cfg"), [("model", OFFLOAD8), ("model", HYBRID8), ("next_model", HYBRID8)],
-                         ids=["offload", "hybrid", "qwen3_next-hybrid"])
+@pytest.mark.parametrize(("which", "cfg"), [
+    # offload on CUDA only: on the interpreter it adds 80 s of CI and nothing the hybrid run
+    # misses (the pipeline does not depend on the strategy; hybrid fills too)
+    pytest.param("model", OFFLOAD8, marks=pytest.mark.skipif(not CUDA, reason="CUDA only (CI time)")),
+    ("model", HYBRID8), ("next_model", HYBRID8)], ids=["offload", "hybrid", "qwen3_next-hybrid"])
 def test_greedy_pipeline_matches_step_by_step(request, which, cfg):
     """GraphDecode.pipeline (each step queued before the previous token is read) gives the tokens,
     K/V rows and recurrent states of greedy decoding one step at a time, also when stopped early
