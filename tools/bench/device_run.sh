@@ -20,7 +20,7 @@
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
 # attention behind cached keys: flash against the masked kernel), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
-# CPU kernel's GB/s at 15 threads at each of CPU_SHAPES), hostmem (the loaded pool's read rate per GiB and where its
+# CPU kernel's GB/s at 15 threads at each of CPU_SHAPES), hostmem (HOSTMEM_MODEL's loaded pool: read rate per GiB and where its
 # pages are), longctx (graph decode behind PROMPTS-token prompts), bigprompt (a LONG_CHUNK-token
 # prompt prefilled layer by layer in pieces of each of PREFILL_CHUNKS tokens, then a 32-token
 # extend; REPEAT turns), nextdecode (qwen3-next-80b-a3b cut to 4 layers: decode per strategy,
@@ -80,13 +80,16 @@ fi
 q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
   [ -f "$W/q12.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1; sync; }
 }  # sync: the kernel's write-back of 14.5 GB would otherwise compete with the CPU branch
-if has hostmem; then  # the loaded pool's read rate per GiB and its pages, in HOSTMEM_RUNS fresh processes
-  q12
-  for i in $(seq ${HOSTMEM_RUNS:-1}); do $PY -m ftkit.tools.bench.hostmem -m "$W/q12.ftw" 2>&1 | tee -a "$OUT/hostmem.txt"; done
+qn4() {  # a hybrid-attention model: qwen3-next-80b-a3b cut to 4 layers (12.9 GB of experts)
+  [ -f "$W/qn4.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-next-80b-a3b --layers 4 --out "$W/qn4.ftw" 2>&1 | tail -1; sync; }
+}
+if has hostmem; then  # the loaded pool's read rate per GiB and its pages, in HOSTMEM_RUNS fresh processes,
+  m=${HOSTMEM_MODEL:-q12}; $m  # of HOSTMEM_MODEL (q12 or qn4)
+  for i in $(seq ${HOSTMEM_RUNS:-1}); do $PY -m ftkit.tools.bench.hostmem -m "$W/$m.ftw" 2>&1 | tee -a "$OUT/hostmem.txt"; done
 fi
 if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (machines differ), at
   # each of CPU_SHAPES (H,I,experts per call: the q12 and qn4 experts by default), each expert
-  # alone (--shared: hybrid's and the cpu strategy's schedule) and all of a call's together
+  # alone (--shared: host-planned hybrid's shared split) and all of a call's together (graph decode's worker)
   for shape in ${CPU_SHAPES:-2048,768,8 2048,512,10}; do
     $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 4 --no-torch --shared --shape ${shape%,*} \
         --experts-per-call ${shape##*,} 2>&1 | tail -5 | sed "s/^/$shape /" | tee -a "$OUT/cpubw.txt"
@@ -138,9 +141,6 @@ if has bigprompt; then  # each of PREFILL_CHUNKS
     bigprompt $c ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
   done
 fi
-qn4() {  # a hybrid-attention model: qwen3-next-80b-a3b cut to 4 layers (12.9 GB of experts)
-  [ -f "$W/qn4.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-next-80b-a3b --layers 4 --out "$W/qn4.ftw" 2>&1 | tail -1; sync; }
-}
 nextdecode() {  # decode on the qn4 model; $1: strategies, $2: graphs, then more flags
   $PY -m ftkit.tools.bench.cli decode -m "$W/qn4.ftw" --cache-fraction 0.35 --threads ${THREADS:-15} \
       --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-32} --strategies "$1" --graphs "$2" "${@:3}"
