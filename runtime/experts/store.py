@@ -158,15 +158,12 @@ class ExpertStore:
         instead of once a piece, and the host plans each next piece while the GPU runs the one
         before (a 32768-token prompt in pieces of 8192: 12 drains instead of 48). Not where the
         CPU branch may get work: its inputs are staged to ride on each piece's own read-back."""
-        e = self.spec.num_experts
         if len(topk_ids) < 2 or not topk_ids[0].is_cuda or self.strategy == CPU or (
-                self.strategy == HYBRID and min(ids.numel() for ids in topk_ids) <= CPU_MAX_TOKENS * e):
+                self.strategy == HYBRID
+                and min(ids.numel() for ids in topk_ids) <= CPU_MAX_TOKENS * self.spec.num_experts):
             return
-        flat = [ids.reshape(-1) for ids in topk_ids]
-        both = torch.cat([t for f in flat for t in (torch.argsort(f, stable=True), torch.bincount(f, minlength=e))])
-        parts = np.split(both.cpu().numpy(), np.cumsum([n for f in flat for n in (f.numel(), e)])[:-1])
-        self.ahead = deque((ids, order, counts.tolist())
-                           for ids, order, counts in zip(topk_ids, parts[::2], parts[1::2], strict=True))
+        sorted_ = self._device_sorted([ids.reshape(-1) for ids in topk_ids])
+        self.ahead = deque((ids, *done) for ids, done in zip(topk_ids, sorted_, strict=True))
 
     def _routing(self, topk_ids: torch.Tensor) -> tuple[np.ndarray, list[int]]:
         """The assignments sorted by expert and each expert's count: read back by `expect` (the
@@ -297,12 +294,18 @@ class ExpertStore:
         copy (a CPU sort of an 8192-token chunk's 65536 assignments took 1-5 ms per layer; an
         extend's few hundred take microseconds, less than the device's sort launches). The
         host's bookkeeping of a layer is numpy: torch costs microseconds per call on tiny arrays."""
-        e = self.spec.num_experts
         if flat.is_cuda and flat.numel() > HOST_SORT_ITEMS:
-            both = torch.cat([torch.argsort(flat, stable=True), torch.bincount(flat, minlength=e)]).cpu().numpy()
-            return both[: flat.numel()], both[flat.numel() :].tolist()
+            return self._device_sorted([flat])[0]
         flat = flat.cpu().numpy().astype(np.int64, copy=False)
-        return np.argsort(flat, kind="stable"), np.bincount(flat, minlength=e).tolist()
+        return np.argsort(flat, kind="stable"), np.bincount(flat, minlength=self.spec.num_experts).tolist()
+
+    def _device_sorted(self, flats: list[torch.Tensor]) -> list[tuple[np.ndarray, list[int]]]:
+        """`_sorted` of each of `flats` (device tensors), sorted and counted on the device and
+        handed over together in one copy."""
+        e = self.spec.num_experts
+        both = torch.cat([t for f in flats for t in (torch.argsort(f, stable=True), torch.bincount(f, minlength=e))])
+        parts = np.split(both.cpu().numpy(), np.cumsum([n for f in flats for n in (f.numel(), e)])[:-1])
+        return [(order, counts.tolist()) for order, counts in zip(parts[::2], parts[1::2], strict=True)]
 
     def _hold_hottest(self, moe_index: int, active: int, items: int) -> None:
         """A chunk-sized batch (one that routes to most of a layer's experts) sends every expert
