@@ -323,6 +323,49 @@ def test_plan_tokens_decides_per_expert_across_tokens():
     assert payload[xn + 3 * n : xn + 3 * n + 6].tolist() == [0, 0, 1, 1, 2, 2] and payload[-1] == 6
 
 
+def test_plan_tokens_ranks_and_fills_as_a_plain_search():
+    """At Qwen3-Next's width (512 experts, top-10, 32 tokens), the experts' counts, the misses'
+    ranking (most-used first, lower expert on ties), the fill count and each fill's victim are
+    what a plain Python search over the same cache decides."""
+    from ftkit.kernels.triton import plan
+
+    dev = "cuda" if CUDA else "cpu"
+    experts, k, tokens, cap, h = 512, 10, 32, 300, 4
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for first in torch.randint(0, 8, (tokens,), generator=g).tolist():  # a few experts used by many tokens
+        rest = [e for e in torch.randperm(experts, generator=g).tolist() if e != first]
+        rows.append([first] + rest[: k - 1])
+    ids = torch.tensor(rows)
+    owner = torch.randperm(experts, generator=g)[:cap].to(torch.int32)
+    owner[torch.rand(cap, generator=g) < 0.1] = -1
+    stamp = torch.randint(0, 50, (cap,), generator=g)
+    stamp[owner < 0] = -1
+    table = torch.full((experts,), -1, dtype=torch.int32)
+    table[owner[owner >= 0].long()] = torch.nonzero(owner >= 0).flatten().to(torch.int32)
+    cnt = torch.bincount(ids.flatten(), minlength=experts).tolist()
+    active = [e for e in range(experts) if cnt[e]]
+    held = {int(table[e]) for e in active if table[e] >= 0}
+    misses = sorted((e for e in active if table[e] < 0), key=lambda e: (-cnt[e], e))
+    q = min(max(int(len(misses) * 0.5 + 0.5), 1), len(misses), cap - len(held))
+    stamps, taken, want = stamp.tolist(), set(), {}
+    for e in misses[:q]:
+        v = min((s for s in range(cap) if s not in held and s not in taken), key=lambda s: (stamps[s], s))
+        taken.add(v)
+        want[e] = v
+    w = torch.full((tokens, k), 0.1)
+    payload = torch.zeros(tokens * h + 4 * tokens * k + 1)
+    t = [v.to(dev) for v in (ids, w, torch.zeros(tokens, h), table, owner, stamp, torch.tensor([100]),
+                             torch.tensor([0.5]), torch.zeros(3, dtype=torch.int64), payload)]
+    out = plan.TokenBuffers(experts, tokens * k, torch.device(dev))
+    plan.plan_tokens(*t[:3], 0, experts, *t[3:9], 16, out, t[9], cap, plan.HYBRID_MODE, tokens)
+    got = t[3].cpu()
+    assert {e: int(got[e]) for e in misses[:q]} == want
+    assert all(int(got[e]) == -1 for e in misses[q:])
+    assert t[8].cpu().tolist() == [len(active) - len(misses), q, len(misses) - q]
+    assert out.gcount.cpu().tolist() == [len(active) - len(misses) + q, len(misses) - q]
+
+
 @pytest.mark.gpu
 def test_hybrid_split_follows_the_slower_side(model):
     """Between tokens the fill fraction moves toward balance: a CPU side busier than the GPU's

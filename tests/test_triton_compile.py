@@ -58,8 +58,8 @@ GEMM_CONSTS = dict(PREC="tf32", UPCAST=False, BLOCK_M=experts.GEMM_M, BLOCK_N=ex
 KERNELS = [
     (plan._plan, PLAN_SIG, dict(K=8, KP=8, CAP=1024, SB=32, MODE=plan.HYBRID_MODE, HAS_CPU=True, BLOCK_H=1024)),
     (plan._plan, PLAN_SIG, dict(K=6, KP=8, CAP=0, SB=1, MODE=plan.CPU_MODE, HAS_CPU=True, BLOCK_H=1024)),
-    (plan._plan_tokens, PLAN_TOKENS_SIG, dict(E=128, EP=128, K=8, NP=512, BN=64, CAP=16384, SB=128, MODE=plan.HYBRID_MODE,
-                                              HAS_CPU=True, BLOCK_H=1024)),
+    *((plan._plan_tokens, PLAN_TOKENS_SIG, dict(E=e, EP=e, K=k, NP=np_, CAP=16384, SB=128, MODE=plan.HYBRID_MODE,
+                                                HAS_CPU=True, BLOCK_H=1024)) for e, k, np_ in ((128, 8, 512), (512, 10, 1024))),
     (plan._merge, {"out_ptr": "*bf16", "dev_ptr": "*bf16", "host_ptr": "*fp32", "gpos_ptr": "*i32", "H": "i32"},
      dict(K=8, HAS_DEV=True, HAS_CPU=True, BLOCK=256)),
     (norm._rms_norm, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*fp32", "sum_ptr": "*bf16", "out_ptr": "*fp32",
