@@ -122,7 +122,9 @@ def test_bfloat16_logits_close_to_transformers(ftw, reference, monkeypatch):
         assert torch.equal(dec.forward(prompt, new_cache(dec, len(prompt))), want)
 
 
-def test_delta_rule_chunked_equals_recurrent():
+@pytest.mark.parametrize("block", [2, 16])  # scan operands formed a few chunks at a time, or all at once
+def test_delta_rule_chunked_equals_recurrent(monkeypatch, block):
+    monkeypatch.setattr(qwen3_next, "SCAN_BLOCK", block)
     gen = torch.Generator().manual_seed(0)
     h, t, dk, dv = 3, 100, 8, 5
     q, k = (qwen3_next.l2norm(torch.randn(h, t, dk, generator=gen)) for _ in range(2))
@@ -130,7 +132,9 @@ def test_delta_rule_chunked_equals_recurrent():
     g, beta = -torch.rand(h, t, generator=gen), torch.rand(h, t, generator=gen)
     s0 = torch.randn(h, dk, dv, generator=gen)
     a, sa = qwen3_next.delta_rule_recurrent(q, k, v, g, beta, s0)
+    kept = s0.clone()
     b, sb = qwen3_next.delta_rule_chunked(q, k, v, g, beta, s0, chunk=16)
+    assert torch.equal(s0, kept)  # the caller's state is read, not written
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-5)
 

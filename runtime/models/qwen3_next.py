@@ -46,6 +46,9 @@ from .kv import KVCache
 from .layers import apply_rope, rms_norm
 
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule default
+# Chunks whose scan operands are formed at once: their memory (two [Hv, Dk, Dk|Dv] float32 per
+# chunk, 4 MB at 32 heads of 128) stays bounded however long the prompt.
+SCAN_BLOCK = 16
 
 HF_NEXT_RULES = rules(
     (r"model\.layers\.(\d+)\.linear_attn\.(in_proj_qkvz|in_proj_ba|conv1d|norm|out_proj)\.weight",
@@ -104,7 +107,13 @@ def delta_rule_chunked(
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence, `chunk` tokens at a time (transformers' torch_chunk_gated_delta_rule
-    without the batch dimension): a UT transform inside each chunk, a scan over chunks."""
+    without the batch dimension): a UT transform inside each chunk, a scan over chunks.
+
+    The scan is the part a long prompt waits for: a Python loop over its chunks (512 of them
+    for 32k tokens, in each linear layer). With S the state before chunk i, its output is
+    (q_i - intra_i kc_i) S + intra_i nv_i and the state after it (d_i I - k_i^T kc_i) S +
+    k_i^T nv_i; everything but the two products with S is formed batched, SCAN_BLOCK chunks at
+    a time, so each step of the loop is two launches (transformers' order takes about ten)."""
     h, t, _ = k.shape
     pad = (chunk - t % chunk) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -121,15 +130,22 @@ def delta_rule_chunked(
     new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-    out = torch.zeros_like(new_values)
-    state = state.to(new_values)
-    for i in range(n):
-        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    return out.reshape(h, n * chunk, -1)[:, :t], state
+    kt = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
+    eye = torch.eye(kt.shape[-2], dtype=kt.dtype, device=kt.device)
+    decay = cum[..., -1].exp()[..., None, None] * eye  # d_i I, [h, n, Dk, Dk]
+    out = torch.empty(n, h, chunk, v.shape[-1], dtype=new_values.dtype, device=q.device)
+    states = [state.to(new_values, copy=True), torch.empty_like(state, dtype=new_values.dtype)]
+    for b in range(0, n, SCAN_BLOCK):
+        blk = slice(b, min(b + SCAN_BLOCK, n))
+        kc, nv, it = k_cumdecay[:, blk], new_values[:, blk], intra[:, blk]
+        # chunk-major, so a chunk's operands are contiguous for the loop's out= products
+        read, base, trans, inject = (x.transpose(0, 1).contiguous() for x in (
+            q[:, blk] - it @ kc, it @ nv, decay[:, blk] - kt[:, blk] @ kc, kt[:, blk] @ nv))
+        for j in range(blk.stop - b):
+            before, after = states[(b + j) % 2], states[(b + j + 1) % 2]
+            torch.baddbmm(base[j], read[j], before, out=out[b + j])
+            torch.baddbmm(inject[j], trans[j], before, out=after)
+    return out.transpose(0, 1).reshape(h, n * chunk, -1)[:, :t], states[n % 2]
 
 
 # ---- the forward pass ---------------------------------------------------------------------
