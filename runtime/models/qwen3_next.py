@@ -134,18 +134,19 @@ def delta_rule_chunked(
     eye = torch.eye(kt.shape[-2], dtype=kt.dtype, device=kt.device)
     decay = cum[..., -1].exp()[..., None, None] * eye  # d_i I, [h, n, Dk, Dk]
     out = torch.empty(n, h, chunk, v.shape[-1], dtype=new_values.dtype, device=q.device)
-    states = [state.to(new_values, copy=True), torch.empty_like(state, dtype=new_values.dtype)]
+    state = state.to(new_values, copy=True)
     for b in range(0, n, SCAN_BLOCK):
         blk = slice(b, min(b + SCAN_BLOCK, n))
         kc, nv, it = k_cumdecay[:, blk], new_values[:, blk], intra[:, blk]
-        # chunk-major, so a chunk's operands are contiguous for the loop's out= products
-        read, base, trans, inject = (x.transpose(0, 1).contiguous() for x in (
-            q[:, blk] - it @ kc, it @ nv, decay[:, blk] - kt[:, blk] @ kc, kt[:, blk] @ nv))
+        # chunk-major, so a chunk's operands are contiguous; the products with S accumulate in
+        # place (into `out` and into the next state), as out= would copy its addend first
+        out[blk] = (it @ nv).transpose(0, 1)
+        read, trans, after = (x.transpose(0, 1).contiguous() for x in (
+            q[:, blk] - it @ kc, decay[:, blk] - kt[:, blk] @ kc, kt[:, blk] @ nv))
         for j in range(blk.stop - b):
-            before, after = states[(b + j) % 2], states[(b + j + 1) % 2]
-            torch.baddbmm(base[j], read[j], before, out=out[b + j])
-            torch.baddbmm(inject[j], trans[j], before, out=after)
-    return out.transpose(0, 1).reshape(h, n * chunk, -1)[:, :t], states[n % 2]
+            out[b + j].baddbmm_(read[j], state)
+            state = after[j].baddbmm_(trans[j], state)
+    return out.transpose(0, 1).reshape(h, n * chunk, -1)[:, :t], state
 
 
 # ---- the forward pass ---------------------------------------------------------------------
