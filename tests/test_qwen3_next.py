@@ -122,8 +122,8 @@ def test_bfloat16_logits_close_to_transformers(ftw, reference, monkeypatch):
         assert torch.equal(dec.forward(prompt, new_cache(dec, len(prompt))), want)
 
 
-@pytest.mark.parametrize("block", [2, 16])  # scan operands formed a few chunks at a time, or all at once
-def test_delta_rule_chunked_equals_recurrent(monkeypatch, block):
+@pytest.mark.parametrize("batched, block", [(False, 16), (True, 2), (True, 16)])  # the scan's two forms (the
+def test_delta_rule_chunked_equals_recurrent(monkeypatch, batched, block):  # batched one a few chunks at a time, or all)
     monkeypatch.setattr(qwen3_next, "SCAN_BLOCK", block)
     gen = torch.Generator().manual_seed(0)
     h, t, dk, dv = 3, 100, 8, 5
@@ -133,7 +133,7 @@ def test_delta_rule_chunked_equals_recurrent(monkeypatch, block):
     s0 = torch.randn(h, dk, dv, generator=gen)
     a, sa = qwen3_next.delta_rule_recurrent(q, k, v, g, beta, s0)
     kept = s0.clone()
-    b, sb = qwen3_next.delta_rule_chunked(q, k, v, g, beta, s0, chunk=16)
+    b, sb = qwen3_next.delta_rule_chunked(q, k, v, g, beta, s0, chunk=16, batched=batched)
     assert torch.equal(s0, kept)  # the caller's state is read, not written
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-5)

@@ -104,16 +104,13 @@ def delta_rule_recurrent(
 
 def delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-    chunk: int = CHUNK,
+    chunk: int = CHUNK, batched: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same recurrence, `chunk` tokens at a time (transformers' torch_chunk_gated_delta_rule
     without the batch dimension): a UT transform inside each chunk, a scan over chunks.
-
-    The scan is the part a long prompt waits for: a Python loop over its chunks (512 of them
-    for 32k tokens, in each linear layer). With S the state before chunk i, its output is
-    (q_i - intra_i kc_i) S + intra_i nv_i and the state after it (d_i I - k_i^T kc_i) S +
-    k_i^T nv_i; everything but the two products with S is formed batched, SCAN_BLOCK chunks at
-    a time, so each step of the loop is two launches (transformers' order takes about ten)."""
+    `batched` (None: on CUDA) picks the scan's form: `_scan_batched`, few launches, where the
+    launches are the cost, or `_scan_stepwise`, fewer flops, where the flops are (on a CPU
+    the batched form is ~1.8x slower at Qwen3-Next's 128-wide heads)."""
     h, t, _ = k.shape
     pad = (chunk - t % chunk) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -131,22 +128,44 @@ def delta_rule_chunked(
     k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     q = q * cum.exp()[..., None]
     kt = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
+    decay = cum[..., -1].exp()  # [h, n]: the state's decay over each chunk
+    scan = _scan_batched if (q.is_cuda if batched is None else batched) else _scan_stepwise
+    out, state = scan(q, kt, intra, new_values, k_cumdecay, decay, state.to(new_values, copy=True))
+    return out.reshape(h, n * chunk, -1)[:, :t], state
+
+
+def _scan_stepwise(q, kt, intra, nv, kc, decay, state):
+    """The scan over chunks in transformers' order (ten small ops a chunk). Arguments [h, n, ...];
+    returns the output [h, n, C, Dv] and the last state."""
+    out = torch.empty_like(nv)
+    for i in range(nv.shape[1]):
+        v_new = nv[:, i] - kc[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * decay[:, i, None, None] + kt[:, i] @ v_new
+    return out, state
+
+
+def _scan_batched(q, kt, intra, nv, kc, decay, state):
+    """The same scan in two launches a chunk: with S the state before chunk i, its output is
+    (q_i - intra_i kc_i) S + intra_i nv_i and the state after it (d_i I - k_i^T kc_i) S +
+    k_i^T nv_i; all but the two products with S is formed batched, SCAN_BLOCK chunks at a time.
+    On a GPU a long prompt waits on this loop's launches (512 chunks for 32k tokens in each
+    linear layer), not on its 1.7x the flops."""
+    h, n, c, _ = q.shape
     eye = torch.eye(kt.shape[-2], dtype=kt.dtype, device=kt.device)
-    decay = cum[..., -1].exp()[..., None, None] * eye  # d_i I, [h, n, Dk, Dk]
-    out = torch.empty(n, h, chunk, v.shape[-1], dtype=new_values.dtype, device=q.device)
-    state = state.to(new_values, copy=True)
+    out = torch.empty(n, h, c, nv.shape[-1], dtype=nv.dtype, device=nv.device)
     for b in range(0, n, SCAN_BLOCK):
         blk = slice(b, min(b + SCAN_BLOCK, n))
-        kc, nv, it = k_cumdecay[:, blk], new_values[:, blk], intra[:, blk]
+        it = intra[:, blk]
         # chunk-major, so a chunk's operands are contiguous; the products with S accumulate in
         # place (into `out` and into the next state), as out= would copy its addend first
-        out[blk] = (it @ nv).transpose(0, 1)
+        out[blk] = (it @ nv[:, blk]).transpose(0, 1)
         read, trans, after = (x.transpose(0, 1).contiguous() for x in (
-            q[:, blk] - it @ kc, decay[:, blk] - kt[:, blk] @ kc, kt[:, blk] @ nv))
+            q[:, blk] - it @ kc[:, blk], decay[:, blk, None, None] * eye - kt[:, blk] @ kc[:, blk], kt[:, blk] @ nv[:, blk]))
         for j in range(blk.stop - b):
             out[b + j].baddbmm_(read[j], state)
             state = after[j].baddbmm_(trans[j], state)
-    return out.transpose(0, 1).reshape(h, n * chunk, -1)[:, :t], state
+    return out.transpose(0, 1), state
 
 
 # ---- the forward pass ---------------------------------------------------------------------
