@@ -323,14 +323,16 @@ def test_plan_tokens_decides_per_expert_across_tokens():
     assert payload[xn + 3 * n : xn + 3 * n + 6].tolist() == [0, 0, 1, 1, 2, 2] and payload[-1] == 6
 
 
-def test_plan_tokens_ranks_and_fills_as_a_plain_search():
-    """At Qwen3-Next's width (512 experts, top-10, 32 tokens), the experts' counts, the misses'
-    ranking (most-used first, lower expert on ties), the fill count and each fill's victim are
-    what a plain Python search over the same cache decides."""
+@pytest.mark.parametrize("experts, k, tokens, cap", [(512, 10, 32, 300), (60, 4, 16, 30)])
+def test_plan_tokens_ranks_and_fills_as_a_plain_search(experts, k, tokens, cap):
+    """At Qwen3-Next's width (512 experts, top-10, 32 tokens) and at a width that is no power of
+    two (Qwen1.5-MoE's 60), the experts' counts, the misses' ranking (most-used first, lower
+    expert on ties), the fill count and each fill's victim are what a plain Python search over
+    the same cache decides."""
     from ftkit.kernels.triton import plan
 
     dev = "cuda" if CUDA else "cpu"
-    experts, k, tokens, cap, h = 512, 10, 32, 300, 4
+    h = 4
     g = torch.Generator().manual_seed(7)
     rows = []
     for first in torch.randint(0, 8, (tokens,), generator=g).tolist():  # a few experts used by many tokens
