@@ -122,8 +122,9 @@ def test_bfloat16_logits_close_to_transformers(ftw, reference, monkeypatch):
         assert torch.equal(dec.forward(prompt, new_cache(dec, len(prompt))), want)
 
 
-@pytest.mark.parametrize("batched, block", [(False, 16), (True, 2), (True, 16)])  # the scan's two forms (the
-def test_delta_rule_chunked_equals_recurrent(monkeypatch, batched, block):  # batched one a few chunks at a time, or all)
+# both scans; the batched one forming its operands a few chunks at a time, or all at once
+@pytest.mark.parametrize("batched, block", [(False, 16), (True, 2), (True, 16)])
+def test_delta_rule_chunked_equals_recurrent(monkeypatch, batched, block):
     monkeypatch.setattr(qwen3_next, "SCAN_BLOCK", block)
     gen = torch.Generator().manual_seed(0)
     h, t, dk, dv = 3, 100, 8, 5

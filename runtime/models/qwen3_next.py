@@ -156,12 +156,12 @@ def _scan_batched(q, kt, intra, nv, kc, decay, state):
     out = torch.empty(n, h, c, nv.shape[-1], dtype=nv.dtype, device=nv.device)
     for b in range(0, n, SCAN_BLOCK):
         blk = slice(b, min(b + SCAN_BLOCK, n))
-        it = intra[:, blk]
+        it, kc_b, nv_b, kt_b = intra[:, blk], kc[:, blk], nv[:, blk], kt[:, blk]
         # chunk-major, so a chunk's operands are contiguous; the products with S accumulate in
         # place (into `out` and into the next state), as out= would copy its addend first
-        out[blk] = (it @ nv[:, blk]).transpose(0, 1)
+        out[blk] = (it @ nv_b).transpose(0, 1)
         read, trans, after = (x.transpose(0, 1).contiguous() for x in (
-            q[:, blk] - it @ kc[:, blk], decay[:, blk, None, None] * eye - kt[:, blk] @ kc[:, blk], kt[:, blk] @ nv[:, blk]))
+            q[:, blk] - it @ kc_b, decay[:, blk, None, None] * eye - kt_b @ kc_b, kt_b @ nv_b))
         for j in range(blk.stop - b):
             out[b + j].baddbmm_(read[j], state)
             state = after[j].baddbmm_(trans[j], state)
