@@ -6,7 +6,8 @@
 # Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile), wrong
 # (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files), zerocopy
 # (decode fills vs DMA), read (FTW read + pin), decode (qwen3-30b-a3b shape cut to 12 layers:
-# decode per strategy, graphs off and on, beside the bounds), prefill (4096- and 8192-token
+# decode per strategy, graphs off and on, beside the bounds; DECODE_FLAGS: more ft-bench flags
+# for it and the ab part's decode), prefill (4096- and 8192-token
 # chunks beside the PCIe bound, layer streaming on and off, each followed by a 32-token answer
 # and a 32-token extend), extend (an agent turn with concentrated synthetic routing, reuse 0.9:
 # 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
@@ -95,9 +96,10 @@ if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (m
         --experts-per-call ${shape##*,} 2>&1 | tail -5 | sed "s/^/$shape /" | tee -a "$OUT/cpubw.txt"
   done
 fi
-decode() {  # decode on the q12 model (THREADS CPU threads); $1: strategies, $2: graphs, then more flags
+decode() {  # decode on the q12 model (THREADS CPU threads; DECODE_FLAGS: more ft-bench flags, e.g. in an
+  # AB_ENV_<name>="DECODE_FLAGS=--prompt=512"); $1: strategies, $2: graphs, then more flags
   $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads ${THREADS:-15} \
-      --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-32} --strategies "$1" --graphs "$2" "${@:3}"
+      --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-32} --strategies "$1" --graphs "$2" ${DECODE_FLAGS:-} "${@:3}"
 }
 if has decode; then
   q12
