@@ -109,10 +109,12 @@ def test_rms_norms_match_torch(dtype, offset):
     assert got.dtype == dtype and torch.allclose(got.cpu().float(), rms_norm(x, w, 1e-6, offset).float(), **tol)
 
 
-@pytest.mark.parametrize("n, k, bias, bn", [(40, 96, False, None), (7, 130, True, 4), (128, 64, False, 1)])
-def test_gemv_matches_linear(n, k, bias, bn):
+@pytest.mark.parametrize("n, k, bias, bn, bk", [(40, 96, False, None, 32), (7, 130, True, 4, 32), (128, 64, False, 1, 32),
+                                                (2048, 48, True, None, None)])
+def test_gemv_matches_linear(n, k, bias, bn, bk):
     """One token through the Triton GEMV as through F.linear: float32 sums, one rounding (the
-    interpreter rounds toward zero, so two bf16 steps of slack)."""
+    interpreter rounds toward zero, so two bf16 steps of slack). The last case takes `tiles`'
+    choice for a weight of many rows (several rows a program, a K step past K)."""
     import torch.nn.functional as F
 
     from ftkit.kernels.triton.gemv import gemv
@@ -121,7 +123,7 @@ def test_gemv_matches_linear(n, k, bias, bn):
     w, x = torch.randn((n, k), generator=gen).bfloat16(), torch.randn((1, k), generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     ref = F.linear(x.float(), w.float(), b.float() if bias else None)
-    got = gemv(*(t.to(DEV) if t is not None else None for t in (x, w, b)), bn=bn, bk=32)
+    got = gemv(*(t.to(DEV) if t is not None else None for t in (x, w, b)), bn=bn, bk=bk)
     assert got.shape == (1, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2**-6, atol=1e-2)
     with pytest.raises(ValueError, match="contiguous"):

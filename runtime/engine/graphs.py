@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..experts.store import ExpertStore
 from ..models.decoder import MoEDecoder
 from ..models.kv import KVCache, attention_layers
-from ..models.layers import decode_attention
+from ..models.layers import decode_attention, linear
 from ..spec import QK_NORM_HEAD, QK_NORM_NONE
 from .sampling import Sampler
 
@@ -373,9 +373,10 @@ class GraphDecode:
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer i's Q, K and V projections of h [T, H]: one product where the weights were
-        concatenated (rope_store reads the column views in place)."""
+        concatenated (rope_store reads the column views in place); one token's through the
+        Triton GEMV, which beat cuBLAS there (kernels/triton/gemv.py)."""
         if i in self.qkv:
-            return F.linear(h, *self.qkv[i]).split(self.qkv_split, dim=-1)
+            return linear(h, *self.qkv[i]).split(self.qkv_split, dim=-1)
         return tuple(self.decoder.linear(f"layers.{i}.attn.{n}", h) for n in "qkv")
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ from rich.table import Table
 
 from ftkit.kernels.triton import attention, zero_copy
 from ftkit.kernels.triton import plan as dplan
-from ftkit.kernels.triton.gemv import gemv, rows_per_program
+from ftkit.kernels.triton.gemv import gemv, tiles
 from ftkit.kernels.triton.norm import add_rms_norm
 from ftkit.kernels.triton.router import softmax_topk
 
@@ -81,12 +81,13 @@ def _linears(rows: list, shapes: dict[str, tuple[int, int]]) -> None:
         xk = x[:, :k].contiguous()
         ref = F.linear(xk, ws[0]).float()
         variants = {"cublas": lambda w, xk=xk: F.linear(xk, w)}
-        base = rows_per_program(n)
-        for bn in sorted({max(1, base // 2), base, min(32, base * 2)}):
-            for bk in (256, 512):
-                for warps in (4, 8):
-                    variants[f"gemv bn={bn} bk={bk} w={warps}"] = (
-                        lambda w, xk=xk, bn=bn, bk=bk, warps=warps: gemv(xk, w, bn=bn, bk=bk, num_warps=warps))
+        bn0 = tiles(n, k)[0]
+        variants["gemv (tiles)"] = lambda w, xk=xk: gemv(xk, w)
+        sweep = [(bn, bk, warps) for bn in sorted({max(1, bn0 // 2), bn0, min(16, bn0 * 2)})
+                 for bk in (512, 1024, 2048, 4096) if bk <= k for warps in (4, 8)]
+        for bn, bk, warps in sweep if n <= 16384 else []:  # lm_head: cuBLAS beats every tile
+            variants[f"gemv bn={bn} bk={bk} w={warps}"] = (
+                lambda w, xk=xk, bn=bn, bk=bk, warps=warps: gemv(xk, w, bn=bn, bk=bk, num_warps=warps))
         for label, fn in variants.items():
             err = (fn(ws[0]).float() - ref).abs().max().item()
             us = _us_per_call([lambda w=w, fn=fn: fn(w) for w in ws])
