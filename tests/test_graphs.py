@@ -409,8 +409,9 @@ def test_a_layer_without_cpu_items_skips_the_doorbell():
     bell, done = view(ctrl, zero_copy.BELL), view(ctrl, zero_copy.DONE)
     stamp = torch.full((1,), -1, dtype=torch.int64, device=dev)
     count = torch.tensor([3, 0], dtype=torch.int32, device=dev)  # 3 device items, none on the CPU
+    total = torch.tensor([7, 2], dtype=torch.int64, device=dev)  # earlier layers' GPU time and count
     zero_copy.ring(bell, 5, stamp, count)
-    zero_copy.wait_done(done, 5, stamp, count, view(gpu_ns))  # would spin forever if it waited
+    zero_copy.wait_done(done, 5, stamp, count, total, view(gpu_ns))  # would spin forever if it waited
     if CUDA:
         torch.cuda.synchronize()
     assert int(ctrl[zero_copy.BELL]) == 0 and int(stamp) == -1 and gpu_ns.tolist() == [0, 0]
@@ -420,10 +421,11 @@ def test_a_layer_without_cpu_items_skips_the_doorbell():
         torch.cuda.synchronize()
     assert int(ctrl[zero_copy.BELL]) == 6
     ctrl[zero_copy.DONE] = 6
-    zero_copy.wait_done(done, 6, stamp, count, view(gpu_ns))
+    zero_copy.wait_done(done, 6, stamp, count, total, view(gpu_ns))
     if CUDA:
         torch.cuda.synchronize()
-    assert int(ctrl[zero_copy.DONE]) == 0 and int(gpu_ns[1]) == 1
+    # the totals grow on the device and their new values reach the mapped copy
+    assert int(ctrl[zero_copy.DONE]) == 0 and int(total[1]) == 3 and gpu_ns.tolist() == total.tolist()
 
 
 @pytest.mark.gpu

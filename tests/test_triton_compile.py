@@ -49,7 +49,8 @@ PLAN_TOKENS_SIG = {
     "trow_ptr": "*i64", "tok_ptr": "*i32", "sw_ptr": "*fp32", "dst_ptr": "*i32", "gpos_ptr": "*i32",
     "gcount_ptr": "*i32", "payload_ptr": "*fp32", "cap": "i32", "H": "i32", "XN": "i32", "NMAX": "i32",
 }
-WAIT_SIG = {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64", "count_ptr": "*i32", "gpu_ns_ptr": "*i64"}
+WAIT_SIG = {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64", "count_ptr": "*i32", "total_ptr": "*i64",
+            "gpu_ns_ptr": "*i64"}
 GEMV = {"w_ptr": "*bf16", "slot_ptr": "*i32", "count_ptr": "*i32", "fill_ptr": "*i32", "row_ptr": "*i64",
         "addr_ptr": "*i64", "H": "i32", "I": "i32", "slot_elems": "i32"}
 GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "count_ptr": "*i32", "H": "i32", "I": "i32", "slot_elems": "i32"}
