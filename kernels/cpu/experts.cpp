@@ -1,6 +1,6 @@
 // CPU expert kernels: gate-weighted SwiGLU experts read straight from host-pool slots.
 //
-// Built by ftkit.kernels.cpu with -O3 -march=native -fopenmp -ffp-contract=off and called through
+// Built by ftkit.kernels.cpu with -O3 -march=native -pthread -ffp-contract=off and called through
 // ctypes (plain C ABI, raw pointers, GIL released). Decode is memory-bound: each weight byte is
 // read once per call, converted to float32 in registers, and used for every token of its expert.
 //
@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -114,6 +115,107 @@ inline void pause() {
 #if defined(__x86_64__)
   __builtin_ia32_pause();
 #endif
+}
+
+// The threads a call runs on: the calling thread and n - 1 helpers of its own, kept between
+// calls. Not OpenMP: a process has one libgomp, torch's, and once torch has made its own OpenMP
+// team the process holds more libgomp threads than CPUs, so libgomp lets an idle thread spin
+// only ~100 times before it sleeps on a futex (GOMP_SPINCOUNT is read when libgomp loads, before
+// us). Decode calls the kernel once a layer, a few hundred microseconds apart, and every call
+// then woke 14 sleeping threads, some of them late. A helper here spins after its last job:
+// `pause` for a few microseconds, then yielding its core to anything runnable, and sleeps once
+// idle for `idle`: long on the threads that serve decode's layers (`Worker`, `Runner`), short on
+// a Python thread calling directly, where torch's own threads run between two calls.
+class Team {
+ public:
+  static thread_local std::chrono::microseconds idle;  // for the teams this thread makes
+
+  explicit Team(int n) : idle_(idle) {
+    for (int t = 1; t < n; ++t) helpers_.emplace_back([this, t] { loop(t); });
+  }
+  ~Team() {
+    stop_ = true;
+    gen_.fetch_add(1);
+    { std::lock_guard<std::mutex> lock(mu_); }
+    cv_.notify_all();
+    for (auto& h : helpers_) h.join();
+  }
+  int size() const { return int(helpers_.size()) + 1; }
+
+  // f(t) on every thread t of the team (0: the caller); returns once every call has returned.
+  template <class F>
+  void run(F& f) {
+    job_ = [](void* ctx, int t) { (*static_cast<F*>(ctx))(t); };
+    ctx_ = &f;
+    left_.store(size() - 1, std::memory_order_relaxed);
+    gen_.fetch_add(1);  // seq_cst, as the sleepers' count after it (see `loop`)
+    if (sleepers_.load()) {
+      { std::lock_guard<std::mutex> lock(mu_); }
+      cv_.notify_all();
+    }
+    f(0);
+    while (left_.load(std::memory_order_acquire) > 0) pause();
+  }
+
+  // The calling thread's team of n threads (made on its first call, remade if n changes).
+  static Team& of_this_thread(int n) {
+    thread_local std::unique_ptr<Team> team;
+    if (!team || team->size() != n) {
+      team.reset();
+      team = std::make_unique<Team>(n);
+    }
+    return *team;
+  }
+
+ private:
+  void loop(int t) {
+    uint64_t seen = 0;
+    auto idle_since = std::chrono::steady_clock::now();
+    for (int spins = 0;; ++spins) {
+      const uint64_t g = gen_.load();
+      if (g == seen) {
+        if (spins < 1024) {
+          pause();
+        } else if (std::chrono::steady_clock::now() - idle_since < idle_) {
+          std::this_thread::yield();
+        } else {
+          std::unique_lock<std::mutex> lock(mu_);
+          ++sleepers_;
+          cv_.wait(lock, [&] { return gen_.load() != seen; });
+          --sleepers_;
+        }
+        continue;
+      }
+      seen = g;
+      if (stop_) return;
+      job_(ctx_, t);
+      left_.fetch_sub(1, std::memory_order_release);
+      idle_since = std::chrono::steady_clock::now();
+      spins = 0;
+    }
+  }
+
+  const std::chrono::microseconds idle_;
+  std::vector<std::thread> helpers_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> left_{0}, sleepers_{0};
+  std::atomic<bool> stop_{false};
+  void (*job_)(void*, int) = nullptr;
+  void* ctx_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+thread_local std::chrono::microseconds Team::idle{1000};
+
+// f(k) for k in 0..n-1 on `threads` threads, each taking the next k as it finishes one.
+template <class F>
+void parallel_items(int threads, long n, F f) {
+  std::atomic<long> next{0};
+  auto body = [&](int) {
+    for (long k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(k);
+  };
+  Team::of_this_thread(threads).run(body);
 }
 
 // Weight rows by stored dtype: `vec` loads W weights at element i as floats, `one` a single one.
@@ -282,25 +384,20 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   });
 }
 
-// Every expert of the call: all gate/up rows, a barrier, all down rows.
+// Every expert of the call: all gate/up rows, then (every h row complete) all down rows.
 template <class L>
 void run_all(const Call& c, float* h) {
   const int I = c.I, H = c.H;
   const int cg = chunk_rows(I, c.n, c.threads, 4, 16), cd = chunk_rows(H, c.n, c.threads, 16, 64);
   const long chunks_gu = (I + cg - 1) / cg, chunks_d = (H + cd - 1) / cd;
-#pragma omp parallel num_threads(c.threads)
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (long k = 0; k < c.n * chunks_gu; ++k) {
-      const int i0 = int(k % chunks_gu) * cg;
-      gate_up_rows<L>(c, k / chunks_gu, i0, std::min(I, i0 + cg), h);
-    }  // implicit barrier: every h row is complete before any down row reads it
-#pragma omp for schedule(dynamic, 1)
-    for (long k = 0; k < c.n * chunks_d; ++k) {
-      const int j0 = int(k % chunks_d) * cd;
-      down_rows<L>(c, k / chunks_d, j0, std::min(H, j0 + cd), h);
-    }
-  }
+  parallel_items(c.threads, c.n * chunks_gu, [&](long k) {
+    const int i0 = int(k % chunks_gu) * cg;
+    gate_up_rows<L>(c, k / chunks_gu, i0, std::min(I, i0 + cg), h);
+  });
+  parallel_items(c.threads, c.n * chunks_d, [&](long k) {
+    const int j0 = int(k % chunks_d) * cd;
+    down_rows<L>(c, k / chunks_d, j0, std::min(H, j0 + cd), h);
+  });
 }
 
 // The experts this call takes from a shared split, one at a time, with no barrier between them:
@@ -328,29 +425,31 @@ void run_shared(const Call& c, float* h) {
     while ((e = expert[s].load(std::memory_order_acquire)) == TAKING || e == UNTAKEN) pause();
     return e;
   };
-#pragma omp parallel num_threads(c.threads)
-  while (true) {
-    const long k = cursor.fetch_add(1, std::memory_order_relaxed), s = k / per_stage, r = k % per_stage;
-    if (s > c.n + 1) break;  // past the last stage that can hold work
-    if (r < n_gu) {
-      const int e = resolve(s);
-      if (e < 0) continue;  // nothing left to take: this stage's down items end the loop
-      const int i0 = int(r) * cg;
-      gate_up_rows<L>(c, e, i0, std::min(I, i0 + cg), h);
-      gu_left[s].fetch_sub(1, std::memory_order_acq_rel);
-    } else {
-      const int e = s == 0 ? -1 : resolve(s - 1);
-      if (e < 0) {
-        if (s == 0) continue;
-        break;  // the split was used up before this stage: no expert after it either
+  auto body = [&](int) {
+    while (true) {
+      const long k = cursor.fetch_add(1, std::memory_order_relaxed), s = k / per_stage, r = k % per_stage;
+      if (s > c.n + 1) break;  // past the last stage that can hold work
+      if (r < n_gu) {
+        const int e = resolve(s);
+        if (e < 0) continue;  // nothing left to take: this stage's down items end the loop
+        const int i0 = int(r) * cg;
+        gate_up_rows<L>(c, e, i0, std::min(I, i0 + cg), h);
+        gu_left[s].fetch_sub(1, std::memory_order_acq_rel);
+      } else {
+        const int e = s == 0 ? -1 : resolve(s - 1);
+        if (e < 0) {
+          if (s == 0) continue;
+          break;  // the split was used up before this stage: no expert after it either
+        }
+        for (int spins = 0; gu_left[s - 1].load(std::memory_order_acquire) > 0; ++spins)
+          if (spins < 4096) pause();
+          else std::this_thread::yield();  // its holder may be waiting for this core
+        const int j0 = int(r - n_gu) * cd;
+        down_rows<L>(c, e, j0, std::min(H, j0 + cd), h);
       }
-      for (int spins = 0; gu_left[s - 1].load(std::memory_order_acquire) > 0; ++spins)
-        if (spins < 4096) pause();
-        else std::this_thread::yield();  // its holder may be waiting for this core
-      const int j0 = int(r - n_gu) * cd;
-      down_rows<L>(c, e, j0, std::min(H, j0 + cd), h);
     }
-  }
+  };
+  Team::of_this_thread(c.threads).run(body);
 }
 
 template <class L>
@@ -393,6 +492,7 @@ struct Worker {
   std::thread thread;
 
   void loop() {
+    Team::idle = std::chrono::milliseconds(50);  // a layer comes every few hundred microseconds
     auto idle_since = std::chrono::steady_clock::now();
     std::vector<const uint8_t*> slots(items);
     std::vector<int64_t> start(items + 1), tok(items), row(items), expert(items);
@@ -450,11 +550,11 @@ struct Worker {
 // One persistent native thread that runs `ftk_experts` calls handed to it, so the caller (Python)
 // goes on at once and the call needs no GIL to start: a Python worker thread had to win the GIL
 // from the thread issuing the GPU work first, which could take a switch interval (5 ms). The
-// thread keeps one OpenMP team, as a single caller would.
+// thread keeps one Team, as a single caller would.
 //
 // Both sides spin before they sleep: the runner for `SPIN` after its last call, the caller while
-// the call runs. Every core is busy then (the team's threads spin between calls too, see
-// GOMP_SPINCOUNT in __init__.py), and a sleeping thread was measured waking up to 2 ms late.
+// the call runs. Every core is busy then (the team's helpers spin between calls too, see
+// `Team`), and a sleeping thread was measured waking up to 2 ms late.
 struct Runner {
   static constexpr auto SPIN = std::chrono::milliseconds(50);
   std::mutex mu;  // for the sleeping paths only
@@ -487,6 +587,7 @@ struct Runner {
   }
 
   void loop() {
+    Team::idle = SPIN;
     while (true) {
       await([this] { return pending.load(std::memory_order_acquire) || stop.load(); });
       if (stop.load()) return;
@@ -588,18 +689,24 @@ void ftk_runner_stop(void* handle) {
 // the expert kernel is measured against. Returns the sum so the reads cannot be optimised away.
 double ftk_read(const uint8_t* p, int64_t nbytes, int threads) {
   const int64_t block = 1 << 16, blocks = (nbytes + block - 1) / block;
+  threads = std::max(1, threads);
+  std::vector<double> part(size_t(threads) * 8);  // one cache line per thread
+  std::atomic<int64_t> next{0};
+  auto body = [&](int t) {
+    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
+      const float* f = (const float*)(p + b * block);
+      const int64_t n = std::min(block, nbytes - b * block) / 4;
+      V acc[4] = {vzero(), vzero(), vzero(), vzero()};
+      int64_t i = 0;
+      for (; i + 4 * W <= n; i += 4 * W)
+        for (int u = 0; u < 4; ++u) acc[u] = vadd(acc[u], vload(f + i + u * W));
+      for (; i + W <= n; i += W) acc[0] = vadd(acc[0], vload(f + i));
+      part[size_t(t) * 8] += vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
+    }
+  };
+  Team::of_this_thread(threads).run(body);
   double total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(std::max(1, threads))
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* f = (const float*)(p + b * block);
-    const int64_t n = std::min(block, nbytes - b * block) / 4;
-    V acc[4] = {vzero(), vzero(), vzero(), vzero()};
-    int64_t i = 0;
-    for (; i + 4 * W <= n; i += 4 * W)
-      for (int u = 0; u < 4; ++u) acc[u] = vadd(acc[u], vload(f + i + u * W));
-    for (; i + W <= n; i += W) acc[0] = vadd(acc[0], vload(f + i));
-    total += vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
-  }
+  for (int t = 0; t < threads; ++t) total += part[size_t(t) * 8];
   return total;
 }
 
