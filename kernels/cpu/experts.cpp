@@ -19,6 +19,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -125,12 +129,16 @@ inline void pause() {
 // then woke 14 sleeping threads, some of them late. A helper here spins after its last job:
 // `pause` for a few microseconds, then yielding its core to anything runnable, and sleeps once
 // idle for `idle`: long on the threads that serve decode's layers (`Worker`, `Runner`), short on
-// a Python thread calling directly, where torch's own threads run between two calls.
+// a Python thread calling directly, where torch's own threads run between two calls. A team
+// that with its caller's caller (the thread driving the GPU, or Python) wants more cores than
+// the process may use sleeps at once, as libgomp does then: a spinning thread would hold a core
+// another one needs.
 class Team {
  public:
   static thread_local std::chrono::microseconds idle;  // for the teams this thread makes
 
-  explicit Team(int n) : idle_(idle) {
+  explicit Team(int n)
+      : idle_(n + 1 > available_cpus() ? std::chrono::microseconds(0) : idle), pauses_(idle_.count() ? 1024 : 100) {
     for (int t = 1; t < n; ++t) helpers_.emplace_back([this, t] { loop(t); });
   }
   ~Team() {
@@ -154,7 +162,9 @@ class Team {
       cv_.notify_all();
     }
     f(0);
-    while (left_.load(std::memory_order_acquire) > 0) pause();
+    for (int spins = 0; left_.load(std::memory_order_acquire) > 0; ++spins)
+      if (spins < 4096) pause();
+      else std::this_thread::yield();  // a helper may be waiting for this core
   }
 
   // The calling thread's team of n threads (made on its first call, remade if n changes).
@@ -174,7 +184,7 @@ class Team {
     for (int spins = 0;; ++spins) {
       const uint64_t g = gen_.load();
       if (g == seen) {
-        if (spins < 1024) {
+        if (spins < pauses_) {
           pause();
         } else if (std::chrono::steady_clock::now() - idle_since < idle_) {
           std::this_thread::yield();
@@ -195,7 +205,16 @@ class Team {
     }
   }
 
+  static int available_cpus() {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+#endif
+    return int(std::max(1u, std::thread::hardware_concurrency()));
+  }
+
   const std::chrono::microseconds idle_;
+  const int pauses_;
   std::vector<std::thread> helpers_;
   std::atomic<uint64_t> gen_{0};
   std::atomic<int> left_{0}, sleepers_{0};
