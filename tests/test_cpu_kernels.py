@@ -175,6 +175,35 @@ def test_result_does_not_depend_on_batching_or_threads():
             assert torch.equal(alone[sub], together[sub])
 
 
+def test_calling_threads_keep_teams_of_their_own():
+    """Each calling thread keeps its own team of helpers between calls (and makes a new one when
+    the thread count changes): calls from several threads at once, at several counts, each
+    give the bits of a one-thread call, also after the helpers have gone to sleep."""
+    import threading
+    import time
+
+    kernel, layout, slots, x, w, k, groups, _ = _three_experts(9)
+    ref = torch.zeros(22, 131)
+    kernel.experts(layout, slots, groups, x, w, ref, k, 1)
+    failures = []
+
+    def calls(threads: int) -> None:
+        for i in range(20):
+            out = torch.zeros(22, 131)
+            kernel.experts(layout, slots, groups, x, w, out, k, threads + i % 2)
+            if not torch.equal(out, ref):
+                failures.append(threads)
+            if i == 10:
+                time.sleep(0.01)  # past a caller's spin: the helpers sleep, the next call wakes them
+
+    callers = [threading.Thread(target=calls, args=(t,)) for t in (2, 3, 4)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join()
+    assert not failures
+
+
 def test_rejects_bad_input():
     kernel = _kernel()
     layout, slots = make_slots("float32", 32, 32, 1, seed=0)
