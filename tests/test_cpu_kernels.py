@@ -175,10 +175,10 @@ def test_result_does_not_depend_on_batching_or_threads():
             assert torch.equal(alone[sub], together[sub])
 
 
-def test_calling_threads_keep_teams_of_their_own():
-    """Each calling thread keeps its own team of helpers between calls (and makes a new one when
-    the thread count changes): calls from several threads at once, at several counts, each
-    give the bits of a one-thread call, also after the helpers have gone to sleep."""
+def test_calls_from_several_threads_at_once():
+    """Each calling thread runs its own team (OpenMP's for direct calls, remade when the thread
+    count changes): calls from three threads at once, at several counts, each give the bits of
+    a one-thread call, also after the teams' threads have gone to sleep."""
     import threading
     import time
 

@@ -1,11 +1,11 @@
 """CPU expert kernels: SwiGLU experts computed straight from host-pool slots at DRAM speed.
 
 `experts.cpp` is compiled at first use with the system C++ compiler (`$CXX`, default g++) and
-`-O3 -march=native -pthread`, cached under `$XDG_CACHE_HOME/ftkit/kernels/` keyed by source,
+`-O3 -march=native -fopenmp`, cached under `$XDG_CACHE_HOME/ftkit/kernels/` keyed by source,
 flags, compiler and CPU, and loaded with ctypes: a plain C ABI with raw pointers needs neither
-ninja nor pybind, and ctypes releases the GIL for the call. Each calling thread keeps its own team
-of helper threads between calls (`Team` in experts.cpp: not OpenMP, whose one process-wide
-library torch shares and throttles).
+ninja nor pybind, and ctypes releases the GIL for the call. OpenMP keeps its worker threads alive
+between calls, so the pool is persistent; graph decode's doorbell worker runs on a team of its own
+(`Team` in experts.cpp), which torch's libgomp cannot put to sleep between layers.
 
 `load()` returns None when no compiler is available or the build fails (warned once), or when
 `FTKIT_CPU_KERNEL=torch`; callers then use the pure-torch path.
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ftkit.runtime.ftw.manifest import SlotLayout
 
 SOURCE = Path(__file__).with_name("experts.cpp")
-FLAGS = ("-O3", "-march=native", "-pthread", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -291,6 +291,12 @@ def load() -> Kernel | None:
     """The compiled kernel, or None (with one warning) when it cannot be built here."""
     if os.environ.get("FTKIT_CPU_KERNEL") == "torch":
         return None
+    # libgomp reads this when the library loads. Its default lets the team fall asleep within a
+    # fraction of a millisecond, and decode calls the kernel once per layer, some layers apart:
+    # waking 15 threads from futexes then cost more than their expert. Spin ~0.1 s, then sleep.
+    # Where torch ships its own libgomp.so.1 (its pip wheels), that one loaded with torch and
+    # ours resolves to it, so this comes too late; graph decode's worker does not use OpenMP.
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000000")
     try:
         return Kernel(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:

@@ -1,6 +1,6 @@
 // CPU expert kernels: gate-weighted SwiGLU experts read straight from host-pool slots.
 //
-// Built by ftkit.kernels.cpu with -O3 -march=native -pthread -ffp-contract=off and called through
+// Built by ftkit.kernels.cpu with -O3 -march=native -fopenmp -ffp-contract=off and called through
 // ctypes (plain C ABI, raw pointers, GIL released). Decode is memory-bound: each weight byte is
 // read once per call, converted to float32 in registers, and used for every token of its expert.
 //
@@ -121,24 +121,23 @@ inline void pause() {
 #endif
 }
 
-// The threads a call runs on: the calling thread and n - 1 helpers of its own, kept between
-// calls. Not OpenMP: a process has one libgomp, torch's, and once torch has made its own OpenMP
-// team the process holds more libgomp threads than CPUs, so libgomp lets an idle thread spin
-// only ~100 times before it sleeps on a futex (GOMP_SPINCOUNT is read when libgomp loads, before
-// us). Decode calls the kernel once a layer, a few hundred microseconds apart, and every call
-// then woke 14 sleeping threads, some of them late. A helper here spins after its last job:
-// `pause` for a few microseconds, then yielding its core to anything runnable, and sleeps once
-// idle for `idle`: long on the threads that serve decode's layers (`Worker`, `Runner`), short on
-// a Python thread calling directly, where torch's own threads run between two calls. A team
-// that with its caller's caller (the thread driving the GPU, or Python) wants more cores than
-// the process may use sleeps at once, as libgomp does then: a spinning thread would hold a core
-// another one needs.
+// The graph-decode worker's threads: its own thread and n - 1 helpers, kept between calls.
+// Not OpenMP's team there: a process has one libgomp, torch's, and once torch has made its own
+// OpenMP team the process holds more libgomp threads than CPUs, so libgomp lets an idle team
+// thread spin only ~100 times before it sleeps on a futex (GOMP_SPINCOUNT is read when libgomp
+// loads, at torch's import). The worker gets a layer every few hundred microseconds, and every
+// layer then woke 14 sleeping threads, some late: on Qwen3-Next's small experts the worker
+// streamed 45 GB/s, 100 with this team (docs/benchmarks.md). A helper spins after its job,
+// `pause` for ~1000 rounds, then yielding its core to anything runnable, and sleeps after IDLE.
+// A team that with one more thread (the one driving the GPU) wants more cores than the process
+// may use sleeps right after each job, as libgomp does then: a spinning thread would hold a core
+// another one needs. The host-planned paths (`Runner`, direct calls) keep OpenMP: there torch's
+// own threads run between calls, and libgomp's throttling keeps both teams from spinning at once.
 class Team {
  public:
-  static thread_local std::chrono::microseconds idle;  // for the teams this thread makes
+  static constexpr auto IDLE = std::chrono::milliseconds(50);
 
-  explicit Team(int n)
-      : idle_(n + 1 > available_cpus() ? std::chrono::microseconds(0) : idle), pauses_(idle_.count() ? 1024 : 100) {
+  explicit Team(int n) : spin_(n + 1 <= available_cpus()) {
     for (int t = 1; t < n; ++t) helpers_.emplace_back([this, t] { loop(t); });
   }
   ~Team() {
@@ -148,14 +147,13 @@ class Team {
     cv_.notify_all();
     for (auto& h : helpers_) h.join();
   }
-  int size() const { return int(helpers_.size()) + 1; }
 
   // f(t) on every thread t of the team (0: the caller); returns once every call has returned.
   template <class F>
   void run(F& f) {
     job_ = [](void* ctx, int t) { (*static_cast<F*>(ctx))(t); };
     ctx_ = &f;
-    left_.store(size() - 1, std::memory_order_relaxed);
+    left_.store(int(helpers_.size()), std::memory_order_relaxed);
     gen_.fetch_add(1);  // seq_cst, as the sleepers' count after it (see `loop`)
     if (sleepers_.load()) {
       { std::lock_guard<std::mutex> lock(mu_); }
@@ -167,26 +165,24 @@ class Team {
       else std::this_thread::yield();  // a helper may be waiting for this core
   }
 
-  // The calling thread's team of n threads (made on its first call, remade if n changes).
-  static Team& of_this_thread(int n) {
-    thread_local std::unique_ptr<Team> team;
-    if (!team || team->size() != n) {
-      team.reset();
-      team = std::make_unique<Team>(n);
-    }
-    return *team;
+ private:
+  static int available_cpus() {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+#endif
+    return int(std::max(1u, std::thread::hardware_concurrency()));
   }
 
- private:
   void loop(int t) {
     uint64_t seen = 0;
     auto idle_since = std::chrono::steady_clock::now();
     for (int spins = 0;; ++spins) {
       const uint64_t g = gen_.load();
       if (g == seen) {
-        if (spins < pauses_) {
+        if (spins < (spin_ ? 1024 : 100)) {
           pause();
-        } else if (std::chrono::steady_clock::now() - idle_since < idle_) {
+        } else if (spin_ && std::chrono::steady_clock::now() - idle_since < IDLE) {
           std::this_thread::yield();
         } else {
           std::unique_lock<std::mutex> lock(mu_);
@@ -205,16 +201,7 @@ class Team {
     }
   }
 
-  static int available_cpus() {
-#if defined(__linux__)
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
-#endif
-    return int(std::max(1u, std::thread::hardware_concurrency()));
-  }
-
-  const std::chrono::microseconds idle_;
-  const int pauses_;
+  const bool spin_;
   std::vector<std::thread> helpers_;
   std::atomic<uint64_t> gen_{0};
   std::atomic<int> left_{0}, sleepers_{0};
@@ -225,16 +212,14 @@ class Team {
   std::condition_variable cv_;
 };
 
-thread_local std::chrono::microseconds Team::idle{1000};
-
-// f(k) for k in 0..n-1 on `threads` threads, each taking the next k as it finishes one.
+// f(k) for k in 0..n-1 on the team's threads, each taking the next k as it finishes one.
 template <class F>
-void parallel_items(int threads, long n, F f) {
+void team_items(Team& team, long n, F f) {
   std::atomic<long> next{0};
   auto body = [&](int) {
     for (long k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(k);
   };
-  Team::of_this_thread(threads).run(body);
+  team.run(body);
 }
 
 // Weight rows by stored dtype: `vec` loads W weights at element i as floats, `one` a single one.
@@ -323,6 +308,7 @@ struct Call {
   float* out;              // [rows, H] float32
   int threads;
   int64_t* claim;          // null: run every expert; else the split shared with the GPU (`take`)
+  Team* team = nullptr;    // the threads to run on (the graph-decode worker's); null: OpenMP's
 };
 
 // A split of experts 0..n-1 shared by two branches while they run: the GPU's side takes fills
@@ -403,20 +389,33 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   });
 }
 
-// Every expert of the call: all gate/up rows, then (every h row complete) all down rows.
+// Every expert of the call: all gate/up rows, a barrier, all down rows.
 template <class L>
 void run_all(const Call& c, float* h) {
   const int I = c.I, H = c.H;
   const int cg = chunk_rows(I, c.n, c.threads, 4, 16), cd = chunk_rows(H, c.n, c.threads, 16, 64);
   const long chunks_gu = (I + cg - 1) / cg, chunks_d = (H + cd - 1) / cd;
-  parallel_items(c.threads, c.n * chunks_gu, [&](long k) {
+  auto gate_up = [&](long k) {
     const int i0 = int(k % chunks_gu) * cg;
     gate_up_rows<L>(c, k / chunks_gu, i0, std::min(I, i0 + cg), h);
-  });
-  parallel_items(c.threads, c.n * chunks_d, [&](long k) {
+  };
+  auto down = [&](long k) {
     const int j0 = int(k % chunks_d) * cd;
     down_rows<L>(c, k / chunks_d, j0, std::min(H, j0 + cd), h);
-  });
+  };
+  if (c.team) {  // the end of a team's run is the barrier
+    team_items(*c.team, c.n * chunks_gu, gate_up);
+    team_items(*c.team, c.n * chunks_d, down);
+    return;
+  }
+#pragma omp parallel num_threads(c.threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (long k = 0; k < c.n * chunks_gu; ++k) gate_up(k);
+    // implicit barrier: every h row is complete before any down row reads it
+#pragma omp for schedule(dynamic, 1)
+    for (long k = 0; k < c.n * chunks_d; ++k) down(k);
+  }
 }
 
 // The experts this call takes from a shared split, one at a time, with no barrier between them:
@@ -444,31 +443,29 @@ void run_shared(const Call& c, float* h) {
     while ((e = expert[s].load(std::memory_order_acquire)) == TAKING || e == UNTAKEN) pause();
     return e;
   };
-  auto body = [&](int) {
-    while (true) {
-      const long k = cursor.fetch_add(1, std::memory_order_relaxed), s = k / per_stage, r = k % per_stage;
-      if (s > c.n + 1) break;  // past the last stage that can hold work
-      if (r < n_gu) {
-        const int e = resolve(s);
-        if (e < 0) continue;  // nothing left to take: this stage's down items end the loop
-        const int i0 = int(r) * cg;
-        gate_up_rows<L>(c, e, i0, std::min(I, i0 + cg), h);
-        gu_left[s].fetch_sub(1, std::memory_order_acq_rel);
-      } else {
-        const int e = s == 0 ? -1 : resolve(s - 1);
-        if (e < 0) {
-          if (s == 0) continue;
-          break;  // the split was used up before this stage: no expert after it either
-        }
-        for (int spins = 0; gu_left[s - 1].load(std::memory_order_acquire) > 0; ++spins)
-          if (spins < 4096) pause();
-          else std::this_thread::yield();  // its holder may be waiting for this core
-        const int j0 = int(r - n_gu) * cd;
-        down_rows<L>(c, e, j0, std::min(H, j0 + cd), h);
+#pragma omp parallel num_threads(c.threads)
+  while (true) {
+    const long k = cursor.fetch_add(1, std::memory_order_relaxed), s = k / per_stage, r = k % per_stage;
+    if (s > c.n + 1) break;  // past the last stage that can hold work
+    if (r < n_gu) {
+      const int e = resolve(s);
+      if (e < 0) continue;  // nothing left to take: this stage's down items end the loop
+      const int i0 = int(r) * cg;
+      gate_up_rows<L>(c, e, i0, std::min(I, i0 + cg), h);
+      gu_left[s].fetch_sub(1, std::memory_order_acq_rel);
+    } else {
+      const int e = s == 0 ? -1 : resolve(s - 1);
+      if (e < 0) {
+        if (s == 0) continue;
+        break;  // the split was used up before this stage: no expert after it either
       }
+      for (int spins = 0; gu_left[s - 1].load(std::memory_order_acquire) > 0; ++spins)
+        if (spins < 4096) pause();
+        else std::this_thread::yield();  // its holder may be waiting for this core
+      const int j0 = int(r - n_gu) * cd;
+      down_rows<L>(c, e, j0, std::min(H, j0 + cd), h);
     }
-  };
-  Team::of_this_thread(c.threads).run(body);
+  }
 }
 
 template <class L>
@@ -511,7 +508,7 @@ struct Worker {
   std::thread thread;
 
   void loop() {
-    Team::idle = std::chrono::milliseconds(50);  // a layer comes every few hundred microseconds
+    Team team(threads);
     auto idle_since = std::chrono::steady_clock::now();
     std::vector<const uint8_t*> slots(items);
     std::vector<int64_t> start(items + 1), tok(items), row(items), expert(items);
@@ -551,7 +548,7 @@ struct Worker {
       }
       start[n] = m;
       const Call c{H, I, part_off, n, slots.data(), start.data(), tok.data(), w.data(), row.data(), x, out,
-                   threads, nullptr};
+                   threads, nullptr, &team};
       dispatch(dtype, c);
       const auto t1 = std::chrono::steady_clock::now();
       if (n > 0) {
@@ -569,11 +566,11 @@ struct Worker {
 // One persistent native thread that runs `ftk_experts` calls handed to it, so the caller (Python)
 // goes on at once and the call needs no GIL to start: a Python worker thread had to win the GIL
 // from the thread issuing the GPU work first, which could take a switch interval (5 ms). The
-// thread keeps one Team, as a single caller would.
+// thread keeps one OpenMP team, as a single caller would.
 //
 // Both sides spin before they sleep: the runner for `SPIN` after its last call, the caller while
-// the call runs. Every core is busy then (the team's helpers spin between calls too, see
-// `Team`), and a sleeping thread was measured waking up to 2 ms late.
+// the call runs. Every core is busy then (the team's threads spin between calls too, see
+// GOMP_SPINCOUNT in __init__.py), and a sleeping thread was measured waking up to 2 ms late.
 struct Runner {
   static constexpr auto SPIN = std::chrono::milliseconds(50);
   std::mutex mu;  // for the sleeping paths only
@@ -606,7 +603,6 @@ struct Runner {
   }
 
   void loop() {
-    Team::idle = SPIN;
     while (true) {
       await([this] { return pending.load(std::memory_order_acquire) || stop.load(); });
       if (stop.load()) return;
@@ -708,24 +704,18 @@ void ftk_runner_stop(void* handle) {
 // the expert kernel is measured against. Returns the sum so the reads cannot be optimised away.
 double ftk_read(const uint8_t* p, int64_t nbytes, int threads) {
   const int64_t block = 1 << 16, blocks = (nbytes + block - 1) / block;
-  threads = std::max(1, threads);
-  std::vector<double> part(size_t(threads) * 8);  // one cache line per thread
-  std::atomic<int64_t> next{0};
-  auto body = [&](int t) {
-    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
-      const float* f = (const float*)(p + b * block);
-      const int64_t n = std::min(block, nbytes - b * block) / 4;
-      V acc[4] = {vzero(), vzero(), vzero(), vzero()};
-      int64_t i = 0;
-      for (; i + 4 * W <= n; i += 4 * W)
-        for (int u = 0; u < 4; ++u) acc[u] = vadd(acc[u], vload(f + i + u * W));
-      for (; i + W <= n; i += W) acc[0] = vadd(acc[0], vload(f + i));
-      part[size_t(t) * 8] += vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
-    }
-  };
-  Team::of_this_thread(threads).run(body);
   double total = 0;
-  for (int t = 0; t < threads; ++t) total += part[size_t(t) * 8];
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(std::max(1, threads))
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* f = (const float*)(p + b * block);
+    const int64_t n = std::min(block, nbytes - b * block) / 4;
+    V acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    int64_t i = 0;
+    for (; i + 4 * W <= n; i += 4 * W)
+      for (int u = 0; u < 4; ++u) acc[u] = vadd(acc[u], vload(f + i + u * W));
+    for (; i + W <= n; i += W) acc[0] = vadd(acc[0], vload(f + i));
+    total += vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
+  }
   return total;
 }
 
