@@ -14,7 +14,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>

@@ -91,7 +91,8 @@ class DevicePlan:
             self.gpu_ns = torch.zeros(4, dtype=torch.int64, **pin)
             self.busy_ns = torch.zeros(4, dtype=torch.int64)  # the worker's compute time, layers (same)
             self.rung = torch.zeros(1, dtype=torch.int64, device=dev)  # GPU clock at the ring
-            self.gpu_total = torch.zeros(4, dtype=torch.int64, device=dev)  # gpu_ns's values, kept on the device
+            total = torch.zeros(4, dtype=torch.int64, device=dev)  # gpu_ns's values, kept on the device
+            self.gpu_total = (total[:2], total[2:])
             view = (lambda t, off=0: zero_copy.Mapped(t, off)) if mapped else (lambda t, off=0: t[off:])
             self.d_bell, self.d_done = view(self.ctrl, zero_copy.BELL), view(self.ctrl, zero_copy.DONE)
             self.d_payload, self.d_out = view(self.payload), view(self.out)
@@ -228,7 +229,7 @@ class DevicePlan:
         """After the device work: wait for the worker (if rung) and give its mapped output rows."""
         if self.worker is None:
             return None
-        zero_copy.wait_done(self.d_done, moe + 1, self.rung, count, self.gpu_total[2 * kind :], self.d_gpu_ns[kind])
+        zero_copy.wait_done(self.d_done, moe + 1, self.rung, count, self.gpu_total[kind], self.d_gpu_ns[kind])
         return self.d_out
 
     def close(self) -> None:
