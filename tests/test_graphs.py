@@ -709,3 +709,45 @@ def test_a_lone_greedy_request_bursts_and_yields_to_a_new_one(model):
     rt.close()
     assert [r.gen.token_ids for r in reqs] == alone
     assert stats["decode_batched_tokens"] > stats["decode_forwards"]  # the two shared steps at the end
+
+
+def _next_tokens(path, prompts: list[list[int]], nxt: list[int], fused: bool, **cfg):
+    """Each prompt prefilled into its own cache, then one more token each: as one
+    `GraphDecode.batch` (fused) or as each sequence's own eager forward. The logits [B, V] and
+    every cache's K/V rows."""
+    rt = _graph_runtime(path, **cfg) if fused else Runtime(path, RuntimeOptions(
+        threads=2, device="cuda" if CUDA else "cpu", dtype="float32", graphs=False, **cfg))
+    caches = [rt.new_kv(len(p) + 2) for p in prompts]
+    with torch.inference_mode():
+        for p, kv in zip(prompts, caches, strict=True):
+            rt.decoder.forward(torch.tensor(p, device=rt.device), kv)
+        ids = torch.tensor(nxt, device=rt.device)
+        if fused:
+            logits = rt.decoder.graphs.batch(ids, caches)
+        else:
+            logits = torch.cat([rt.decoder.forward(ids[b : b + 1], kv) for b, kv in enumerate(caches)])
+    rows = [{i: kv.k[i][: kv.length].float().cpu() for i in kv.k} for kv in caches]
+    states = [_states(kv) for kv in caches]
+    rt.close()
+    return logits.float().cpu(), rows, states
+
+
+# hybrid: fills and the CPU worker under one device plan; Qwen3-Next: its own mixers and states
+# (the other strategies take the extend's planner, which the extend tests cover)
+@pytest.mark.parametrize(("family", "cfg"), [
+    ("demo", HYBRID8), ("qwen3_next", dict(strategy="offload", cache_experts=8)),
+], ids=["hybrid", "qwen3_next"])
+def test_a_batch_of_sequences_steps_as_each_alone(model, next_model, family, cfg):
+    """Concurrent requests' decode step (the scheduler's batch): one token of each of three
+    sequences at different positions through GraphDecode.batch, experts planned on the device
+    once for all, gives each sequence's own step: logits, K/V rows and recurrent states."""
+    path = model if family == "demo" else next_model
+    prompts, nxt = [PROMPT, MORE, PROMPT[:6] + MORE], [33, 120, 7]
+    ref = _next_tokens(path, prompts, nxt, False, **cfg)
+    got = _next_tokens(path, prompts, nxt, True, **cfg)
+    assert got[0].shape == ref[0].shape == (3, got[0].shape[1])
+    assert torch.allclose(got[0], ref[0], rtol=1e-3, atol=1e-4)
+    for a, b in zip(ref[1], got[1], strict=True):
+        assert all(torch.allclose(a[i], b[i], rtol=1e-4, atol=1e-5) for i in a)
+    for a, b in zip(ref[2], got[2], strict=True):
+        assert a.keys() == b.keys() and all(torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-5) for n in a)

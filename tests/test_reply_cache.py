@@ -52,3 +52,29 @@ def test_reply_is_reused_by_the_next_turn(model):
     assert torch.equal(resumed.logits, fresh.logits)
     rt.close()
     fresh_rt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_keeps_the_decoded_reply_rows(model):
+    """On a GPU (rounding, not bits) the reply's decoded K/V rows go into the prefix cache as
+    the request ends: no idle-time prefill, and the next turn reuses them at once."""
+    opts = RuntimeOptions(strategy="offload", cache_experts=16, device="cuda", threads=1)
+    rt = Runtime(model, opts)
+    sched = Scheduler(rt, plan_memory(model, opts, 2048, None), max_running=2)
+    prompt = list(range(5, 105))
+    done = threading.Event()
+    req = Request(prompt, SamplingParams(max_tokens=60, ignore_eos=True), lambda e: e.done and done.set())
+    sched.submit(req)
+    assert done.wait(120)
+    assert sched.stats()["replies_cached"] == 1 and not sched.replies  # kept at the end, none queued
+    sched.close()
+    turn2 = prompt + req.gen.token_ids + list(range(200, 230))
+    resumed = Decoding(rt, turn2, SamplingParams(max_tokens=1))
+    resumed.prefill()
+    assert resumed.gen.cached_tokens > len(prompt) + len(req.gen.token_ids) - 40
+    fresh = Decoding(rt, turn2, SamplingParams(max_tokens=1))
+    rt.prefix_cache = None
+    fresh.prefill()
+    assert int(resumed.logits.argmax()) == int(fresh.logits.argmax())
+    rt.close()

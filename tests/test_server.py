@@ -161,9 +161,19 @@ def test_chat_tool_calls(oai):
 def test_completions(oai):
     r = oai.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5, temperature=0)
     assert r.usage.completion_tokens <= 5 and r.choices[0].finish_reason in ("stop", "length")
-    text = "".join(c.choices[0].text for c in oai.completions.create(
-        model=MODEL, prompt="The quick brown", max_tokens=5, temperature=0, stream=True))
-    assert text == r.choices[0].text
+    chunks = list(oai.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks).startswith(r.choices[0].text)
+    # a chunk for each token as it comes (its text may be empty), then the one that ends it
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * 5 + ["length"]
+
+
+def test_stats_tell_where_a_request_spent_its_time(server, oai):
+    oai.completions.create(model=MODEL, prompt="Where did the time go?", max_tokens=3, temperature=0)
+    last = stats(server)["requests"]["recent"][-1]
+    assert last["outcome"] == "completed" and last["completion_tokens"] == 3
+    parts = [last[k] for k in ("queue_seconds", "resume_seconds", "insert_seconds")]
+    assert all(0 <= p <= last["prefill_seconds"] + last["queue_seconds"] for p in parts)
 
 
 def test_responses(oai):

@@ -22,8 +22,13 @@ class Generation:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length"
     stop_string: str | None = None  # the stop string that ended it, if one did
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # resume + forward + insert: the time to the first token's logits
     decode_seconds: float = 0.0
+    # where the prefill's time went: the cached rows and state restored, the rows computed, the
+    # prefix cache's copy of the new rows; and the wait in the scheduler's queue before it
+    resume_seconds: float = 0.0
+    insert_seconds: float = 0.0
+    queue_seconds: float = 0.0
 
     def stats(self) -> dict:
         n = len(self.token_ids)
@@ -33,6 +38,9 @@ class Generation:
             "completion_tokens": n,
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
+            "queue_seconds": round(self.queue_seconds, 4),
+            "resume_seconds": round(self.resume_seconds, 4),
+            "insert_seconds": round(self.insert_seconds, 4),
             "prefill_tok_s": round((self.prompt_tokens - self.cached_tokens) / self.prefill_seconds, 2) if self.prefill_seconds else None,
             "decode_tok_s": round((n - 1) / self.decode_seconds, 2) if n > 1 and self.decode_seconds else None,
         }
@@ -71,11 +79,30 @@ class Decoding:
             cuts, cache = rt.grid.scan(ids), rt.prefix_cache
             gen.cached_tokens = cache.resume(ids, cuts, self.kv) if cache else 0
             points = cache.snapshot_points(ids, cuts) if cache else {}
+            t1 = time.perf_counter()
             self.logits, snaps = prefill(rt.decoder, ids, self.kv, cuts, points, rt.prefill_chunk)
+            t2 = time.perf_counter()
             if cache:
                 cache.insert(ids, cuts, self.kv, snaps, points)
-        gen.prefill_seconds = time.perf_counter() - t0
+        done = time.perf_counter()
+        gen.prefill_seconds, gen.resume_seconds, gen.insert_seconds = done - t0, t1 - t0, done - t2
         self.decode_started = time.perf_counter()
+
+    def remember(self) -> bool:
+        """Put the reply's decoded K/V rows into the prefix cache after the prompt's, for the
+        next turn that resends them; True where they are as good as a prefill's rows: on a GPU
+        (whose contract is rounding, not bits) for a family without recurrent state (its state
+        inside the reply was never saved). Elsewhere the scheduler prefills prompt + reply in
+        idle time instead, which costs the GPU an extend per reply."""
+        rt, cache = self.rt, self.rt.prefix_cache
+        if cache is None or rt.device.type == "cpu" or cache.recurrent:
+            return False
+        ids = self.prompt_ids + self.gen.token_ids[:-1]  # the last token was picked, never fed
+        if self.kv.length != len(ids):
+            return False
+        with torch.inference_mode():
+            cache.insert(ids, rt.grid.scan(ids), self.kv, {}, {})
+        return True
 
     def emit(self, token: int | None = None) -> tuple[int, str, Generation]:
         """Sample the next token from the current logits, or take `token` (chosen on the

@@ -257,7 +257,7 @@ class GraphDecode:
             state = self._embed(self.token)
         if self.fused:
             def attend(i: int, h: torch.Tensor) -> torch.Tensor:
-                q = self._rope_store(i, h, self.k[i], self.v[i], (self.cos, self.sin, 0))
+                q = self._rope_store(i, self._qkv(i, h), self.k[i], self.v[i], (self.cos, self.sin, 0), self.pos)
                 return self.few.decode_attention(q, self.k[i], self.v[i], self.pos, dec.window(i))
 
             mix = self._projected(attend)
@@ -303,36 +303,63 @@ class GraphDecode:
         host planner cost ~0.8 ms a layer, more than the launches (docs/benchmarks.md). A family
         with its own token mixer (Qwen3-Next) runs that as its forward pass does, over the
         cache's rows and recurrent states, with the rest as here."""
-        dec, t, start = self.decoder, input_ids.shape[0], cache.length
+        return self._eager(input_ids, [cache], [input_ids.shape[0]], last_only)
+
+    def batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """Logits [B, V] for one new token of each of B sequences (concurrent requests): as
+        `extend` over the B tokens, each attending over its own cache at its own position, the
+        experts planned once on the device for them all, so the batch shares their reads."""
+        return self._eager(input_ids, caches, [1] * len(caches))
+
+    def _eager(self, input_ids: torch.Tensor, caches: list[KVCache], counts: list[int],
+               last_only: bool = False) -> torch.Tensor:
+        """`extend` and `batch`: input_ids holds counts[b] tokens for each caches[b] in turn."""
+        dec, t = self.decoder, input_ids.shape[0]
         plan = self.store.device_plan_for_graphs()
         on_device = plan.takes(t)
         if on_device:
             plan.to_device()
             plan.adapt(extend=True)  # from the extends before this one
-        end = cache.room(t)
-        self.pos.fill_(start)
+        starts = [c.length for c in caches]
+        ends = [c.room(n) for c, n in zip(caches, counts, strict=True)]
+        rows = [0]
+        for n in counts:
+            rows.append(rows[-1] + n)
+        segments = list(zip(caches, starts, ends, rows[:-1], rows[1:], strict=True))
         if self.fused:
+            if len(caches) == 1:
+                self.pos.fill_(starts[0])
+                pos = [self.pos]
+            else:
+                where = torch.tensor(starts, dtype=torch.int64).to(self.pos.device, non_blocking=True)
+                pos = [where[b : b + 1] for b in range(len(caches))]
             # rotary tables: the static ones, or this run's beyond them (sequences past the capacity)
-            table = (self.cos, self.sin, 0) if end <= self.capacity else (*dec.rope(start, t, self.cos.dtype), start)
+            tables = [(self.cos, self.sin, 0) if end <= self.capacity else (*dec.rope(start, end - start, self.cos.dtype), start)
+                      for _, start, end, _, _ in segments]
 
             def attend(i: int, h: torch.Tensor) -> torch.Tensor:
-                k_all, v_all = cache.k[i], cache.v[i]
-                q = self._rope_store(i, h, k_all, v_all, table)
-                return self.few.few_query_attention(q, k_all[:end], v_all[:end], start, dec.window(i))
+                q, k, v = self._qkv(i, h)
+                out = []
+                for b, (c, start, end, a, z) in enumerate(segments):
+                    qb = self._rope_store(i, (q[a:z], k[a:z], v[a:z]), c.k[i], c.v[i], tables[b], pos[b])
+                    out.append(self.few.few_query_attention(qb, c.k[i][:end], c.v[i][:end], start, dec.window(i)))
+                return out[0] if len(out) == 1 else torch.cat(out)
 
             mix = self._projected(attend)
         else:
-            cos, sin = dec.rope(start, t, self.cos.dtype)
+            ropes = [dec.rope(start, end - start, self.cos.dtype) for _, start, end, _, _ in segments]
 
             def mix(i: int, h: torch.Tensor) -> torch.Tensor:
-                return dec.mixer(i, h, cos, sin, cache)
+                out = [dec.mixer(i, h[a:z], *ropes[b], c) for b, (c, _, _, a, z) in enumerate(segments)]
+                return out[0] if len(out) == 1 else torch.cat(out)
 
         self.store.device_planned = on_device
         try:
             _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), mix)
         finally:
             self.store.device_planned = False
-        cache.advance(t)
+        for c, n in zip(caches, counts, strict=True):
+            c.advance(n)
         return F.linear(h[-1:] if last_only else h, dec.lm_head)
 
     def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,15 +388,15 @@ class GraphDecode:
             x, h = self._add_norm(x, delta, nxt)
         return x, h
 
-    def _rope_store(self, i: int, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    table: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
-        """Layer i's rotated queries [T, heads, D] for h [T, H] at positions pos..; its keys and
-        values written into the cache rows there. `table`: (cos, sin, the first row's position)."""
+    def _rope_store(self, i: int, qkv: tuple[torch.Tensor, ...], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    table: tuple[torch.Tensor, torch.Tensor, int], pos: torch.Tensor) -> torch.Tensor:
+        """Layer i's rotated queries [T, heads, D] from its projections (`_qkv`) at positions
+        pos.. (`pos`: the first, on the device); its keys and values written into the cache rows
+        there. `table`: (cos, sin, the first row's position)."""
         p, s = f"layers.{i}.attn.", self.decoder.spec
-        q, k, v = self._qkv(i, h)
         w = self.decoder.w
-        return self.fused.rope_store(q, k, v, w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight"), s.rms_norm_eps,
-                                     *table[:2], self.pos, k_cache, v_cache, table[2])
+        return self.fused.rope_store(*qkv, w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight"), s.rms_norm_eps,
+                                     *table[:2], pos, k_cache, v_cache, table[2])
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer i's Q, K and V projections of h [T, H]: one product where the weights were

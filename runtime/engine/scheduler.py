@@ -1,11 +1,12 @@
 """The request scheduler: one thread steps a bounded set of running generations in turn.
 
-Every pass of the loop advances each running request by one token: new requests are prefilled
-one by one, and the decode steps of all the others run as one batched forward (attention per
-sequence, everything else, the experts above all, once for the batch: concurrent requests share
-each layer's expert fills and CPU work). Between passes no forward is in flight: that is the safe
-point where waiting requests are admitted, cancelled ones dropped and cache rebuilds applied, so
-a rebuild never loses or disturbs a request.
+Every pass of the loop prefills the new requests one by one, then advances the others: by one
+token each in one batched forward (attention per sequence, everything else, the experts above
+all, once for the batch: concurrent requests share each layer's expert fills and CPU work), or,
+where that measured slower (`decode_mode`), each in turn by a burst of pipelined graph steps. A
+lone request bursts until something needs the loop. Between passes no forward is in flight: that
+is the safe point where waiting requests are admitted, cancelled ones dropped and cache rebuilds
+applied, so a rebuild never loses or disturbs a request.
 
 Admission is bounded twice: at most `max_running` requests, and their KV reservations
 (prompt + the tokens they may still generate) within the KV budget in tokens.
@@ -22,12 +23,18 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode_mode import SLICE, TURNS, DecodeMode
 from .generate import Decoding, Generation
 from .loader import Runtime
 from .memory import MemoryPlan
 from .sampling import SamplingParams
 
 REPLIES_KEPT = 8  # finished conversations waiting for idle time to be prefilled into the cache
+# Idle this long before a finished reply is prefilled: an agent's next turn often follows at once,
+# and a request that arrives while a reply is being prefilled waits for it (0.34-9.6 s of queue on
+# the GPU machine before; the GPU keeps decoded rows instead, `Decoding.remember`).
+REPLY_GRACE_S = 0.25
+RECENT_KEPT = 32  # finished requests whose timings /v1/stats shows (ft-bench serve reads them)
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Request:
         new = params.max_tokens if context is None else min(params.max_tokens, context - len(prompt_ids))
         self.kv_tokens = len(prompt_ids) + max(0, new)
         self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
         self.decoding: Decoding | None = None  # set on admission
         self.prefilled = False
         self.gen: Generation | None = None
@@ -72,13 +80,16 @@ class Scheduler:
         # Finished prompt + reply token lists to prefill into the prefix cache when idle: the
         # next agent turn resends them, and decoded K/V rows are not the ones a prefill computes.
         self.replies: deque[list[int]] = deque(maxlen=REPLIES_KEPT)
+        self.recent: deque[dict] = deque(maxlen=RECENT_KEPT)  # the last finished requests' timings
         self.cond = threading.Condition()
         self.closed = False
         self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0,
                        "prompt_tokens": 0, "generated_tokens": 0,
                        "decode_forwards": 0, "decode_batched_tokens": 0,  # how much decode was batched
+                       "decode_batches": 0, "decode_batch_seconds": 0.0,  # the batched steps and their time
                        "replies_cached": 0}
         self.busy_seconds = 0.0
+        self.mode = DecodeMode()  # batched steps or bursts in turn, for several running requests
         self.started = time.time()
         self.thread = threading.Thread(target=self._loop, name="ftkit-scheduler", daemon=True)
         self.thread.start()
@@ -114,7 +125,8 @@ class Scheduler:
             kv_used = sum(r.kv_tokens for r in self.running)
             c.update(running=len(self.running), waiting=len(self.waiting), max_running=self.max_running,
                      kv_tokens_reserved=kv_used, uptime_seconds=round(time.time() - self.started, 1),
-                     decode_tok_s=round(c["generated_tokens"] / self.busy_seconds, 2) if self.busy_seconds else None)
+                     decode_tok_s=round(c["generated_tokens"] / self.busy_seconds, 2) if self.busy_seconds else None,
+                     recent=list(self.recent))
         return c
 
     def close(self) -> None:
@@ -135,7 +147,11 @@ class Scheduler:
                     self._apply_rebuild(*self.rebuilds.popleft())
                 self._admit()
                 batch = list(self.running)
-                idle_reply = self.replies.popleft() if not batch and not self.waiting and self.replies else None
+                idle_reply = None
+                if not batch and not self.waiting and self.replies:
+                    if self.cond.wait_for(lambda: self.waiting or self.rebuilds or self.closed, REPLY_GRACE_S):
+                        continue  # a request came: it goes first
+                    idle_reply = self.replies.popleft()
             if idle_reply is not None:
                 self._cache_reply(idle_reply)
                 continue
@@ -166,7 +182,7 @@ class Scheduler:
             used += req.kv_tokens
 
     def _pass(self, batch: list[Request]) -> None:
-        """One token for every running request: prefill the new ones, batch the others' decode."""
+        """Prefill the new requests, then decode the others: batched, or in turns."""
         live = []
         for req in batch:
             if req.cancelled.is_set():
@@ -174,6 +190,7 @@ class Scheduler:
             elif req.decoding.done:
                 self._finish(req, "completed")
             elif not req.prefilled:
+                req.decoding.gen.queue_seconds = time.perf_counter() - req.submitted
                 if self._run(req, req.decoding.prefill):
                     req.prefilled = True
                     self._emit(req)
@@ -181,37 +198,75 @@ class Scheduler:
                 live.append(req)
         if not live:
             return
-        if len(batch) == 1 and live and live[0].decoding.pipelined():  # alone: nobody waits on its steps
+        if len(batch) == 1 and live[0].decoding.pipelined():  # alone: nobody waits on its steps
             self._burst(live[0])
             return
+        if len(live) == 1:  # the others are being prefilled: a step, which measures no batch
+            self._step(live)
+            return
+        mode = self.mode.pick(all(r.decoding.pipelined() for r in live))
+        t0 = time.perf_counter()
+        tokens = sum(self._burst(req, SLICE) for req in live) if mode == TURNS else self._step(live)
+        self.mode.observe(mode, tokens, time.perf_counter() - t0)
+
+    def _step(self, live: list[Request]) -> int:
+        """One batched decode step of the live requests; the tokens it made."""
         try:
+            t0 = time.perf_counter()
             self.rt.store.stats.new_step()
             tokens = torch.tensor([r.decoding.next_input for r in live], device=self.rt.device)
-            logits = self.rt.decoder.forward_batch(tokens, [r.decoding.kv for r in live])
+            caches, graphs = [r.decoding.kv for r in live], self.rt.decoder.graphs
+            with torch.inference_mode():
+                # on a GPU the fused dense part with the experts planned on the device, no host
+                # round trip a layer (the host-planned batch: 309 ms a 4-token step, 27 here)
+                if graphs is not None and graphs.takes(len(live)):
+                    logits = graphs.batch(tokens, caches)
+                else:
+                    logits = self.rt.decoder.forward_batch(tokens, caches)
             self.counts["decode_forwards"] += 1
             self.counts["decode_batched_tokens"] += len(live)
+            self.counts["decode_batches"] += len(live) > 1
+            self.counts["decode_batch_seconds"] += time.perf_counter() - t0
         except Exception as e:  # a failed step fails its requests, not the server
             for req in live:
                 self._finish(req, "failed", error=f"{type(e).__name__}: {e}")
-            return
+            return 0
         for req, row in zip(live, logits, strict=True):
             req.decoding.accept(row)
             self._emit(req)
+        return len(live)
 
-    def _burst(self, req: Request) -> None:
-        """A lone request decodes with the next step always queued (Decoding.burst) until
-        it ends or a waiting request, a cancel or a rebuild needs the loop's safe point."""
+    def _burst(self, req: Request, limit: int | None = None) -> int:
+        """Decode `req` with the next step always queued (Decoding.burst) until it ends, has
+        made `limit` tokens (its turn among several), or a waiting request that can be admitted,
+        a cancel or a rebuild needs the loop's safe point; the tokens it made."""
+        made = 0
+
         def interrupt() -> bool:
-            return req.cancelled.is_set() or bool(self.waiting or self.rebuilds)
+            return (req.cancelled.is_set() or bool(self.rebuilds) or self._admissible()
+                    or (limit is not None and made >= limit))
 
         def run() -> None:
+            nonlocal made
             for out in req.decoding.burst(interrupt):
+                made += 1
                 self.counts["decode_forwards"] += 1
                 self.counts["decode_batched_tokens"] += 1
                 self._send(req, out)
 
         if self._run(req, run) and req.decoding.done:
             self._finish(req, "completed")
+        return made
+
+    def _admissible(self) -> bool:
+        """A waiting request that the next safe point would admit (or drop, cancelled): one that
+        must wait for a slot or for KV does not stop the running ones' bursts."""
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        used = sum(r.kv_tokens for r in self.running)
+        return head.cancelled.is_set() or (len(self.running) < self.max_running
+                                           and used + head.kv_tokens <= self.plan.kv_tokens)
 
     def _run(self, req: Request, fn: Callable[[], None]) -> bool:
         try:
@@ -239,12 +294,23 @@ class Scheduler:
         self.counts["replies_cached"] += 1
 
     def _finish(self, req: Request, outcome: str, error: str | None = None) -> None:
+        reply = outcome == "completed" and self.rt.prefix_cache is not None and req.gen and req.gen.token_ids
+        kept = False
+        if reply:
+            try:
+                kept = req.decoding.remember()
+            except Exception:  # the reply is then prefilled in idle time instead
+                kept = False
         with self.cond:
             if req in self.running:
                 self.running.remove(req)
             self.counts[outcome] += 1
-            if outcome == "completed" and self.rt.prefix_cache is not None and req.gen and req.gen.token_ids:
+            if req.gen is not None:
+                self.recent.append({"outcome": outcome, **req.gen.stats()})
+            if reply and not kept:
                 self.replies.append(req.prompt_ids + req.gen.token_ids)
+            elif kept:
+                self.counts["replies_cached"] += 1
         if req.gen is None:
             req.gen = Generation(len(req.prompt_ids), finish_reason="length")
         req.gen.finish_reason = req.gen.finish_reason or "length"

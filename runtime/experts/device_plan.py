@@ -70,7 +70,8 @@ class DevicePlan:
         self.stamp = torch.full((cap,), -1, dtype=torch.int64, device=dev)  # slot -> last use (-1: free)
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counts = torch.zeros((spec.num_moe_layers, 3), dtype=torch.int64, device=dev)  # hits, fills, cpu
-        self.splits = (_Split(ratio or 1.0, dev), _Split(ratio or 1.0, dev))  # decode, extends
+        self.start_fraction = ratio or 1.0
+        self.splits = (_Split(self.start_fraction, dev), _Split(self.start_fraction, dev))  # decode, extends
         host_addr = torch.tensor([pool.slot(r).data_ptr() for r in range(self.rows)], dtype=torch.int64)
         mapped = dev.type == "cuda"
         self.addr = (torch.tensor([zero_copy.device_pointer(a) for a in host_addr.tolist()], dtype=torch.int64)
@@ -173,6 +174,14 @@ class DevicePlan:
             return
         for i, split in enumerate(self.splits):
             split.seen = (int(self.gpu_ns[2 * i]), int(self.busy_ns[2 * i]), int(self.busy_ns[2 * i + 1]))
+
+    def restart(self) -> None:
+        """Both fill fractions back to where they started, the counters forgotten (after a
+        sync): what start-up's warm-up measured, compile time above all, steers nothing."""
+        for split in self.splits:
+            split.fraction = self.start_fraction
+            split.tensor.fill_(split.fraction)
+        self.rebase()
 
     def takes(self, tokens: int) -> bool:
         """Whether `run` plans layers of this many tokens: one, or up to MAX_TOKENS. Offload only

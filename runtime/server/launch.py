@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..engine.loader import Runtime, RuntimeOptions
 from ..engine.memory import MemoryPlan, device_budget, plan_memory
+from ..engine.warmup import warm_up
 from ..ftw.reader import FTWModel
 
 DEFAULT_HOST = "127.0.0.1"
@@ -62,11 +63,14 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
         say(f"WARNING: serving on {host}, reachable from other machines, with no --api-key: anyone who can "
             f"reach it can use it")
     rt = planned_runtime(model, opts, plan)
+    if rt.device.type == "cuda":
+        say("warming up: compiling the GPU kernels (kept in Triton's disk cache) and capturing the decode graphs")
+    warm = warm_up(rt)
     scheduler = Scheduler(rt, plan, max_running)
     try:
         state = ServerState(rt, scheduler, served_name or Path(model).name, api_key)
         say(f"serving {state.model_name} on http://{host}:{port} (OpenAI /v1/chat/completions, Anthropic "
-            f"/v1/messages, control /v1/stats)")
+            f"/v1/messages, control /v1/stats)" + (f"; warm-up took {warm:.1f} s" if warm is not None else ""))
         uvicorn.run(create_app(state), host=host, port=port, log_level="warning")
     finally:
         scheduler.close()

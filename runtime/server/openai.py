@@ -169,8 +169,9 @@ async def _completion_stream(job: Job, head: dict, include_usage: bool) -> Async
     try:
         async for ev in job.events():
             finish = ev.gen.finish_reason if ev.done else None
-            if ev.delta or finish:
-                yield sse({**head, "choices": [{"index": 0, "text": ev.delta, "logprobs": None,
+            # a chunk for every token, its text empty where none is shown yet (a partial
+            # character or stop string, a model without a tokenizer): clients see each token come
+            yield sse({**head, "choices": [{"index": 0, "text": ev.delta, "logprobs": None,
                                                 "finish_reason": finish}]})
             if ev.done and include_usage:
                 yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, ev.gen)})
