@@ -71,6 +71,23 @@ def _to_options(f: dict) -> RuntimeOptions:
     )
 
 
+def runtime_argv(opts: RuntimeOptions) -> list[str]:
+    """The ft-run flags that give `opts` back through `_to_options` (ft-bench serve starts the
+    server with them); `kv_tokens` is left to the command (serve sizes its own budget)."""
+    d = RuntimeOptions()
+    values = [("--strategy", opts.strategy, d.strategy), ("--cache-experts", opts.cache_experts, None),
+              ("--cache-bytes", opts.cache_bytes, None), ("--gpu-budget", opts.gpu_budget, None),
+              ("--device", opts.device, d.device), ("--threads", opts.threads, None),
+              ("--profile", opts.profile, None), ("--bandwidth-ratio", opts.bandwidth_ratio, None),
+              ("--dtype", opts.dtype, None), ("--prefill-chunk", opts.prefill_chunk, d.prefill_chunk),
+              ("--prefix-cache-tokens", opts.prefix_cache_tokens, None),
+              ("--anchor-slots", opts.anchor_slots, d.anchor_slots)]
+    argv = [a for flag, v, default in values if v != default for a in (flag, str(v))]
+    switches = [("--verify", opts.verify), ("--no-graphs", not opts.graphs),
+                ("--no-prefix-cache", not opts.prefix_cache), ("--no-anchors", not opts.anchors)]
+    return argv + [flag for flag, on in switches if on]
+
+
 def runtime_flags(*groups: list[tuple[str, object, object]]) -> Callable[[Callable], Callable]:
     flags = [flag for group in (RUNTIME_FLAGS, *groups) for flag in group]
 

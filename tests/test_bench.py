@@ -313,3 +313,28 @@ def test_pool_pages_reads_smaps_and_numa_maps(tmp_path):
     got = pool_pages([buf], tmp_path)
     assert got == {"resident_gib": 1024 / 2**20, "huge_fraction": 0.5, "numa_gib": {"N0": 0.25, "N1": 0.0}}
     assert pool_pages([buf], tmp_path / "missing") is None
+
+
+def test_serve_drives_the_real_server_beside_the_engine(tiny, tmp_path):
+    """ft-bench serve: `ft-run serve` in its own process, driven through the openai SDK; every
+    scenario's figures and the server's own account of each request, beside the engine's."""
+    out = tmp_path / "serve.json"
+    r = subprocess.run([*BENCH, "serve", "-m", str(tiny), "--lengths", "40,80", "--tokens", "6", "--turns", "2",
+                        "--suffixes", "8,40", "--concurrent", "2", "--shared", "32", "--own", "16", "--first", "24",
+                        "--strategy", "hybrid", "--cache-experts", "16", "--bandwidth-ratio", "0.5", "--threads", "1",
+                        "--log", str(tmp_path / "serve.log"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "through the server" in r.stdout and "Traceback" not in r.stderr
+    res = json.loads(out.read_text())
+    assert [x["prompt"] for x in res["single"]] == [40, 80] and len(res["first"]) == 2
+    for x in [*res["first"], *res["single"]]:
+        assert x["tokens"] == 6 and x["ttft_s"] > 0 and x["decode_tok_s"] > 0
+        assert x["server"]["prefill_seconds"] > 0
+    for suffix, turns in res["agent"].items():
+        assert [t["prompt"] for t in turns] == [80 + k * int(suffix) for k in range(2)]
+        assert turns[0]["cached"] == 0 and all(t["cached"] >= t["prompt"] - int(suffix) - 16 for t in turns[1:])
+    c = res["concurrent"]
+    assert len(c["streams"]) == 2 and c["aggregate_tok_s"] > 0 and all(s["tokens"] == 6 for s in c["streams"])
+    eng = res["engine"]
+    assert set(eng["extend_s"]) == {"8", "40"} and eng["80"]["prefill_s"] > 0 and eng["40"]["decode_tok_s"] > 0

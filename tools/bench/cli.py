@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import subprocess
@@ -16,6 +17,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from ftkit import __version__
+from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
 from ftkit.runtime.console import guarded, parse_bytes
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
@@ -23,6 +25,7 @@ from ftkit.runtime.ftw.random_model import write_random_ftw
 from ftkit.runtime.profile import load_profile
 
 from . import agent_trace, hostmem, run
+from . import serve as serve_bench
 from .presets import PRESETS, preset_spec
 from .routing import Recorder, Replayer, RoutingOverride, Synthetic
 
@@ -180,6 +183,60 @@ def decode(
         console.print(table)
         if as_json:
             as_json.write_text(json.dumps(results, indent=1))
+
+    guarded(body)
+
+
+@app.command("serve")
+@runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
+def serve_cmd(
+    model: Annotated[Path, typer.Option("--model", "-m")],
+    lengths: Annotated[str, typer.Option(help="single-stream prompt lengths in tokens")] = "1024,3000,8000",
+    tokens: Annotated[int, typer.Option(help="tokens each reply decodes")] = 64,
+    turns: Annotated[int, typer.Option(help="turns of the agent session")] = 4,
+    suffixes: Annotated[str, typer.Option(help="new tokens each agent turn adds (reply and tool result); "
+                                          "a session for each")] = "32,300",
+    concurrent: Annotated[int, typer.Option(help="streams started at once")] = 4,
+    shared: Annotated[int, typer.Option(help="prompt tokens the concurrent streams share")] = 1024,
+    own: Annotated[int, typer.Option(help="prompt tokens of each concurrent stream's own")] = 512,
+    first: Annotated[int, typer.Option(help="prompt tokens of the first request after start-up")] = 512,
+    scenarios: Annotated[str, typer.Option(help=f"which to run, of {','.join(serve_bench.SCENARIOS)}")] = ",".join(
+        serve_bench.SCENARIOS),
+    max_running: Annotated[int, typer.Option(help="ft-run serve --max-running")] = 4,
+    kv_tokens: Annotated[int | None, typer.Option(help="ft-run serve --kv-tokens (default: its own)")] = None,
+    engine: Annotated[bool, typer.Option(help="also measure the engine's own figures for the same work")] = True,
+    pcie_gbps: float | None = None,
+    cpu_gbps: float | None = None,
+    log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-serve.log"),
+    as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    opts: RuntimeOptions = None,
+) -> None:
+    """Drive the real `ft-run serve` with the official openai SDK (first request, prompt lengths,
+    an agent session, concurrent streams), each figure beside the engine's own for the same work."""
+
+    def body() -> None:
+        plan = serve_bench.Plan(tuple(int(n) for n in lengths.split(",") if n), tokens, turns,
+                                tuple(int(n) for n in suffixes.split(",") if n), concurrent, shared, own, first,
+                                tuple(n for n in scenarios.split(",") if n))
+        if unknown := set(plan.scenarios) - set(serve_bench.SCENARIOS):
+            raise ValueError(f"--scenarios: unknown {', '.join(sorted(unknown))} (of {', '.join(serve_bench.SCENARIOS)})")
+        if not plan.lengths or min(plan.lengths) < 2 or not plan.suffixes or min(
+                tokens, turns, *plan.suffixes, concurrent, first) < 1:
+            raise ValueError("lengths need 2 or more tokens; tokens, turns, suffixes, concurrent and first 1 or more")
+        serve_args = ["--max-running", str(max_running)] + (["--kv-tokens", str(kv_tokens)] if kv_tokens else [])
+        figures = (lambda rt: _figures(rt, opts.profile, pcie_gbps, cpu_gbps)) if engine else None
+        result = serve_bench.measure(model, opts, serve_args, plan, log, figures,
+                                     say=lambda line: console.print(line, markup=False, highlight=False))
+        table = Table(title=f"ft-bench serve: {model}")
+        for col in ("what", "through the server", "the engine", "server / engine"):
+            table.add_column(col, justify="right")
+        for row in serve_bench.rows(result, plan):
+            table.add_row(*row)
+        console.print(table)
+        if as_json:
+            as_json.write_text(json.dumps({"machine": _machine(), "model": str(model), "plan": dataclasses.asdict(plan),
+                                           "options": {k: str(v) for k, v in vars(opts).items()},
+                                           "serve_args": serve_args, **result}, indent=1, default=str))
 
     guarded(body)
 

@@ -26,7 +26,8 @@
 # prompt prefilled layer by layer in pieces of each of PREFILL_CHUNKS tokens, then a 32-token
 # extend; REPEAT turns), nextdecode (qwen3-next-80b-a3b cut to 4 layers: decode per strategy,
 # graphs off and on), nextprefill (the same model: a LONG_CHUNK-token prompt without and with
-# an anchor every ANCHORS tokens; REPEAT turns).
+# an anchor every ANCHORS tokens; REPEAT turns), serve (ft-run serve driven through the openai SDK,
+# beside the engine's own figures: ft-bench serve; SERVE_FLAGS, SERVE_TAG names the outputs).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -122,6 +123,12 @@ extend() {  # the agent turn of the extend part; $1: strategies, $2: turns, then
       --tokens 32 --chunks 8192 --answer 32 --extend 32 --strategies "$1" --routing reuse:0.9 --repeat "$2" \
       --graphs ${GRAPHS:-on} "${@:3}"
 }
+if has serve; then  # ft-run serve through the openai SDK beside the engine (SERVE_FLAGS: more ft-bench serve flags)
+  q12
+  $PY -m ftkit.tools.bench.cli serve -m "$W/q12.ftw" --device cuda --strategy ${SERVE_STRATEGY:-hybrid} \
+      --profile "$(realpath "$PROFILE")" --cache-bytes ${SERVE_CACHE:-4.8G} --threads 15 ${SERVE_FLAGS:-} \
+      --log "$OUT/serve${SERVE_TAG:-}.log" --json "$OUT/serve${SERVE_TAG:-}.json" 2>&1 | tee "$OUT/serve${SERVE_TAG:-}.txt"
+fi
 if has extend; then
   q12
   extend ${EXTEND_STRATEGIES:-offload,hybrid} ${REPEAT:-5} --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"

@@ -1,0 +1,295 @@
+"""ft-bench serve: `ft-run serve` driven as a user drives it, each figure beside the engine's own.
+
+The server runs as its own process (the command a user types), the client is the official
+openai SDK streaming `/v1/completions` with token-id prompts (random ids: bench models have no
+tokenizer), sampled at temperature 1 so replies route like fresh text rather than like a greedy
+loop on random weights. The scenarios, in order:
+- first: the first request after start-up, then one of the same shape (no prefix in common);
+- single: one stream at each prompt length, TTFT and decode tok/s;
+- agent: for each of `suffixes`, a session of turns, each resending the previous prompt plus
+  that many new tokens (the reply and a tool result; a completion's reply ids are not returned,
+  so new ids stand in), so every turn after the first is a prefix hit;
+- concurrent: one stream alone, then N at once, each a shared prefix plus its own tokens.
+Then the engine runs the same work in this process once the server is gone (`run.prefill`:
+a warm chunk of each length, each suffix's extend behind the agent's prompt; `run.decode` at
+each length).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ftkit.runtime.cli import runtime_argv
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+
+from . import run
+
+NAME = "bench"
+SCENARIOS = ("first", "single", "agent", "concurrent")
+KEY = "ft-bench"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to send: prompt lengths, tokens a reply, agent turns and their new tokens (one
+    session each), concurrent sessions and the prefix they share."""
+
+    lengths: tuple[int, ...] = (1024, 3000, 8000)
+    tokens: int = 64
+    turns: int = 4
+    suffixes: tuple[int, ...] = (32, 300)
+    concurrent: int = 4
+    shared: int = 1024
+    own: int = 512
+    first: int = 512
+    scenarios: tuple[str, ...] = SCENARIOS
+
+    @property
+    def agent_length(self) -> int:
+        """The agent session's first prompt: the longest of `lengths` up to 4096 (an agent's
+        system prompt and tools), else the shortest."""
+        return max((n for n in self.lengths if n <= 4096), default=min(self.lengths))
+
+
+class Server:
+    """`ft-run serve` in its own process on a free loopback port, its output in `log`."""
+
+    def __init__(self, model: Path, opts: RuntimeOptions, serve_args: list[str], log: Path,
+                 say: Callable[[str], None], startup_timeout: float = 1800.0):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "ftkit.runtime.cli", "serve", "-m", str(model), "--port", str(self.port),
+                "--served-model-name", NAME, "--api-key", KEY, *runtime_argv(opts), *serve_args]
+        self.log = log
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise ValueError(f"ft-run serve exited ({self.proc.returncode}): {self.tail()}")
+            if time.perf_counter() - t0 > startup_timeout:
+                self.stop()
+                raise ValueError(f"ft-run serve did not answer within {startup_timeout:.0f} s: {self.tail()}")
+            time.sleep(0.2)
+        self.startup_seconds = time.perf_counter() - t0
+        say(f"server up in {self.startup_seconds:.1f} s: {self.tail()}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def tail(self) -> str:
+        lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else "(no output)"
+
+    def stats(self) -> dict:
+        import json
+
+        req = urllib.request.Request(self.url + "/v1/stats", headers={"authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def stream(client, ids: list[int], tokens: int, seed: int) -> dict:
+    """One streamed completion: TTFT, decode tok/s after the first token, cached prompt tokens."""
+    t0 = time.perf_counter()
+    times, usage = [], None
+    for chunk in client.completions.create(model=NAME, prompt=ids, max_tokens=tokens, stream=True, temperature=1.0,
+                                           seed=seed, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].finish_reason is None:  # a token (the last chunk ends it)
+            times.append(time.perf_counter())
+        if chunk.usage is not None:
+            usage = chunk.usage
+    if not times or usage is None:
+        raise ValueError(f"the server streamed {len(times)} tokens and {'no' if usage is None else 'a'} usage")
+    details = usage.prompt_tokens_details
+    return {"prompt": len(ids), "cached": details.cached_tokens if details else 0, "tokens": len(times),
+            "ttft_s": times[0] - t0, "first_at": times[0], "last_at": times[-1],
+            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None}
+
+
+class Driver:
+    """The scenarios against one server; every request also gets the server's own account of it
+    (queue, resume, prefill, insert seconds from /v1/stats)."""
+
+    def __init__(self, server: Server, vocab: int, seed: int = 0):
+        import openai
+
+        self.server = server
+        self.client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=1800)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab, self.seed = vocab, seed
+
+    def ids(self, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+
+    def one(self, ids: list[int], tokens: int) -> dict:
+        self.seed += 1
+        out = stream(self.client, ids, tokens, self.seed)
+        stats = self.server.stats()
+        out["server"] = _server_side(stats["requests"]["recent"][-1])
+        out["counts"] = {k: stats["requests"][k] for k in ("decode_forwards", "decode_batched_tokens", "replies_cached")}
+        out["experts"] = stats["experts"]
+        return out
+
+    def first(self, plan: Plan) -> list[dict]:
+        return [self.one(self.ids(plan.first), plan.tokens) for _ in range(2)]
+
+    def single(self, plan: Plan) -> list[dict]:
+        return [self.one(self.ids(n), plan.tokens) for n in plan.lengths]
+
+    def agent(self, plan: Plan, suffix: int) -> list[dict]:
+        prompt, turns = self.ids(plan.agent_length), []
+        for _ in range(plan.turns):
+            turns.append(self.one(prompt, plan.tokens))
+            prompt = prompt + self.ids(suffix)
+        return turns
+
+    def concurrent(self, plan: Plan) -> dict:
+        shared = self.ids(plan.shared)
+        prompts = [shared + self.ids(plan.own) for _ in range(plan.concurrent + 1)]
+        alone = self.one(prompts[0], plan.tokens)
+        results: dict[int, dict] = {}
+        start = threading.Barrier(plan.concurrent)
+
+        def go(i: int) -> None:
+            start.wait()
+            try:
+                results[i] = stream(self.client, prompts[i + 1], plan.tokens, 10_000 + i)
+            except Exception as e:  # reported below, not lost in a thread
+                results[i] = {"error": f"{type(e).__name__}: {e}"}
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(plan.concurrent)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        streams = [results[i] for i in range(plan.concurrent)]
+        if errors := [s["error"] for s in streams if "error" in s]:
+            raise ValueError(f"a concurrent stream failed: {errors[0]}")
+        begin, end = min(s["first_at"] for s in streams), max(s["last_at"] for s in streams)
+        decoded = sum(s["tokens"] - 1 for s in streams)
+        counts = self.server.stats()["requests"]
+        return {"alone": alone, "streams": streams, "aggregate_tok_s": decoded / (end - begin),
+                "ttft_s": [s["ttft_s"] for s in streams],
+                **{k: counts[k] for k in ("decode_forwards", "decode_batched_tokens", "decode_batches",
+                                          "decode_batch_seconds")}}
+
+
+def _server_side(recent: dict) -> dict:
+    keys = ("queue_seconds", "resume_seconds", "prefill_seconds", "insert_seconds", "cached_tokens", "decode_tok_s")
+    return {k: recent.get(k) for k in keys}
+
+
+def engine(model: Path, opts: RuntimeOptions, plan: Plan, figures: Callable[[Runtime], run.Figures]) -> dict:
+    """The engine's own figures for the same work: each prompt length's warm prefill (as ft-run
+    runs it) with the suffix's extend behind it, and batch-1 decode at that context."""
+    longest = max(plan.lengths) + plan.turns * max(plan.suffixes) + 2 * plan.tokens + 64
+    rt = Runtime(model, replace(opts, kv_tokens=max(opts.kv_tokens, longest)))
+    try:
+        figs = figures(rt)
+        out: dict = {"extend_s": {}}
+        for n in sorted({*plan.lengths, plan.shared + plan.own, plan.first}):
+            pre = run.prefill(rt, n, figs, repeat=3)
+            dec = run.decode(rt, plan.tokens, n, None, figs)
+            out[n] = {"prefill_s": pre["seconds"], "prefill_tok_s": pre["tok_s"], "decode_tok_s": dec["tok_s"],
+                      "decode_bound_tok_s": dec["bound_tok_s"]}
+        for s in plan.suffixes:  # behind the agent's first prompt
+            out["extend_s"][s] = run.prefill(rt, plan.agent_length, figs, extend=s, answer=32, repeat=3)["extend_seconds"]
+        return out
+    finally:
+        rt.close()
+
+
+def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], plan: Plan, log: Path,
+            figures: Callable[[Runtime], run.Figures] | None, say: Callable[[str], None] = print) -> dict:
+    """Every scenario through the server, then (with `figures`) the engine's figures."""
+    from ftkit.runtime.ftw.reader import FTWModel
+
+    vocab = FTWModel(model).spec.vocab_size
+    server = Server(model, opts, serve_args, log, say)
+    try:
+        d = Driver(server, vocab)
+        out = {"startup_s": server.startup_seconds}
+        if "first" in plan.scenarios:
+            out["first"] = d.first(plan)
+            say(f"first request: TTFT {out['first'][0]['ttft_s']:.2f} s, then {out['first'][1]['ttft_s']:.2f} s")
+        if "single" in plan.scenarios:
+            out["single"] = d.single(plan)
+        if "agent" in plan.scenarios:
+            out["agent"] = {s: d.agent(plan, s) for s in plan.suffixes}
+        if "concurrent" in plan.scenarios:
+            out["concurrent"] = d.concurrent(plan)
+        out["stats"] = server.stats()
+    finally:
+        server.stop()
+    if figures is not None:
+        say("engine figures (the same work in this process)")
+        out["engine"] = engine(model, opts, plan, figures)
+    return out
+
+
+def rows(result: dict, plan: Plan) -> list[tuple[str, str, str, str]]:
+    """(what, through the server, the engine's figure, server / engine) for the table."""
+    eng = result.get("engine", {})
+
+    def pair(label: str, server: float | None, engine_: float | None, unit: str, fmt: str = "{:.3f}"):
+        ratio = f"{server / engine_:.2f}x" if server and engine_ else "-"
+        return (label, (fmt.format(server) + unit) if server is not None else "-",
+                (fmt.format(engine_) + unit) if engine_ is not None else "-", ratio)
+
+    out = []
+    if "first" in result:
+        f0, f1 = result["first"]
+        out.append(pair(f"first request TTFT ({plan.first} tok; beside: the next)", f0["ttft_s"], f1["ttft_s"], " s"))
+    for r in result.get("single", []):
+        e = eng.get(r["prompt"], {})
+        out.append(pair(f"{r['prompt']} tok prompt TTFT", r["ttft_s"], e.get("prefill_s"), " s"))
+        out.append(pair(f"{r['prompt']} tok prompt decode", r["decode_tok_s"], e.get("decode_tok_s"), " tok/s", "{:.1f}"))
+    e = eng.get(plan.agent_length, {})
+    for s, session in result.get("agent", {}).items():
+        for k, r in enumerate(session, 1):
+            label = f"+{s} turn {k} ({r['cached']}/{r['prompt']} cached)"
+            ref = eng.get("extend_s", {}).get(s) if k > 1 else e.get("prefill_s")
+            out.append(pair(label + " TTFT", r["ttft_s"], ref, " s"))
+            out.append(pair(label + " decode", r["decode_tok_s"], e.get("decode_tok_s"), " tok/s", "{:.1f}"))
+    if "concurrent" not in result:
+        return out
+    c = result["concurrent"]
+    e = eng.get(plan.shared + plan.own, {})
+    alone = c["alone"]["decode_tok_s"]
+    out.append(pair("one stream alone, decode", alone, e.get("decode_tok_s"), " tok/s", "{:.1f}"))
+    out.append(pair(f"{plan.concurrent} streams together (beside: alone)", c["aggregate_tok_s"], alone,
+                    " tok/s", "{:.1f}"))
+    per = statistics.median(s["decode_tok_s"] for s in c["streams"] if s["decode_tok_s"])
+    out.append(pair(f"{plan.concurrent} streams, each (median)", per, alone, " tok/s", "{:.1f}"))
+    out.append(pair(f"{plan.concurrent} streams, worst TTFT (beside: alone)", max(c["ttft_s"]),
+                    c["alone"]["ttft_s"], " s"))
+    return out
