@@ -25,16 +25,23 @@ def model(tmp_path_factory):
     return path
 
 
-def test_reply_is_reused_by_the_next_turn(model):
-    opts = RuntimeOptions(strategy="cpu", threads=1)
+PROMPT = list(range(5, 105))
+
+
+def _first_turn(model, opts: RuntimeOptions) -> tuple[Runtime, Scheduler, list[int]]:
+    """A runtime, its scheduler, and the reply to PROMPT it served."""
     rt = Runtime(model, opts)
     sched = Scheduler(rt, plan_memory(model, opts, 2048, None), max_running=2)
-    prompt = list(range(5, 105))
     done = threading.Event()
-    req = Request(prompt, SamplingParams(max_tokens=60, ignore_eos=True), lambda e: e.done and done.set())
+    req = Request(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), lambda e: e.done and done.set())
     sched.submit(req)
-    assert done.wait(60)
-    reply = req.gen.token_ids
+    assert done.wait(120)
+    return rt, sched, req.gen.token_ids
+
+
+def test_reply_is_reused_by_the_next_turn(model):
+    rt, sched, reply = _first_turn(model, RuntimeOptions(strategy="cpu", threads=1))
+    prompt = PROMPT
     deadline = time.time() + 30
     while sched.stats()["replies_cached"] < 1 and time.time() < deadline:
         time.sleep(0.05)
@@ -59,20 +66,13 @@ def test_reply_is_reused_by_the_next_turn(model):
 def test_a_gpu_keeps_the_decoded_reply_rows(model):
     """On a GPU (rounding, not bits) the reply's decoded K/V rows go into the prefix cache as
     the request ends: no idle-time prefill, and the next turn reuses them at once."""
-    opts = RuntimeOptions(strategy="offload", cache_experts=16, device="cuda", threads=1)
-    rt = Runtime(model, opts)
-    sched = Scheduler(rt, plan_memory(model, opts, 2048, None), max_running=2)
-    prompt = list(range(5, 105))
-    done = threading.Event()
-    req = Request(prompt, SamplingParams(max_tokens=60, ignore_eos=True), lambda e: e.done and done.set())
-    sched.submit(req)
-    assert done.wait(120)
+    rt, sched, reply = _first_turn(model, RuntimeOptions(strategy="offload", cache_experts=16, device="cuda", threads=1))
     assert sched.stats()["replies_cached"] == 1 and not sched.replies  # kept at the end, none queued
     sched.close()
-    turn2 = prompt + req.gen.token_ids + list(range(200, 230))
+    turn2 = PROMPT + reply + list(range(200, 230))
     resumed = Decoding(rt, turn2, SamplingParams(max_tokens=1))
     resumed.prefill()
-    assert resumed.gen.cached_tokens > len(prompt) + len(req.gen.token_ids) - 40
+    assert resumed.gen.cached_tokens > len(PROMPT) + len(reply) - 40
     fresh = Decoding(rt, turn2, SamplingParams(max_tokens=1))
     rt.prefix_cache = None
     fresh.prefill()
