@@ -286,6 +286,38 @@ def test_anthropic_bad_input(server, ant):
         ant.messages.create(**{**good, "model": "claude-x"})
 
 
+def test_hostile_requests_get_a_4xx(server, oai):
+    """Requests a fuzzer sends (objects where names go, booleans as token ids, numbers past any
+    range, a lone surrogate, JSON nested past Python's recursion limit) get a 400 in the API's
+    shape, never a 500, and the server goes on serving."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    chat, comp = server.url + "/v1/chat/completions", server.url + "/v1/completions"
+    resp, msgs = server.url + "/v1/responses", server.url + "/v1/messages"
+    good = {"model": MODEL, "messages": hello(), "max_tokens": 2}
+    raw = [
+        (chat, {**good, "messages": [{"role": {"a": 1}, "content": "hi"}]}),
+        (resp, {"model": MODEL, "input": [{"type": "message", "role": {"a": 1}, "content": "hi"}]}),
+        (msgs, {**good, "messages": [{"role": {"a": 1}, "content": "hi"}]}),
+        (msgs, {**good, "messages": [{"role": "user", "content": [{"type": {"a": 1}}]}]}),
+        (comp, {"model": MODEL, "prompt": [True, False, 5], "max_tokens": 2}),
+        (chat, {**good, "seed": 2**64}),
+    ]
+    cases = [(url, json.dumps(body).encode()) for url, body in raw]
+    cases += [
+        (chat, b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"0" * 400 + b"}"),
+        (chat, b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1' + b"0" * 5000 + b"}"),
+        (chat, b'{"model": "demo", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'),
+        (chat, b'{"model": "demo", "messages": [{"role": "user", "content": "\\ud83d\\ude00 paired"}], "max_tokens": 1}'),
+        (chat, b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ]
+    for url, body in cases:
+        r = httpx.post(url, content=body, headers={**auth, "content-type": "application/json"})
+        ok = b"paired" in body  # a proper pair is an emoji, not an error
+        assert r.status_code == (200 if ok else 400), (url, body[:80], r.text[:200])
+        assert ok or r.json().get("error", {}).get("message")
+    assert oai.chat.completions.create(**good).usage.completion_tokens >= 1
+
+
 # ---- the scheduler under load ---------------------------------------------------------------
 def test_eight_concurrent_streams(server, oai):
     results: dict[int, tuple] = {}

@@ -62,7 +62,8 @@ class ServerState:
 
     def encode_text(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t, int) and 0 <= t < self.rt.spec.vocab_size for t in prompt):
+            vocab = self.rt.spec.vocab_size
+            if not prompt or not all(type(t) is int and 0 <= t < vocab for t in prompt):  # not bools
                 raise ApiError(400, "'prompt' token ids must be a non-empty array of ids in the vocabulary",
                                param="prompt")
             return self.check_prompt(prompt)
@@ -94,7 +95,7 @@ def sampling(body: dict[str, Any], max_tokens: int, stop: list[str], top_k: bool
             temperature=fields.get_range(body, "temperature", float, 0.0, 2.0, 1.0),
             top_p=fields.get_range(body, "top_p", float, 0.0, 1.0, 1.0),
             top_k=fields.get(body, "top_k", int, 0) if top_k else 0,
-            seed=fields.get(body, "seed", int, None),
+            seed=fields.get_range(body, "seed", int, -(2**63), 2**64 - 1, None),  # what a torch generator takes
             stop=stop,
             ignore_eos=fields.get(body, "ignore_eos", bool, False),  # a vLLM extension; benchmarks use it
         )
@@ -184,10 +185,17 @@ async def read_json(request: Any) -> dict[str, Any]:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # bad JSON, or an integer of more digits than Python parses
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if b"\\ud" in raw.lower():  # an escaped surrogate: a lone one is no text a tokenizer takes
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
     return body
 
 

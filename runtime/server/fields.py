@@ -20,7 +20,10 @@ def get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default:
         return default
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ApiError(400, f"'{name}' is out of range", param=name) from None
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         want = " or ".join(_NAMES.get(k, k.__name__) for k in kinds)
         raise ApiError(400, f"'{name}' must be {want}, got {type(value).__name__}", param=name)

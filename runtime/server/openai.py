@@ -32,7 +32,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise ApiError(400, f"{where} must be an object with a role in {sorted(ROLES)}", param=where)
         msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
                                "content": text_of(m.get("content"), where)}

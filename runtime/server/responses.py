@@ -32,7 +32,8 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise ApiError(400, f"{where} must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            role = item.get("role")
+            role = "system" if role == "developer" else role
             if role not in ("system", "user", "assistant"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer", param="input")
             out.append({"role": role, "content": text_of(item.get("content"), where)})
