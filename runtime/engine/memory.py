@@ -113,9 +113,13 @@ class MemoryPlan:
                     f"{human_bytes(self.budget_bytes)}; use a smaller --dtype or a larger device")
         slots = max(0, (room - self.kv_bytes) // self.slot_bytes) if self.slot_bytes else 0
         kv = max(0, (room - self.expert_bytes) // self.kv_bytes_per_token)
-        return (f"{human_bytes(self.total_bytes)} does not fit {human_bytes(self.budget_bytes)}: lower "
-                f"--cache-experts to {slots} or fewer (with {self.kv_tokens} KV tokens), or --kv-tokens "
-                f"to {kv} or fewer (with {self.expert_slots} slots)")
+        head = f"{human_bytes(self.total_bytes)} does not fit {human_bytes(self.budget_bytes)}: "
+        ways = ([f"lower --cache-experts to {slots} or fewer (with {self.kv_tokens} KV tokens)"] if slots else []) + (
+            [f"lower --kv-tokens to {kv} or fewer (with {self.expert_slots} slots)"] if kv else [])
+        if not ways:
+            return head + (f"{self.expert_slots} expert slots and {self.kv_tokens} KV tokens each fill it alone; "
+                           f"lower both --cache-experts and --kv-tokens")
+        return head + ", or ".join(ways)
 
 
 def device_budget(device: str) -> int | None:

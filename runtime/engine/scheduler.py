@@ -46,6 +46,7 @@ class Event:
     delta: str = ""
     done: bool = False
     error: str | None = None
+    status: int = 500  # with `error`: 400 where the request itself can no longer be served
 
 
 class Request:
@@ -168,6 +169,12 @@ class Scheduler:
             if req.cancelled.is_set():
                 self.waiting.popleft()
                 self._finish(req, "cancelled")
+                continue
+            if req.kv_tokens > self.plan.kv_tokens:  # a rebuild shrank the budget below it: never fits
+                self.waiting.popleft()
+                self._finish(req, "failed", status=400, error=(
+                    f"the request needs {req.kv_tokens} KV tokens (prompt + max_tokens), more than the server's "
+                    f"KV budget of {self.plan.kv_tokens} since a cache rebuild; lower max_tokens"))
                 continue
             if used + req.kv_tokens > self.plan.kv_tokens:
                 break  # first come, first served: wait for KV to free up
@@ -293,7 +300,7 @@ class Scheduler:
             return
         self.counts["replies_cached"] += 1
 
-    def _finish(self, req: Request, outcome: str, error: str | None = None) -> None:
+    def _finish(self, req: Request, outcome: str, error: str | None = None, status: int = 500) -> None:
         reply = outcome == "completed" and self.rt.prefix_cache is not None and req.gen and req.gen.token_ids
         kept = False
         if reply:
@@ -314,15 +321,16 @@ class Scheduler:
         if req.gen is None:
             req.gen = Generation(len(req.prompt_ids), finish_reason="length")
         req.gen.finish_reason = req.gen.finish_reason or "length"
-        req.sink(Event(req.gen, done=True, error=error))
+        req.sink(Event(req.gen, done=True, error=error, status=status))
 
     def _apply_rebuild(self, expert_slots: int | None, kv_tokens: int | None, fut: Future) -> None:
-        if expert_slots is not None:
-            expert_slots = min(expert_slots, self.rt.spec.num_expert_rows)
+        rows = self.rt.spec.num_expert_rows
         new = self.plan.with_sizes(expert_slots, kv_tokens)
         try:
             if new.kv_tokens < 1 or (expert_slots is not None and expert_slots < 1):
                 raise RebuildError("expert slots and KV tokens must be >= 1")
+            if expert_slots is not None and expert_slots > rows:
+                raise RebuildError(f"the model has {rows} expert rows: at most {rows} slots hold them all")
             if not new.fits:
                 raise RebuildError(new.advice())
             if expert_slots is not None and expert_slots != self.rt.store.cache.capacity:

@@ -138,7 +138,7 @@ class Job:
                             return
                         continue
                 if ev.done and ev.error:
-                    raise ApiError(500, f"generation failed: {ev.error}")
+                    raise ApiError(ev.status, ev.error if ev.status < 500 else f"generation failed: {ev.error}")
                 yield ev
                 if ev.done:
                     return
