@@ -318,6 +318,32 @@ def test_hostile_requests_get_a_4xx(server, oai):
     assert oai.chat.completions.create(**good).usage.completion_tokens >= 1
 
 
+def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
+    """A prompt being tokenized (an 8 MB one took 8.9 s) holds no other request: /health answers
+    while a count_tokens request's tokenizer is held inside encode."""
+    tok = server.state.rt.tokenizer
+    entered, gate, real = threading.Event(), threading.Event(), tok.encode
+
+    def held(text, *a, **kw):
+        entered.set()
+        assert gate.wait(60)
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", held)
+    out = {}
+    body = {"model": MODEL, "messages": hello("count me")}
+    worker = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+        server.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": KEY}, timeout=90)))
+    worker.start()
+    assert entered.wait(60)
+    try:
+        assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
+    finally:
+        gate.set()
+        worker.join(90)
+    assert out["r"].status_code == 200 and out["r"].json()["input_tokens"] > 0
+
+
 # ---- the scheduler under load ---------------------------------------------------------------
 def test_eight_concurrent_streams(server, oai):
     results: dict[int, tuple] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -99,14 +100,15 @@ def router(state: ServerState) -> APIRouter:
     async def count_tokens(request: Request) -> dict:
         body = await read_json(request)
         state.check_model(body)
-        return {"input_tokens": len(state.encode_chat(chat_messages(body), chat_tools(body), check=False))}
+        ids = await asyncio.to_thread(state.encode_chat, chat_messages(body), chat_tools(body), False)
+        return {"input_tokens": len(ids)}
 
     @r.post("/v1/messages")
     async def messages(request: Request) -> Any:
         body = await read_json(request)
         state.check_model(body)
         tools = chat_tools(body)
-        ids = state.encode_chat(chat_messages(body), tools)
+        ids = await asyncio.to_thread(state.encode_chat, chat_messages(body), tools)  # off the event loop
         stops = fields.stop_list(body, "stop_sequences")
         job = Job(state, ids, sampling(body, state.max_tokens(body, "max_tokens", None), stops, top_k=True))
         head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -85,7 +86,7 @@ def router(state: ServerState) -> APIRouter:
         body = await read_json(request)
         stream, include_usage = _common(state, body)
         messages, tools = chat_messages(body), chat_tools(body)
-        ids = state.encode_chat(messages, tools)
+        ids = await asyncio.to_thread(state.encode_chat, messages, tools)  # off the event loop
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         limit = state.max_tokens(body, name, state.context)
         job = Job(state, ids, sampling(body, limit, fields.stop_list(body, "stop")))
@@ -119,7 +120,7 @@ def router(state: ServerState) -> APIRouter:
             prompt = prompt[0]  # a batch of one
         if not isinstance(prompt, (str, list)):
             raise ApiError(400, "'prompt' must be a string or an array of token ids", param="prompt")
-        ids = state.encode_text(prompt)
+        ids = await asyncio.to_thread(state.encode_text, prompt)
         limit = state.max_tokens(body, "max_tokens", 16)
         job = Job(state, ids, sampling(body, limit, fields.stop_list(body, "stop")))
         head = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),

@@ -4,6 +4,7 @@ so `previous_response_id` is refused with a clear error; an empty input is answe
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -150,7 +151,7 @@ def router(state: ServerState) -> APIRouter:
                           b.event("response.completed", response=done)]
                 return StreamingResponse(iter(sse(e, e["type"]) for e in events), media_type="text/event-stream")
             return done
-        ids = state.encode_chat(messages, tools)
+        ids = await asyncio.to_thread(state.encode_chat, messages, tools)  # off the event loop
         limit = state.max_tokens(body, "max_output_tokens", state.context)
         job = Job(state, ids, sampling(body, limit, []))
         reply = Reply(state, tools is not None)
