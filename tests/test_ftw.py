@@ -86,3 +86,28 @@ def test_truncated_bank_and_corrupt_byte(ftw, tmp_path):
 def test_not_ftw(tmp_path):
     with pytest.raises(FTWError, match="not an FTW directory"):
         FTWModel(tmp_path)
+
+
+def test_a_killed_writers_leftovers_are_removed_by_the_next_and_a_live_ones_kept(tmp_path, capsys):
+    """A SIGKILLed convert leaves its temporary sibling behind (no `finally` runs); the next write
+    of that output removes it and says so, but never one another writer still holds."""
+    import fcntl
+    import os
+
+    out = tmp_path / "m.ftw"
+    stale, live = tmp_path / ".m.ftw.tmp-deadbeef", tmp_path / ".m.ftw.tmp-cafe0000"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "bank-000.bin").write_bytes(b"\0" * 4096)
+    other = tmp_path / ".other.ftw.tmp-00000000"  # another output's: not ours to touch
+    other.mkdir()
+    fd = os.open(live.with_name(live.name + ".lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a running writer holds it
+    try:
+        write_random_ftw(out, demo_spec(64))
+    finally:
+        os.close(fd)
+    assert not stale.exists() and live.exists() and other.exists() and FTWModel(out).spec.num_layers
+    assert "removed .m.ftw.tmp-deadbeef" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".m.ftw.tmp-cafe0000", ".m.ftw.tmp-cafe0000.lock",
+                                                                 ".other.ftw.tmp-00000000", "m.ftw"])

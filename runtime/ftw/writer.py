@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,21 +139,68 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
 
 @contextlib.contextmanager
 def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
-    """A temporary sibling of `out` to fill; renamed onto `out` only if the block succeeds."""
+    """A temporary sibling of `out` to fill; renamed onto `out` only if the block succeeds. The
+    writer holds a lock beside it while it writes, so a later run can tell an interrupted run's
+    leftovers (killed: no `finally` ran) from another writer's, and removes them."""
     out = out.absolute()
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
+    remove_stale_temporaries(out)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
+    with _held(_lock_path(tmp)):
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove the temporary siblings of `out` (`.NAME.tmp-*`, `.NAME.old-*`) that no writer
+    holds: what a killed run left. Says so on stderr; returns what it removed."""
+    gone = []
+    for path in sorted(out.parent.glob(f".{out.name}.tmp-*")) + sorted(out.parent.glob(f".{out.name}.old-*")):
+        if path.suffix == ".lock" or not path.is_dir():
+            continue
+        lock = _lock_path(path)
+        try:
+            with _held(lock, wait=False):
+                if not path.exists():  # its writer finished meanwhile (renamed it onto `out`)
+                    continue
+                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                shutil.rmtree(path, ignore_errors=True)
+        except BlockingIOError:  # another writer is filling it
+            continue
+        print(f"ftkit: removed {path.name}, left by an interrupted write of {out.name} ({size / 2**30:.2f} GiB)",
+              file=sys.stderr)
+        gone.append(path)
+    return gone
+
+
+def _lock_path(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + ".lock")
+
+
+@contextlib.contextmanager
+def _held(lock: Path, wait: bool = True) -> Iterator[None]:
+    """An exclusive lock on the file `lock` (created; removed on release). `wait=False`: a
+    BlockingIOError where another process holds it."""
+    import fcntl
+
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
