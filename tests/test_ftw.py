@@ -111,3 +111,6 @@ def test_a_killed_writers_leftovers_are_removed_by_the_next_and_a_live_ones_kept
     assert "removed .m.ftw.tmp-deadbeef" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".m.ftw.tmp-cafe0000", ".m.ftw.tmp-cafe0000.lock",
                                                                  ".other.ftw.tmp-00000000", "m.ftw"])
+    nested = tmp_path / "new" / "dir" / "m.ftw"  # folders that do not exist yet are made
+    write_random_ftw(nested, demo_spec(64))
+    assert sorted(p.name for p in nested.parent.iterdir()) == ["m.ftw"]

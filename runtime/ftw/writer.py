@@ -145,10 +145,11 @@ def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
     out = out.absolute()
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     with _held(_lock_path(tmp)):
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         try:
             yield tmp
         except BaseException:
