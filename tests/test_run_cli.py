@@ -5,11 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
+import typer
+from typer.testing import CliRunner
 
 from fixtures import load_reference
+from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_argv, runtime_flags
+from ftkit.runtime.engine.loader import RuntimeOptions
 from ftkit.tools.convert.pipeline import convert, make_plan
 
 FT_RUN = [sys.executable, "-m", "ftkit.runtime.cli"]
@@ -87,3 +93,29 @@ def test_gpu_budget_sizes_the_expert_cache(tmp_path):
     # the KV it reserves is --kv-tokens': 20000 tokens of this model's 1 KiB do not fit 12M
     r = ft_run(*base, "--gpu-budget", "12M", "--kv-tokens", "20000")
     assert r.returncode == 1 and "KV 20000 tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_runtime_argv_gives_the_options_back():
+    """ft-bench serve starts ft-run serve with `runtime_argv(opts)`: parsed by the same flag
+    declaration, those flags give every option back (a flag added to one and not the other
+    would drop silently)."""
+    got = {}
+    app = typer.Typer()
+
+    @app.command()
+    @runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
+    def capture(opts: RuntimeOptions = None) -> None:
+        got["opts"] = opts
+
+    # what serve sizes itself, or no flag sets
+    own = {"kv_tokens", "trace_stats", "stream_prefill"}
+    changed = RuntimeOptions(strategy="hybrid", cache_bytes=5 << 30, device="cuda", threads=7,
+                             profile=Path("p.json"), bandwidth_ratio=0.4, dtype="float16", verify=True,
+                             prefix_cache=False, anchors=False, prefix_cache_tokens=4096, anchor_slots=8,
+                             graphs=False, prefill_chunk=2048)
+    for opts in (RuntimeOptions(), changed, RuntimeOptions(cache_experts=12), RuntimeOptions(gpu_budget=8 << 30)):
+        r = CliRunner().invoke(app, runtime_argv(opts))
+        assert r.exit_code == 0, r.output
+        for f in fields(RuntimeOptions):
+            if f.name not in own:
+                assert getattr(got["opts"], f.name) == getattr(opts, f.name), f.name

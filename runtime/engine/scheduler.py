@@ -307,7 +307,7 @@ class Scheduler:
             try:
                 kept = req.decoding.remember()
             except Exception:  # the reply is then prefilled in idle time instead
-                kept = False
+                pass
         with self.cond:
             if req in self.running:
                 self.running.remove(req)

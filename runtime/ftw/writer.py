@@ -146,7 +146,7 @@ def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out)
+    _remove_stale(out)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     with _held(_lock_path(tmp)):
         tmp.mkdir()
@@ -164,10 +164,9 @@ def atomic_dir(out: Path, force: bool) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_stale_temporaries(out: Path) -> list[Path]:
+def _remove_stale(out: Path) -> None:
     """Remove the temporary siblings of `out` (`.NAME.tmp-*`, `.NAME.old-*`) that no writer
-    holds: what a killed run left. Says so on stderr; returns what it removed."""
-    gone = []
+    holds: what a killed run left. Says so on stderr."""
     for path in sorted(out.parent.glob(f".{out.name}.tmp-*")) + sorted(out.parent.glob(f".{out.name}.old-*")):
         if path.suffix == ".lock" or not path.is_dir():
             continue
@@ -182,8 +181,6 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
             continue
         print(f"ftkit: removed {path.name}, left by an interrupted write of {out.name} ({size / 2**30:.2f} GiB)",
               file=sys.stderr)
-        gone.append(path)
-    return gone
 
 
 def _lock_path(tmp: Path) -> Path:

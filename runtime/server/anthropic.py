@@ -44,7 +44,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         text, calls = [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
-            kind = kind if isinstance(kind, str) else repr(kind)  # an object is no type name
+            kind = kind if isinstance(kind, str) else None  # an object is no type name
             if kind == "text" and isinstance(block.get("text"), str):
                 text.append(block["text"])
             elif kind == "tool_use" and m["role"] == "assistant":

@@ -173,7 +173,7 @@ async def _completion_stream(job: Job, head: dict, include_usage: bool) -> Async
             # a chunk for every token, its text empty where none is shown yet (a partial
             # character or stop string, a model without a tokenizer): clients see each token come
             yield sse({**head, "choices": [{"index": 0, "text": ev.delta, "logprobs": None,
-                                                "finish_reason": finish}]})
+                                            "finish_reason": finish}]})
             if ev.done and include_usage:
                 yield sse({**head, "choices": [], "usage": usage(job.prompt_tokens, ev.gen)})
     except ApiError as e:

@@ -17,6 +17,7 @@ each length).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -74,12 +75,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "ftkit.runtime.cli", "serve", "-m", str(model), "--port", str(self.port),
                 "--served-model-name", NAME, "--api-key", KEY, *runtime_argv(opts), *serve_args]
-        self.log = log
+        self.log, self.out = log, log.open("w")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         while not self._healthy():
             if self.proc.poll() is not None:
+                self.stop()
                 raise ValueError(f"ft-run serve exited ({self.proc.returncode}): {self.tail()}")
             if time.perf_counter() - t0 > startup_timeout:
                 self.stop()
@@ -100,8 +102,6 @@ class Server:
         return lines[-1] if lines else "(no output)"
 
     def stats(self) -> dict:
-        import json
-
         req = urllib.request.Request(self.url + "/v1/stats", headers={"authorization": f"Bearer {KEY}"})
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())
@@ -114,6 +114,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.out.close()
 
 
 def stream(client, ids: list[int], tokens: int, seed: int) -> dict:
