@@ -14,7 +14,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .console import guarded, human_bytes, parse_bytes
+from ftkit.vocab import human_bytes
+
+from .console import guarded, parse_bytes
 from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
@@ -236,7 +238,7 @@ def demo_cmd(
 ) -> None:
     """Write the built-in small random-weight MoE (once) and generate from it with `hybrid`
     and an expert cache smaller than the pool."""
-    from .ftw.random_model import demo_spec, write_random_ftw
+    from .random_model import demo_spec, write_random_ftw
     from .synthetic import write_tokenizer
 
     def run() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -31,14 +30,6 @@ def guarded(fn: Callable[[], object]) -> None:
         fail("interrupted", 130)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def parse_bytes(text: str) -> int:
     """'8G', '512M', '1.5GiB', '4096' -> bytes (binary multiples)."""
     m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
@@ -46,11 +37,3 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"not a byte size: {text!r} (try 8G, 512M)")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
     return int(float(m.group(1)) * scale)
-
-
-def not_implemented(command: str) -> Callable[[], NoReturn]:
-    def main() -> NoReturn:
-        print(f"{command}: not implemented yet", file=sys.stderr)
-        raise SystemExit(2)
-
-    return main

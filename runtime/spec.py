@@ -26,9 +26,6 @@ QK_NORM_NONE = "none"
 QK_NORM_HEAD = "head"  # RMSNorm over each head's head_dim (Qwen3)
 QK_NORM_FULL = "full"  # RMSNorm over the whole projection (OLMoE)
 
-# Expert slot parts, in slot order. `gate` and `up` are [I, H]; `down` is [H, I].
-EXPERT_PARTS = ("gate", "up", "down")
-
 
 @dataclass(frozen=True)
 class ModelSpec:

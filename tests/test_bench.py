@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.ftw.random_model import write_random_ftw
+from ftkit.runtime.random_model import write_random_ftw
 from ftkit.runtime.spec import FULL_ATTENTION, SLIDING_ATTENTION
 from ftkit.tools.bench import run
 from ftkit.tools.bench.presets import preset_spec
@@ -211,8 +211,8 @@ def test_cpu_prefill_batches_experts_bitwise(tiny, strategy):
 def test_presets_have_the_published_shapes():
     """Expert sizes and layer kinds of the presets (no weights written): the issue's
     qwen3-30b-a3b, and qwen3-next-80b-a3b cut to 4 layers as a benchmark would."""
-    from ftkit.runtime.ftw.manifest import slot_layout
     from ftkit.runtime.spec import LINEAR_ATTENTION
+    from ftkit.vocab import slot_layout
 
     q3 = preset_spec("qwen3-30b-a3b", 12)
     assert (q3.num_layers, q3.num_experts, q3.top_k) == (12, 128, 8)

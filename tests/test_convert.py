@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 import fixtures as fx
+from ftkit.kernels.dequant import dequantize_q8_0
 from ftkit.runtime.checkpoint import open_source
-from ftkit.runtime.checkpoint.base import dequantize_q8_0
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models.mixtral import unpermute_rows
 from ftkit.tools.convert.pipeline import convert, make_plan

@@ -29,12 +29,12 @@ import fixtures as fx
 from ftkit.runtime.checkpoint.gguf import READ_CHUNK
 from ftkit.runtime.engine.loader import RuntimeOptions
 from ftkit.runtime.engine.memory import plan_memory
-from ftkit.runtime.ftw.manifest import slot_layout
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.spec import ModelSpec
 from ftkit.tools.convert.pipeline import convert, make_plan
 from ftkit.tools.diagnose.cli import app
 from ftkit.tools.diagnose.report import diagnose
+from ftkit.vocab import slot_layout
 from gguf_fixtures import write_gguf_from_hf
 
 NAMES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"]

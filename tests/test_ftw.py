@@ -10,8 +10,8 @@ import torch
 
 import ftkit.runtime.ftw.reader as reader_mod
 from ftkit.runtime.ftw.manifest import VERSION, FTWError, fingerprint
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.ftw.reader import FTWModel
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 
 
 @pytest.fixture(scope="module")

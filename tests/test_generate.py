@@ -8,7 +8,7 @@ import torch
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.synthetic import write_tokenizer
 
 PROMPT = [10, 20, 30, 40, 50, 60]

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ftkit.runtime.checkpoint.base import CheckpointError, dequantize_q8_0
+from ftkit.kernels.dequant import dequantize_q8_0
+from ftkit.runtime.checkpoint.base import CheckpointError
 from ftkit.runtime.checkpoint.gguf import READ_CHUNK, GGUFSource
 from gguf_fixtures import header_end, write_gguf_from_hf
 

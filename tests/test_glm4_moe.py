@@ -24,9 +24,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import fixtures as fx
 import gguf_fixtures as gfx
 from ftkit.runtime.checkpoint import open_source
-from ftkit.runtime.checkpoint.inventory import take_inventory
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
+from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.spec import SIGMOID_GROUP_TOPK
 from ftkit.runtime.synthetic import write_tokenizer
 from ftkit.tools.convert.pipeline import convert, make_plan

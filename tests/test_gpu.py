@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

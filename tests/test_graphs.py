@@ -21,7 +21,7 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.memory import plan_memory
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.engine.scheduler import Request, Scheduler
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.tools.convert.pipeline import convert, make_plan
 
 pytest.importorskip("triton")

@@ -9,8 +9,8 @@ import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.memory import plan_memory, prefill_workspace_bytes
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.ftw.reader import FTWModel
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.server.launch import make_plan, planned_runtime
 
 

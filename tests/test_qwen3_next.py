@@ -29,9 +29,9 @@ from transformers import AutoConfig
 import fixtures as fx
 import gguf_fixtures as gfx
 from ftkit.runtime.checkpoint import open_source
-from ftkit.runtime.checkpoint.inventory import take_inventory
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES, decoder, qwen3_next
+from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.layers import attention
 from ftkit.runtime.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from ftkit.tools.convert.pipeline import convert, make_plan

@@ -14,7 +14,7 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.memory import plan_memory
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.engine.scheduler import Request, Scheduler
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.synthetic import write_tokenizer
 
 

@@ -27,7 +27,7 @@ from ftkit.runtime.engine import generate as generate_mod
 from ftkit.runtime.engine.loader import RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler as RealSampler
 from ftkit.runtime.engine.scheduler import Scheduler
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.server.app import create_app
 from ftkit.runtime.server.core import ServerState
 from ftkit.runtime.server.launch import make_plan, planned_runtime

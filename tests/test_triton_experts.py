@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from ftkit.runtime.ftw.manifest import slot_layout
-from ftkit.runtime.ftw.random_model import demo_spec
+from ftkit.runtime.random_model import demo_spec
+from ftkit.vocab import slot_layout
 
 triton = pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ftkit.runtime.ftw.manifest import SlotLayout
+    from ftkit.vocab import SlotLayout
 
 SOURCE = Path(__file__).with_name("experts.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ftkit.kernels.triton import interpreting
-from ftkit.runtime.ftw.manifest import SlotLayout
+from ftkit.vocab import SlotLayout
 
 TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GEMM_M, GEMM_N, GEMM_K = 64, 128, 64  # prefill tile: items x output columns x reduction step

@@ -24,7 +24,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .base import Q8_0, Q8_0_BLOCK, CheckpointError, TensorRef, read_ref, stored_nbytes
+from ftkit.vocab import FORMATS, Q8_0, stored_nbytes
+
+from .base import CheckpointError, TensorRef, read_ref
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -244,10 +246,10 @@ class GGUFSource:
                 self.unsupported[tname] = ggml_type_name(type_id)
                 self.unsupported_shapes[tname] = tuple(reversed(ne))
                 continue
-            if dtype == Q8_0 and (not ne or ne[0] % Q8_0_BLOCK):
+            if dtype == Q8_0 and (not ne or ne[0] % FORMATS[Q8_0].block):
                 raise CheckpointError(
                     f"{name}: tensor {tname} is Q8_0 but its row length {ne[0] if ne else 0} "
-                    f"is not a multiple of {Q8_0_BLOCK}"
+                    f"is not a multiple of {FORMATS[Q8_0].block}"
                 )
             shape = tuple(reversed(ne))
             ref = TensorRef(

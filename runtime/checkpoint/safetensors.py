@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from .base import CheckpointError, TensorRef, read_ref, stored_nbytes
+from ftkit.vocab import stored_nbytes
+
+from .base import CheckpointError, TensorRef, read_ref
 
 ST_DTYPES = {
     "F64": "float64",

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.base import TORCH_DTYPES
+from ftkit.vocab import storage_dtype
+
 from ..experts.cpu import CPUExecutor
 from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
@@ -62,7 +63,7 @@ class Runtime:
         if opts.prefill_chunk < 1:
             raise ValueError(f"--prefill-chunk must be at least 1 token, got {opts.prefill_chunk}")
         weights = self.ftw.dense_state()
-        self.dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else weights["embed.weight"].dtype
+        self.dtype = storage_dtype(opts.dtype) if opts.dtype else weights["embed.weight"].dtype
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
         weights = {k: v.to(self.device, torch.float32 if k.endswith(keep) else self.dtype) for k, v in weights.items()}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)

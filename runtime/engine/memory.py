@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..checkpoint.base import TORCH_DTYPES
-from ..console import human_bytes
-from ..experts.planner import CPU, FUSED
+from ftkit.vocab import CPU, FUSED, human_bytes, storage_dtype
+
 from ..experts.store import cache_capacity, resolve_strategy
 from ..ftw.reader import FTWModel
 from ..models import FAMILIES
@@ -198,7 +197,7 @@ def plan_memory(model: Path | FTWModel, opts: RuntimeOptions, kv_tokens: int, bu
     ftw = model if isinstance(model, FTWModel) else FTWModel(Path(model))
     spec = ftw.spec
     dense = ftw.manifest.dense["tensors"]
-    dtype = TORCH_DTYPES[opts.dtype] if opts.dtype else TORCH_DTYPES[next(iter(dense.values()))["dtype"]]
+    dtype = storage_dtype(opts.dtype or next(iter(dense.values()))["dtype"])
     dense_bytes = dense_device_bytes({name: t["shape"] for name, t in dense.items()}, dtype, spec.family)
     ratio = load_profile(opts.profile).ratio if opts.profile is not None else opts.bandwidth_ratio
     strategy = resolve_strategy(opts.strategy, ratio, torch.device(opts.device))

@@ -24,7 +24,9 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir}: no tokenizer.json (use --prompt-ids)")
         self.tok = HFTokenizer.from_file(str(path))
-        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        added = self.tok.get_added_tokens_decoder()
+        self.added_ids = frozenset(added)
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
         cfg_path = Path(model_dir) / "tokenizer_config.json"
         self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = self.config.get("chat_template")

@@ -4,6 +4,6 @@ A family calls `ExpertStore.run(layer, hidden, topk_ids, topk_weights)` and neve
 an expert lives; the strategies live entirely behind that call.
 """
 
-from .store import STRATEGIES, ExpertStore
+from .store import ExpertStore
 
-__all__ = ["STRATEGIES", "ExpertStore"]
+__all__ = ["ExpertStore"]

@@ -31,10 +31,11 @@ import torch
 from ftkit.kernels.cpu import worker_payload
 from ftkit.kernels.triton import plan, zero_copy
 from ftkit.kernels.triton.experts import GEMM_M, grouped_expert_gemm, grouped_expert_gemv
+from ftkit.vocab import CPU, FUSED, HYBRID, OFFLOAD
 
 from ..spec import ModelSpec
 from .cache import SlotCache
-from .planner import CPU, CPU_MAX_TOKENS, FUSED, HYBRID, OFFLOAD
+from .planner import CPU_MAX_TOKENS
 from .pool import HostPool
 from .stats import ExpertStats
 

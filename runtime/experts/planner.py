@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ftkit.vocab import CPU, FUSED, HYBRID, OFFLOAD
+
 from .cache import SlotCache
 
-FUSED, OFFLOAD, CPU, HYBRID, AUTO = "fused", "offload", "cpu", "hybrid", "auto"
-STRATEGIES = (FUSED, OFFLOAD, CPU, HYBRID, AUTO)
 CPU_MAX_TOKENS = 16  # routed tokens per active expert above which hybrid fills every miss
 
 

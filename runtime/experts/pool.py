@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.base import Q8_0, dequantize_q8_0
-from ..ftw.manifest import SlotLayout
+from ftkit.kernels.dequant import dequantize_q8_0
+from ftkit.vocab import Q8_0, SlotLayout
+
 from ..ftw.reader import FTWModel, HostBanks
 from ..spec import ModelSpec
 

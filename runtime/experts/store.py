@@ -29,21 +29,12 @@ import numpy as np
 import torch
 
 from ftkit.kernels.cpu import load as load_cpu_kernel
+from ftkit.vocab import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES
 
 from ..spec import ModelSpec
 from .cache import SlotCache
 from .cpu import CPUExecutor
-from .planner import (
-    AUTO,
-    CPU,
-    CPU_MAX_TOKENS,
-    FUSED,
-    HYBRID,
-    OFFLOAD,
-    STRATEGIES,
-    LayerPlan,
-    Planner,
-)
+from .planner import CPU_MAX_TOKENS, LayerPlan, Planner
 from .pool import HostPool, expert_forward, expert_weights
 from .prefill import LayerPrefetcher
 from .stats import ExpertStats, LayerClock
@@ -51,7 +42,7 @@ from .stats import ExpertStats, LayerClock
 if TYPE_CHECKING:
     from .device_plan import DevicePlan
 
-__all__ = ["STRATEGIES", "ExpertStore", "cache_capacity", "resolve_strategy"]
+__all__ = ["ExpertStore", "cache_capacity", "resolve_strategy"]
 
 STREAM_FRACTION = 0.75  # a layer routed to this share of its experts makes prefill stream whole layers
 STREAM_ITEMS = 4  # ... if it also routes this many items per expert: the next layer then needs ~all of its own

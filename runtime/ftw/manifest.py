@@ -1,4 +1,5 @@
-"""FTW v1: the manifest schema, the expert slot layout and the fingerprint (spec: docs/ftw.md)."""
+"""FTW v1: the manifest schema and the fingerprint (spec: docs/ftw.md); the slot layout it
+records is `ftkit.vocab.slot_layout`."""
 
 from __future__ import annotations
 
@@ -9,19 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from ftkit.vocab import SlotLayout, slot_layout
 
-from ..checkpoint.base import Q8_0, TORCH_DTYPES, one_line, stored_nbytes, stored_shape
-from ..spec import EXPERT_PARTS, ModelSpec
+from ..checkpoint.base import one_line
+from ..spec import ModelSpec
 
 FORMAT = "ftw"
 VERSION = 1
-ALIGN = 4096  # one slot = one DMA = one O_DIRECT read
-PART_ALIGN = 64  # each part starts on a cache line, so kernels can load it with full-width vectors
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 ROW_ORDER = "moe_layer * num_experts + expert"
-EXPERT_DTYPES = ("float32", "float16", "bfloat16", Q8_0)
 
 
 class FTWError(Exception):
@@ -29,62 +27,6 @@ class FTWError(Exception):
 
     def __init__(self, message: str):
         super().__init__(one_line(message))
-
-
-def align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class Part:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]  # logical element shape
-    offset: int  # bytes from the start of the slot
-    nbytes: int
-
-    def view(self, slot: torch.Tensor) -> torch.Tensor:
-        """This part of a uint8 slot, in its stored dtype and shape (raw rows for q8_0)."""
-        raw = slot[self.offset : self.offset + self.nbytes]
-        if self.dtype == Q8_0:
-            return raw.view(stored_shape(self.dtype, self.shape))
-        return raw.view(TORCH_DTYPES[self.dtype]).view(self.shape)
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """How one (layer, expert) is laid out in its slot: gate, up, down, padded to ALIGN."""
-
-    dtype: str
-    parts: tuple[Part, ...]
-    slot_bytes: int
-
-    def part(self, name: str) -> Part:
-        return next(p for p in self.parts if p.name == name)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "dtype": self.dtype,
-            "alignment": ALIGN,
-            "slot_bytes": self.slot_bytes,
-            "parts": [
-                {"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset, "nbytes": p.nbytes}
-                for p in self.parts
-            ],
-        }
-
-
-def slot_layout(spec: ModelSpec, dtype: str) -> SlotLayout:
-    """The one layout this version writes and reads for `spec` and expert dtype `dtype`."""
-    if dtype not in EXPERT_DTYPES:
-        raise FTWError(f"expert dtype {dtype} is not one of {', '.join(EXPERT_DTYPES)}")
-    parts, off = [], 0
-    for name in EXPERT_PARTS:
-        shape = spec.expert_part_shapes()[name]
-        n = stored_nbytes(dtype, shape)
-        parts.append(Part(name, dtype, shape, off, n))
-        off = align_up(off + n, PART_ALIGN)
-    return SlotLayout(dtype, tuple(parts), align_up(off, ALIGN))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .manifest import ALIGN, DENSE_FILE, MANIFEST, Bank, FTWError, Manifest, SlotLayout
+from ftkit.vocab import SLOT_ALIGN, SlotLayout
+
+from .manifest import DENSE_FILE, MANIFEST, Bank, FTWError, Manifest
 from .writer import sha256_file
 
 CHUNK = 16 << 20  # bytes per positional read
@@ -38,7 +40,7 @@ def probe_odirect(path: Path) -> bool:
     except OSError:
         return False
     try:
-        buf = mmap.mmap(-1, ALIGN)
+        buf = mmap.mmap(-1, SLOT_ALIGN)
         os.preadv(fd, [buf], 0)
         return True
     except OSError:

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.base import Q8_0, TORCH_DTYPES, stored_nbytes
+from ftkit.vocab import SLOT_ALIGN, SlotLayout, storage_dtype, stored_nbytes
+
 from ..checkpoint.safetensors import ST_DTYPES
-from .manifest import ALIGN, Bank, SlotLayout
+from .manifest import Bank
 
 TO_ST = {v: k for k, v in ST_DTYPES.items()}
 
@@ -69,7 +70,7 @@ class DenseWriter:
 
     def write(self, name: str, t: torch.Tensor) -> None:
         ename, dtype, shape, n = self.expect[self.next]
-        if name != ename or t.dtype != TORCH_DTYPES[dtype] or tuple(t.shape) != shape:
+        if name != ename or t.dtype != storage_dtype(dtype) or tuple(t.shape) != shape:
             raise ValueError(f"dense writer expected {ename} {dtype}{list(shape)}, got {name} {t.dtype}{list(t.shape)}")
         self.out.write(raw_bytes(t))
         self.next += 1
@@ -99,7 +100,7 @@ class BankWriter:
         self.slot.zero_()
         for p in self.layout.parts:
             t = parts[p.name]
-            want = torch.uint8 if p.dtype == Q8_0 else TORCH_DTYPES[p.dtype]
+            want = storage_dtype(p.dtype)
             if t.dtype != want:
                 raise ValueError(f"expert part {p.name} is {t.dtype}, layout says {p.dtype}")
             data = t.contiguous().view(torch.uint8).reshape(-1)
@@ -125,7 +126,7 @@ class BankWriter:
 
 def rows_per_bank(slot_bytes: int, num_experts: int, bank_bytes: int) -> int:
     """Whole MoE layers per bank file, at least one layer."""
-    assert slot_bytes % ALIGN == 0
+    assert slot_bytes % SLOT_ALIGN == 0
     return max(1, bank_bytes // (slot_bytes * num_experts)) * num_experts
 
 

@@ -16,8 +16,16 @@ template does not use it never matches plain text that happens to spell it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from ..engine.tokenizer import Tokenizer
+
+class TextEncoder(Protocol):
+    """What finding markers needs of a tokenizer (engine/tokenizer.py's)."""
+
+    added_ids: frozenset[int]  # ids of the added tokens, special or not
+
+    def encode(self, text: str) -> list[int]: ...
+
 
 PAGE = 16
 PERIOD = 256  # an anchor-worthy cut after this many tokens without a semantic boundary
@@ -58,10 +66,10 @@ class Boundaries:
         self.lookahead = max((len(m.ids) - 1 for m in markers if not m.after), default=0)
 
     @classmethod
-    def for_tokenizer(cls, tok: Tokenizer | None, page: int = PAGE, period: int = PERIOD) -> Boundaries:
+    def for_tokenizer(cls, tok: TextEncoder | None, page: int = PAGE, period: int = PERIOD) -> Boundaries:
         if tok is None:
             return cls([], page, period)
-        added = set(tok.tok.get_added_tokens_decoder())
+        added = tok.added_ids
         markers = []
         for text, kind, after in MARKERS:
             ids = tuple(tok.encode(text))

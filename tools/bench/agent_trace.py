@@ -24,9 +24,9 @@ import torch
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.kv.prefill import prefill
 from ftkit.runtime.models import FAMILIES
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.spec import ModelSpec
 from ftkit.runtime.synthetic import SPECIAL_TOKENS, write_tokenizer
 

@@ -21,8 +21,8 @@ from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
 from ftkit.runtime.console import guarded, parse_bytes
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
-from ftkit.runtime.ftw.random_model import write_random_ftw
 from ftkit.runtime.profile import load_profile
+from ftkit.runtime.random_model import write_random_ftw
 
 from . import agent_trace, hostmem, run
 from . import serve as serve_bench
@@ -48,7 +48,7 @@ def write(
     def body() -> None:
         spec = preset_spec(preset, layers)
         with Progress("writing", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console) as bar:
-            from ftkit.runtime.ftw.manifest import slot_layout
+            from ftkit.vocab import slot_layout
 
             task = bar.add_task("", total=spec.num_expert_rows * slot_layout(spec, dtype).slot_bytes)
             write_random_ftw(out, spec, dtype, force=force, distinct_experts=distinct_experts,

@@ -11,8 +11,8 @@ import dataclasses
 from pathlib import Path
 
 import ftkit.runtime.ftw.reader as reader
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.ftw.reader import FTWModel
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 
 
 def main() -> None:

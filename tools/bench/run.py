@@ -20,10 +20,10 @@ import torch
 
 from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
-from ftkit.runtime.experts.planner import HYBRID
 from ftkit.runtime.experts.stats import LayerClock
 from ftkit.runtime.kv.prefill import prefill as runtime_prefill
 from ftkit.runtime.models.kv import attention_layers, kv_bytes_per_token
+from ftkit.vocab import HYBRID
 
 from .routing import RoutingOverride
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.ftw.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 
 
 def model(root: Path, layers: int) -> Path:

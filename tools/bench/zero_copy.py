@@ -26,7 +26,7 @@ from rich.table import Table
 
 from ftkit.kernels.triton import zero_copy
 from ftkit.kernels.triton.experts import gemm_tiles, grouped_expert_gemm, grouped_expert_gemv
-from ftkit.runtime.ftw.manifest import slot_layout
+from ftkit.vocab import slot_layout
 
 from .presets import preset_spec
 

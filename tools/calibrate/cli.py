@@ -19,11 +19,12 @@ from rich.table import Table
 
 from ftkit import __version__
 from ftkit.kernels.cpu import load as load_cpu_kernel
-from ftkit.runtime.console import guarded, human_bytes, parse_bytes
+from ftkit.runtime.console import guarded, parse_bytes
 from ftkit.runtime.experts.cpu import CPUExecutor
 from ftkit.runtime.experts.planner import hybrid_fill_count
-from ftkit.runtime.ftw.manifest import EXPERT_DTYPES, SlotLayout, write_json_atomic
+from ftkit.runtime.ftw.manifest import write_json_atomic
 from ftkit.runtime.profile import load_profile
+from ftkit.vocab import EXPERT_FORMATS, SlotLayout, human_bytes
 
 from . import measure
 from .sysinfo import cpu_model, gpu
@@ -46,8 +47,8 @@ def default_path(gpu_info: dict[str, str] | None) -> Path:
 def pick_layout(model: Path | None, slot_bytes: str | None, shape: str | None, dtype: str) -> SlotLayout:
     """The expert slot to measure: a model's, a shape's, or bf16 experts of H=2048 filling a size."""
     dtype = DTYPE_ALIASES.get(dtype, dtype)
-    if dtype not in EXPERT_DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(EXPERT_DTYPES)} (or bf16, fp16, fp32)")
+    if dtype not in EXPERT_FORMATS:
+        raise ValueError(f"--dtype must be one of {', '.join(EXPERT_FORMATS)} (or bf16, fp16, fp32)")
     if sum(v is not None for v in (model, slot_bytes, shape)) > 1:
         raise ValueError("give one of --model, --slot-bytes, --shape")
     if model is not None:

@@ -17,8 +17,8 @@ import torch
 
 from ftkit.kernels.cpu import Kernel, Runner
 from ftkit.runtime.experts.pool import expert_forward, expert_weights
-from ftkit.runtime.ftw.manifest import SlotLayout, slot_layout
-from ftkit.runtime.ftw.random_model import demo_spec
+from ftkit.runtime.random_model import demo_spec
+from ftkit.vocab import SlotLayout, slot_layout
 
 if TYPE_CHECKING:
     from ftkit.runtime.ftw.manifest import Part

@@ -16,7 +16,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from ftkit.runtime.console import guarded, human_bytes, parse_bytes
+from ftkit.runtime.console import guarded, parse_bytes
+from ftkit.vocab import human_bytes
 
 from .pipeline import CAST_DTYPES, Plan, convert, make_plan
 

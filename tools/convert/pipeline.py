@@ -10,18 +10,17 @@ from pathlib import Path
 import torch
 
 from ftkit import __version__
+from ftkit.kernels.dequant import dequantize_q8_0
 from ftkit.runtime.checkpoint import CheckpointError, open_source
-from ftkit.runtime.checkpoint.base import Q8_0, TORCH_DTYPES, dequantize_q8_0, stored_nbytes
-from ftkit.runtime.checkpoint.inventory import Inventory, take_inventory
 from ftkit.runtime.ftw.manifest import (
     DENSE_FILE,
     MANIFEST,
     Manifest,
-    SlotLayout,
-    slot_layout,
     write_json_atomic,
 )
 from ftkit.runtime.ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
+from ftkit.runtime.models.inventory import Inventory, take_inventory
+from ftkit.vocab import Q8_0, SlotLayout, slot_layout, storage_dtype, stored_nbytes
 
 DEFAULT_BANK_BYTES = 4 << 30
 CAST_DTYPES = ("float32", "float16", "bfloat16")
@@ -90,7 +89,7 @@ def _cast(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
         return t
     if src == Q8_0:
         t = dequantize_q8_0(t)
-    return t.to(TORCH_DTYPES[dst])
+    return t.to(storage_dtype(dst))
 
 
 def convert(plan: Plan, out: Path, force: bool = False, on_bytes: Callable[[int], None] = lambda n: None) -> Manifest:

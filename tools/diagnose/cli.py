@@ -12,7 +12,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ftkit.runtime.console import guarded, human_bytes
+from ftkit.runtime.console import guarded
+from ftkit.vocab import human_bytes
 
 from .report import diagnose
 

@@ -18,15 +18,15 @@ from typing import Any, TypeVar
 import torch
 
 from ftkit.runtime.checkpoint import CheckpointError, open_source
-from ftkit.runtime.checkpoint.base import Q8_0
-from ftkit.runtime.checkpoint.inventory import Inventory, take_inventory
 from ftkit.runtime.checkpoint.safetensors import find_config, parse_file
 from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
-from ftkit.runtime.ftw.manifest import EXPERT_DTYPES, MANIFEST, FTWError, slot_layout
+from ftkit.runtime.ftw.manifest import MANIFEST, FTWError
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES, Family, family_for_config
+from ftkit.runtime.models.inventory import Inventory, take_inventory
 from ftkit.runtime.models.kv import kv_bytes_per_token
 from ftkit.runtime.spec import ModelSpec
+from ftkit.vocab import EXPERT_FORMATS, Q8_0, slot_layout
 
 PLAN_DTYPE = torch.bfloat16  # the memory plan's compute dtype: dense weights and KV cache
 KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
@@ -122,7 +122,7 @@ def memory_plan(family: Family, spec: ModelSpec, expert_dtype: str | None) -> di
     runtime's own plan (engine/memory.py) with top_k expert slots, one token's experts for the
     layer being computed. The CUDA context and allocator slack come on top; more slots mean
     fewer expert fetches."""
-    dtype = expert_dtype if expert_dtype in EXPERT_DTYPES else "bfloat16"  # what --dtype would make
+    dtype = expert_dtype if expert_dtype in EXPERT_FORMATS else "bfloat16"  # what --dtype would make
     slot = slot_layout(spec, dtype).slot_bytes
     dense = dense_device_bytes({n: t.shape for n, t in expected_dense(family, spec).items()}, PLAN_DTYPE, spec.family)
     least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=True).with_sizes(expert_slots=spec.top_k)
@@ -194,13 +194,13 @@ def _dtype_problems(inv: Inventory) -> list[str]:
     dense_ok = (*DENSE_DTYPES, Q8_0) if inv.gguf else DENSE_DTYPES  # GGUF q8_0 dense is dequantized exactly
     out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {', '.join(dense_ok)}"
            for name, _ in inv.dense.values() if tensors[name].dtype not in dense_ok]
-    bad = inv.expert_dtypes - set(EXPERT_DTYPES)
+    bad = inv.expert_dtypes - set(EXPERT_FORMATS)
     for le in inv.experts.values():
         for name in (*le.stacked.values(), *le.per.values()):
             if tensors[name].dtype in bad:
                 bad.discard(tensors[name].dtype)
                 out.append(f"wrong dtype: experts stored as {tensors[name].dtype} (e.g. {name}), "
-                           f"expected one of {', '.join(EXPERT_DTYPES)}")
+                           f"expected one of {', '.join(EXPERT_FORMATS)}")
     return out
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..models import Family, Mapped, resolve
+from ..checkpoint.base import Source
 from ..spec import ModelSpec
-from .base import Source
+from . import Family, Mapped, resolve
 
 PER_EXPERT, STACKED = "per-expert", "stacked"
 

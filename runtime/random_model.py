@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from ftkit import __version__
+from ftkit.vocab import slot_layout, storage_dtype
 
-from ..checkpoint.base import TORCH_DTYPES
-from ..models import FAMILIES
-from ..spec import FULL_ATTENTION, QK_NORM_HEAD, ModelSpec
-from .manifest import DENSE_FILE, MANIFEST, Manifest, slot_layout, write_json_atomic
-from .writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
+from .ftw.manifest import DENSE_FILE, MANIFEST, Manifest, write_json_atomic
+from .ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
+from .models import FAMILIES
+from .spec import FULL_ATTENTION, QK_NORM_HEAD, ModelSpec
 
 
 def demo_spec(vocab_size: int) -> ModelSpec:
@@ -54,7 +54,7 @@ def write_random_ftw(
     of random numbers would dominate writing a benchmark model.
     """
     gen = torch.Generator().manual_seed(seed)
-    tdt = TORCH_DTYPES[dtype]
+    tdt = storage_dtype(dtype)
     shapes = FAMILIES[spec.family].dense_shapes(spec)
     layout = slot_layout(spec, dtype)
     with atomic_dir(out, force) as tmp:

@@ -1,0 +1,163 @@
+"""The shared vocabulary: what every package names the same way, importing nothing of ftkit.
+
+Weight formats (by name, with their blocks' element and byte counts), the parts of an expert
+slot and how a slot lays them out, the strategy names and byte sizes as people read them. The
+kernels, readers, writers, the store and the tools all import them from here, so no package
+imports one above it just to name a thing (tests/test_layers.py keeps that order). No torch at
+import time, so the commands that only read headers stay light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class FormatError(ValueError):
+    """A tensor's format or shape is not one this ftkit stores."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """How a tensor's values are stored along its last dimension: `block` elements per
+    `block_bytes` bytes. A plain dtype is a block of one element (`block == 1`)."""
+
+    name: str
+    block: int
+    block_bytes: int
+
+    @property
+    def plain(self) -> bool:
+        return self.block == 1
+
+
+# Plain dtypes by torch's name for them. `q8_0` is GGUF's block format: blocks of 32 weights
+# along the last dimension, each an fp16 scale followed by 32 int8 values (34 bytes).
+Q8_0 = "q8_0"
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("float32", 1, 4), Format("float16", 1, 2), Format("bfloat16", 1, 2), Format("float64", 1, 8),
+        Format("int64", 1, 8), Format("int32", 1, 4), Format("int16", 1, 2), Format("int8", 1, 1),
+        Format("uint8", 1, 1), Format("bool", 1, 1),
+        Format(Q8_0, 32, 34),
+    )
+}
+PLAIN_DTYPES = tuple(n for n, f in FORMATS.items() if f.plain)
+# What an expert slot may hold: floats a kernel multiplies directly, or blocks it dequantizes.
+EXPERT_FORMATS = ("float32", "float16", "bfloat16", Q8_0)
+
+
+def format_of(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise FormatError(f"unknown weight format {name!r}") from None
+
+
+def stored_nbytes(fmt: str, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of this logical shape occupies in format `fmt`."""
+    f = format_of(fmt)
+    if not f.plain and (not shape or shape[-1] % f.block):
+        raise FormatError(f"{fmt} needs a last dimension divisible by {f.block}, got {tuple(shape)}")
+    n = 1
+    for d in shape:
+        n *= d
+    return n // f.block * f.block_bytes
+
+
+def stored_shape(fmt: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of a tensor's stored bytes as readers return them: the logical shape for a plain
+    dtype, raw bytes per row for a block format."""
+    f = format_of(fmt)
+    if f.plain:
+        return tuple(shape)
+    return (*shape[:-1], shape[-1] // f.block * f.block_bytes)
+
+
+def storage_dtype(fmt: str) -> torch.dtype:
+    """The torch dtype a tensor in `fmt` is held in: its own, or uint8 bytes for blocks."""
+    import torch
+
+    return getattr(torch, fmt) if format_of(fmt).plain else torch.uint8
+
+
+# Expert slot parts, in slot order. `gate` and `up` are [I, H]; `down` is [H, I].
+EXPERT_PARTS = ("gate", "up", "down")
+SLOT_ALIGN = 4096  # one slot = one DMA = one O_DIRECT read
+PART_ALIGN = 64  # each part starts on a cache line, so kernels can load it with full-width vectors
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # logical element shape
+    offset: int  # bytes from the start of the slot
+    nbytes: int
+
+    def view(self, slot: torch.Tensor) -> torch.Tensor:
+        """This part of a uint8 slot, in its stored dtype and shape (raw rows for blocks)."""
+        raw = slot[self.offset : self.offset + self.nbytes]
+        return raw.view(storage_dtype(self.dtype)).view(stored_shape(self.dtype, self.shape))
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """How one (layer, expert) is laid out in its slot: gate, up, down, padded to SLOT_ALIGN."""
+
+    dtype: str
+    parts: tuple[Part, ...]
+    slot_bytes: int
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "alignment": SLOT_ALIGN,
+            "slot_bytes": self.slot_bytes,
+            "parts": [
+                {"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "offset": p.offset, "nbytes": p.nbytes}
+                for p in self.parts
+            ],
+        }
+
+
+class HasExpertShapes(Protocol):
+    def expert_part_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+
+def slot_layout(spec: HasExpertShapes, dtype: str) -> SlotLayout:
+    """The one slot layout for `spec`'s experts stored in `dtype`."""
+    if dtype not in EXPERT_FORMATS:
+        raise FormatError(f"expert dtype {dtype} is not one of {', '.join(EXPERT_FORMATS)}")
+    parts, off = [], 0
+    shapes = spec.expert_part_shapes()
+    for name in EXPERT_PARTS:
+        n = stored_nbytes(dtype, shapes[name])
+        parts.append(Part(name, dtype, shapes[name], off, n))
+        off = align_up(off + n, PART_ALIGN)
+    return SlotLayout(dtype, tuple(parts), align_up(off, SLOT_ALIGN))
+
+
+# Where routed experts run (docs/architecture.md, "Strategies"): all on the device, missing ones
+# copied in, missing ones on the CPU, the misses split between both; `auto` picks one.
+FUSED, OFFLOAD, CPU, HYBRID, AUTO = "fused", "offload", "cpu", "hybrid", "auto"
+STRATEGIES = (FUSED, OFFLOAD, CPU, HYBRID, AUTO)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
