@@ -16,10 +16,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"
 
-# Routing functions.
-SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, keep the top k (optionally renormalised)
-# sigmoid scores; a bias steers the choice only; top k within the best expert groups (GLM-4.5)
-SIGMOID_GROUP_TOPK = "sigmoid_group_topk"
+# Fields earlier versions wrote and this one ignores: `router` (the family's decoder routes).
+LEGACY_FIELDS = frozenset({"router"})
 
 # Q/K norm placement.
 QK_NORM_NONE = "none"
@@ -44,7 +42,6 @@ class ModelSpec:
     moe_layers: tuple[int, ...]  # model layer indices that hold routed experts, ascending
     layer_kinds: tuple[str, ...]
     norm_topk_prob: bool = False
-    router: str = SOFTMAX_TOPK
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # sigmoid(x @ w) scales the shared expert (Qwen2-MoE)
     qk_norm: str = QK_NORM_NONE
@@ -93,10 +90,10 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k not in LEGACY_FIELDS}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"ModelSpec has no field(s) {', '.join(unknown)}")
-        d = dict(d)
         for key in ("moe_layers", "layer_kinds", "eos_token_ids"):
             if key in d:
                 d[key] = tuple(d[key])

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from ftkit.runtime.engine.tokenizer import Tokenizer
-from ftkit.runtime.kv.anchors import TAIL, AnchorPool
-from ftkit.runtime.kv.boundaries import IN_THINK, PERIODIC, Boundaries, Marker
-from ftkit.runtime.kv.radix import RadixTree
 from ftkit.runtime.models.kv import CacheSnapshot, KVCache
+from ftkit.runtime.prefix_cache.anchors import TAIL, AnchorPool
+from ftkit.runtime.prefix_cache.boundaries import IN_THINK, PERIODIC, Boundaries, Marker
+from ftkit.runtime.prefix_cache.radix import RadixTree
 from ftkit.runtime.random_model import demo_spec
 from ftkit.runtime.synthetic import SPECIAL_TOKENS as S
 from ftkit.runtime.synthetic import write_tokenizer

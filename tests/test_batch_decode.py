@@ -22,14 +22,14 @@ def test_forward_batch_matches_single_sequences(hf_checkpoint, tmp_path, family)
         out = []
         for p in prompts:
             kv = rt.new_kv(16)
-            rt.decoder.forward(torch.tensor(p), kv)
+            rt.step.forward(torch.tensor(p), kv)
             out.append(kv)
         return out
 
     alone, together = caches(), caches()
     with torch.inference_mode():
         for j in range(3):
-            want = torch.stack([rt.decoder.forward(torch.tensor([s[j]]), kv)[-1] for s, kv in zip(steps, alone, strict=True)])
+            want = torch.stack([rt.step.forward(torch.tensor([s[j]]), kv)[-1] for s, kv in zip(steps, alone, strict=True)])
             got = rt.decoder.forward_batch(torch.tensor([s[j] for s in steps]), together)
             assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (family, j)
             assert torch.equal(got.argmax(-1), want.argmax(-1))

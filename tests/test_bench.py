@@ -68,7 +68,7 @@ def test_hybrid_graph_decode_reports_both_sides(tiny):
     from ftkit.runtime.engine.graphs import GraphDecode
 
     rt = runtime(tiny, strategy="hybrid", cache_experts=8, bandwidth_ratio=0.5)
-    rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+    rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
     d = run.decode(rt, 4, 4, None, FIGS)
     assert d["cpu"] > 0 and 0 < d["cpu_layers"] <= 4 * rt.spec.num_moe_layers
     assert d["cpu_side_ms_per_token"] > 0 and d["gpu_side_ms_per_token"] >= 0
@@ -151,7 +151,7 @@ def test_layer_by_layer_prefill_streams_each_layer_once(tiny):
     each layer's experts cross once and serve all three pieces."""
     import torch
 
-    from ftkit.runtime.kv.prefill import prefill
+    from ftkit.runtime.prefix_cache.prefill import prefill
 
     e = preset_spec("tiny").num_experts
     ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -162,9 +162,9 @@ def test_layer_by_layer_prefill_streams_each_layer_once(tiny):
         with torch.inference_mode():
             if name == "forwards":  # as GPU prefill ran before a7a05dd
                 for a in range(0, 48, 16):
-                    logits = rt.decoder.forward(torch.tensor(ids[a : a + 16]), kv, last_only=True)[-1]
+                    logits = rt.step.forward(torch.tensor(ids[a : a + 16]), kv, last_only=True)[-1]
             else:
-                logits, _ = prefill(rt.decoder, ids, kv, (), max_chunk=16)
+                logits, _ = prefill(rt.step, ids, kv, (), max_chunk=16)
         fills[name] = rt.store.stats.totals().fills
         assert kv.length == 48 and rt.store.cache.capacity == 2 * e
         fills[name + "_logits"] = logits
@@ -181,7 +181,7 @@ def test_cpu_prefill_batches_experts_bitwise(tiny, strategy):
     as one forward per page, and reads each active expert once instead of once per page."""
     import torch
 
-    from ftkit.runtime.kv.prefill import prefill
+    from ftkit.runtime.prefix_cache.prefill import prefill
 
     ids = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(5)).tolist()
     out, calls = {}, {}
@@ -196,9 +196,9 @@ def test_cpu_prefill_batches_experts_bitwise(tiny, strategy):
             if name == "pages":  # as CPU prefill ran before
                 for a, b in zip([0, *cuts], [*cuts, 100], strict=False):
                     if a < b <= 100:
-                        logits = rt.decoder.forward(torch.tensor(ids[a:b]), kv, last_only=True)[-1]
+                        logits = rt.step.forward(torch.tensor(ids[a:b]), kv, last_only=True)[-1]
             else:
-                logits, _ = prefill(rt.decoder, ids, kv, cuts)
+                logits, _ = prefill(rt.step, ids, kv, cuts)
         out[name], calls[name] = (logits, kv), seen
         rt.close()
     assert torch.equal(out["batched"][0], out["pages"][0])

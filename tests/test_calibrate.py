@@ -91,4 +91,4 @@ def test_a_wrong_profile_converges_to_the_best_split(true_fill, true_cpu):
 def test_without_adapting_the_prior_is_kept():
     p = Planner("hybrid", 0.1, adapt=False)
     simulate(p, 25.0, 40.0, steps=10)
-    assert p.ratio == 0.1 and p.fill_count(8) == 1
+    assert p.rate_fraction == 0.1 and p.fill_count(8) == 1

@@ -27,7 +27,6 @@ from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.models.inventory import take_inventory
-from ftkit.runtime.spec import SIGMOID_GROUP_TOPK
 from ftkit.runtime.synthetic import write_tokenizer
 from ftkit.tools.convert.pipeline import convert, make_plan
 from ftkit.tools.diagnose.report import diagnose
@@ -85,7 +84,7 @@ def test_spec_names_and_shapes(hf_dir):
     spec = inv.spec
     assert spec.family == NAME and inv.problems == [] and inv.unexpected == [] and inv.missing == []
     assert spec.moe_layers == (1, 2) and spec.num_experts == 8 and spec.top_k == 2 and spec.norm_topk_prob
-    assert spec.router == SIGMOID_GROUP_TOPK and spec.extra == dict(n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    assert spec.extra == dict(n_group=2, topk_group=1, routed_scaling_factor=2.5)
     assert spec.shared_expert_intermediate_size == 32 and not spec.shared_expert_gate
     assert spec.partial_rotary_factor == 0.5 and spec.qk_norm == "head"
     assert spec.attention_bias and not spec.attention_out_bias

@@ -34,7 +34,7 @@ def model(tmp_path_factory):
 def logits(path, **opts) -> torch.Tensor:
     rt = Runtime(path, RuntimeOptions(threads=4, **opts))
     kv = rt.new_kv(len(PROMPT) + len(DECODE) + len(EXTEND))
-    out = [rt.decoder.forward(torch.tensor(c, device=rt.device), kv).float().cpu()
+    out = [rt.step.forward(torch.tensor(c, device=rt.device), kv).float().cpu()
            for c in [PROMPT] + [[t] for t in DECODE] + [EXTEND]]
     rt.close()
     return torch.cat(out)
@@ -108,7 +108,7 @@ def test_a_long_second_chunk_matches_cpu_fused(model, monkeypatch):
     def run(**opts) -> torch.Tensor:
         rt = Runtime(model, RuntimeOptions(threads=4, strategy="fused", **opts))
         kv = rt.new_kv(len(PROMPT) + len(more))
-        out = [rt.decoder.forward(torch.tensor(c, device=rt.device), kv).float().cpu() for c in (PROMPT, more)]
+        out = [rt.step.forward(torch.tensor(c, device=rt.device), kv).float().cpu() for c in (PROMPT, more)]
         rt.close()
         return torch.cat(out)
 
@@ -137,7 +137,7 @@ def test_layer_by_layer_prefill_reads_each_layers_routing_once(model, monkeypatc
         rt = Runtime(model, RuntimeOptions(threads=4, device="cuda", dtype="float32", strategy=strategy,
                                            cache_experts=40, bandwidth_ratio=0.5))
         with torch.inference_mode():
-            out[chunk] = rt.decoder.forward(ids.to(rt.device), rt.new_kv(240), chunk=chunk).float().cpu()
+            out[chunk] = rt.step.forward(ids.to(rt.device), rt.new_kv(240), chunk=chunk).float().cpu()
         calls, sorted_calls[:] = list(sorted_calls), []
         assert not rt.store.ahead
         rt.close()
@@ -151,7 +151,7 @@ def test_gpu_budget_holds_a_long_prefill(tmp_path):
     --gpu-budget: the plan counts the prefill workspace (the whole prompt's residual stream
     included), the prefix cache and the graph K/V, not only dense weights and KV."""
     from ftkit.runtime.engine.memory import plan_memory
-    from ftkit.runtime.kv.prefill import prefill
+    from ftkit.runtime.prefix_cache.prefill import prefill
 
     spec = dataclasses.replace(demo_spec(4096), hidden_size=1024, moe_intermediate_size=512, num_experts=32,
                                top_k=8, num_heads=16, num_kv_heads=4, head_dim=64, num_layers=2,
@@ -170,13 +170,13 @@ def test_gpu_budget_holds_a_long_prefill(tmp_path):
     rt = Runtime(path, opts)
     try:
         assert rt.store.cache.capacity == 24
-        assert rt.decoder.graphs is not None and rt.decoder.graphs.capacity == tokens  # decode below: graphs
+        assert rt.step.graphs is not None and rt.step.graphs.capacity == tokens  # decode below: graphs
         kv = rt.new_kv(tokens)
         ids = torch.randint(0, spec.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         prompt, steps = ids[:-4], ids[-4:]  # layer by layer, the second piece behind 8192 keys, then decode
-        prefill(rt.decoder, prompt.tolist(), kv, (), max_chunk=rt.prefill_chunk)
+        prefill(rt.step, prompt.tolist(), kv, (), max_chunk=rt.prefill_chunk)
         for t in steps:
-            rt.decoder.forward(t.view(1).to(rt.device), kv)
+            rt.step.forward(t.view(1).to(rt.device), kv)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         print(f"peak {peak / 2**20:.1f} MiB of a {budget / 2**20:.1f} MiB budget")  # -s: the plan's margin

@@ -55,7 +55,7 @@ def run(path, graphs: bool, device: str, **opts) -> tuple[torch.Tensor, Runtime,
     rt = Runtime(path, RuntimeOptions(threads=2, device=device, graphs=graphs, dtype="float32", **opts))
     if graphs and device == "cpu":  # no capture on CPU: run the graph step eagerly
         assert unsupported(rt.decoder, rt.store) is None
-        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+        rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
     kv = rt.new_kv(len(PROMPT) + len(DECODE) + len(MORE))
     out, counted = [], [0, 0, 0, 0]
     with torch.inference_mode():
@@ -64,7 +64,7 @@ def run(path, graphs: bool, device: str, **opts) -> tuple[torch.Tensor, Runtime,
                 t = rt.store.stats.totals()
                 assert t.active == t.hits + t.fills + t.cpu
                 counted = [now - before for now, before in zip((t.active, t.hits, t.fills, t.cpu), counted, strict=True)]
-            out.append(rt.decoder.forward(torch.tensor(chunk, device=rt.device), kv).float().cpu())
+            out.append(rt.step.forward(torch.tensor(chunk, device=rt.device), kv).float().cpu())
     return torch.cat(out), rt, counted
 
 
@@ -115,7 +115,7 @@ def test_graph_decode_matches_fused_across_families(hf_checkpoint, tmp_path, fam
     ref_rt.close()
     got, rt, _ = run(path, graphs=True, device="cuda" if CUDA else "cpu", strategy="offload", cache_experts=6)
     assert rt.store.device_plan is not None, "the graph path did not run"
-    graphs, w = rt.decoder.graphs, rt.decoder.w
+    graphs, w = rt.step.graphs, rt.decoder.w
     assert bool(graphs.qkv) == (family not in ("olmoe", "qwen3_next"))
     assert bool(graphs.recurrent) == (family == "qwen3_next")
     for i, (weight, bias) in graphs.qkv.items():
@@ -153,16 +153,16 @@ def test_graph_decode_survives_a_cache_rebuild(model):
     rt = Runtime(model, RuntimeOptions(threads=2, device=device, strategy="hybrid", cache_experts=12,
                                        bandwidth_ratio=0.5, dtype="float32"))
     if device == "cpu":
-        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+        rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
     kv = rt.new_kv(len(ids))
     with torch.inference_mode():
         ref = [ref_rt.decoder.forward(torch.tensor(c), ref_kv) for c in [PROMPT] + [[t] for t in DECODE[:6]]]
-        got = [rt.decoder.forward(torch.tensor(PROMPT, device=rt.device), kv)]
+        got = [rt.step.forward(torch.tensor(PROMPT, device=rt.device), kv)]
         for n, t in enumerate(DECODE[:6]):
             if n == 3:
                 rt.store.rebuild(20)
                 assert rt.store.device_plan is None and rt.store.cache.capacity == 20
-            got.append(rt.decoder.forward(torch.tensor([t], device=rt.device), kv))
+            got.append(rt.step.forward(torch.tensor([t], device=rt.device), kv))
     assert rt.store.device_plan is not None and rt.store.version == 1
     for a, b in zip(got, ref, strict=True):
         assert torch.allclose(a.float().cpu(), b.float(), rtol=1e-3, atol=1e-3)
@@ -387,8 +387,8 @@ def test_hybrid_split_follows_the_slower_side(model):
     assert after(1_000_000, 3_000_000, 12) == pytest.approx(start + 0.25)  # CPU 3x slower: fill more
     assert after(2_000_000, 1_000_000, 12) == pytest.approx(start + 0.25 - 0.5 / 3)  # CPU idle a third
     assert after(0, 0, 0) == pytest.approx(start + 0.25 - 0.5 / 3 - 0.02)
-    assert float(plan.splits[0].tensor) == pytest.approx(plan.fill_fraction)
-    assert plan.splits[1].fraction == start  # extends keep their own split
+    assert float(plan.fractions[0].tensor) == pytest.approx(plan.fill_fraction)
+    assert plan.fractions[1].fraction == start  # extends keep their own split
     now = plan.fill_fraction
     plan.gpu_ns[:2] += torch.tensor([10**10, 12])  # a warm-up step: seconds of compiling on the GPU side
     plan.busy_ns[:2] += torch.tensor([1_000_000, 12])
@@ -445,13 +445,13 @@ def test_resident_count_follows_graph_decode(model):
     rt = Runtime(model, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", strategy="offload",
                                        cache_experts=40, dtype="float32"))
     if not CUDA:
-        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+        rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
     kv = rt.new_kv(len(PROMPT) + 4)
     with torch.inference_mode():
-        rt.decoder.forward(torch.tensor(PROMPT[:2], device=rt.device), kv)
+        rt.step.forward(torch.tensor(PROMPT[:2], device=rt.device), kv)
         before = len(rt.store.cache)
         for t in DECODE[:4]:
-            rt.decoder.forward(torch.tensor([t], device=rt.device), kv)
+            rt.step.forward(torch.tensor([t], device=rt.device), kv)
     assert rt.store.device_plan.on_device and len(rt.store.cache) == before  # the host copy is stale
     during = rt.store.resident()
     assert during > before
@@ -465,7 +465,7 @@ def _graph_runtime(path, **opts) -> Runtime:
     opts = RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32", **opts)
     rt = Runtime(path, opts)
     if not CUDA:
-        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+        rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
     return rt
 
 
@@ -473,7 +473,7 @@ def _prefilled(path, cfg, prompt=PROMPT) -> tuple[Runtime, object, int]:
     rt = _graph_runtime(path, **cfg)
     kv = rt.new_kv(len(prompt) + 12)
     with torch.inference_mode():
-        first = int(rt.decoder.forward(torch.tensor(prompt, device=rt.device), kv)[-1].argmax())
+        first = int(rt.step.forward(torch.tensor(prompt, device=rt.device), kv)[-1].argmax())
     return rt, kv, first
 
 
@@ -481,7 +481,7 @@ def _greedy_steps(rt: Runtime, kv, token: int, n: int) -> list[int]:
     out = []
     with torch.inference_mode():
         for _ in range(n):
-            token = int(rt.decoder.forward(torch.tensor([token], device=rt.device), kv)[-1].argmax())
+            token = int(rt.step.forward(torch.tensor([token], device=rt.device), kv)[-1].argmax())
             out.append(token)
     return out
 
@@ -519,7 +519,7 @@ def test_greedy_pipeline_matches_step_by_step(request, which, cfg):
 
     rt, kv, first = _prefilled(model, cfg)
     with torch.inference_mode():
-        steps = rt.decoder.graphs.pipeline(first, kv, 8)
+        steps = rt.step.graphs.pipeline(first, kv, 8)
         got = [next(steps) for _ in range(3)]
         steps.close()  # the fourth step was in flight: dropped
     assert kv.length == len(PROMPT) + 3
@@ -536,9 +536,9 @@ def test_greedy_pipeline_matches_step_by_step(request, which, cfg):
         with torch.inference_mode():
             if pipelined:
                 feed = torch.tensor(fed, device=rt.device)
-                outs.append(list(rt.decoder.graphs.pipeline(fed[0], kv, len(fed), feed=feed)))
+                outs.append(list(rt.step.graphs.pipeline(fed[0], kv, len(fed), feed=feed)))
             else:
-                outs.append([int(rt.decoder.forward(torch.tensor([t], device=rt.device), kv)[-1].argmax())
+                outs.append([int(rt.step.forward(torch.tensor([t], device=rt.device), kv)[-1].argmax())
                              for t in fed])
         rt.close()
     assert outs[0] == outs[1]
@@ -555,7 +555,7 @@ def test_sampled_pipeline_matches_step_by_step(model, cfg):
         out = []
         with torch.inference_mode():
             for _ in range(n):
-                token = sampler(rt.decoder.forward(torch.tensor([token], device=rt.device), kv)[-1])
+                token = sampler(rt.step.forward(torch.tensor([token], device=rt.device), kv)[-1])
                 out.append(token)
         return out
 
@@ -566,7 +566,7 @@ def test_sampled_pipeline_matches_step_by_step(model, cfg):
     rt, kv, first = _prefilled(model, cfg)
     sampler = Sampler(params)
     with torch.inference_mode():
-        pipe = rt.decoder.graphs.pipeline(first, kv, 8, sampler)
+        pipe = rt.step.graphs.pipeline(first, kv, 8, sampler)
         got = [next(pipe) for _ in range(3)]
         pipe.close()  # the fourth step was in flight: dropped, its draw rewound
     got += steps(rt, kv, got[-1], 5, sampler)
@@ -577,7 +577,7 @@ def test_sampled_pipeline_matches_step_by_step(model, cfg):
     prompt_first = Sampler(params)  # generation samples its first token from the prefill too
     with torch.inference_mode():
         kv = rt.new_kv(len(PROMPT) + 12)
-        lead = prompt_first(rt.decoder.forward(torch.tensor(PROMPT, device=rt.device), kv)[-1])
+        lead = prompt_first(rt.step.forward(torch.tensor(PROMPT, device=rt.device), kv)[-1])
         want = [lead, *steps(rt, kv, lead, 6, prompt_first)]
     rt.close()
     rt = _graph_runtime(model, **cfg)
@@ -592,18 +592,18 @@ def _turns(path, turns: list[list[int]], fused: bool, capacity: int = 128, **cfg
     rt = Runtime(path, RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", dtype="float32",
                                       graphs=fused, **cfg))
     if fused and not CUDA:
-        rt.decoder.graphs = GraphDecode(rt.decoder, rt.store, capacity=capacity, capture=False)
+        rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=capacity, capture=False)
     kv = rt.new_kv(sum(map(len, turns)) + 1)
     taken = []
     if fused:
-        def counted(ids, cache, last=False, real=rt.decoder.graphs.extend):
+        def counted(ids, cache, last=False, real=rt.step.graphs.extend):
             out = real(ids, cache, last)
             taken.append((len(ids), rt.store.device_plan.on_device))  # on_device: planned there
             return out
 
-        rt.decoder.graphs.extend = counted
+        rt.step.graphs.extend = counted
     with torch.inference_mode():
-        out = [rt.decoder.forward(torch.tensor(t, device=rt.device), kv, last_only=n == 2).float().cpu()
+        out = [rt.step.forward(torch.tensor(t, device=rt.device), kv, last_only=n == 2).float().cpu()
                for n, t in enumerate(turns)]
     rows = {i: kv.k[i][: kv.length].float().cpu() for i in kv.k}
     rt.close()
@@ -653,7 +653,7 @@ def test_a_short_extend_matches_across_families(hf_checkpoint, tmp_path, family)
 def test_a_short_prompt_with_anchors_takes_their_snapshots(next_model):
     """A few tokens with recurrent-state anchors inside run the forward that takes the
     snapshots (the extend path would not): each equals the state a prompt ending there leaves."""
-    from ftkit.runtime.kv.prefill import prefill
+    from ftkit.runtime.prefix_cache.prefill import prefill
 
     snaps, states = {}, {}
     for graphs in (True, False):
@@ -662,11 +662,11 @@ def test_a_short_prompt_with_anchors_takes_their_snapshots(next_model):
                                        strategy="offload", cache_experts=8, graphs=False))
         with torch.inference_mode():
             if graphs:
-                _, snaps = prefill(rt.decoder, PROMPT, rt.new_kv(32), [4, 7], [4, 7], max_chunk=8192)
+                _, snaps = prefill(rt.step, PROMPT, rt.new_kv(32), [4, 7], [4, 7], max_chunk=8192)
             else:
                 for end in (4, 7):
                     kv = rt.new_kv(32)
-                    rt.decoder.forward(torch.tensor(PROMPT[:end], device=rt.device), kv)
+                    rt.step.forward(torch.tensor(PROMPT[:end], device=rt.device), kv)
                     states[end] = _states(kv)
         rt.close()
     assert sorted(snaps) == [4, 7]
@@ -720,12 +720,12 @@ def _next_tokens(path, prompts: list[list[int]], nxt: list[int], fused: bool, **
     caches = [rt.new_kv(len(p) + 2) for p in prompts]
     with torch.inference_mode():
         for p, kv in zip(prompts, caches, strict=True):
-            rt.decoder.forward(torch.tensor(p, device=rt.device), kv)
+            rt.step.forward(torch.tensor(p, device=rt.device), kv)
         ids = torch.tensor(nxt, device=rt.device)
         if fused:
-            logits = rt.decoder.graphs.batch(ids, caches)
+            logits = rt.step.graphs.batch(ids, caches)
         else:
-            logits = torch.cat([rt.decoder.forward(ids[b : b + 1], kv) for b, kv in enumerate(caches)])
+            logits = torch.cat([rt.step.forward(ids[b : b + 1], kv) for b, kv in enumerate(caches)])
     rows = [{i: kv.k[i][: kv.length].float().cpu() for i in kv.k} for kv in caches]
     states = [_states(kv) for kv in caches]
     rt.close()

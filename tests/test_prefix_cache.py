@@ -15,7 +15,7 @@ from test_server import KEY, MODEL, ant, oai, server  # noqa: F401  (the real se
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
-from ftkit.runtime.kv.anchors import TAIL
+from ftkit.runtime.prefix_cache.anchors import TAIL
 from ftkit.runtime.server.quirks import normalise
 from ftkit.tools.bench import agent_trace as trace
 from ftkit.tools.bench.agent_trace import HARNESSES, session
@@ -46,18 +46,18 @@ def ftw_of(hf_checkpoint, tmp_path_factory):
 def run(rt: Runtime, ids: list[int], n: int = 3):
     """(generation, the logits each generated token was sampled from)."""
     seen = []
-    real = rt.decoder.forward
+    real = rt.step.forward
 
     def record(x, kv, **kwargs):
         out = real(x, kv, **kwargs)
         seen.append(out[-1].clone())
         return out
 
-    rt.decoder.forward = record
+    rt.step.forward = record
     try:
         gen = generate(rt, ids, SamplingParams(max_tokens=n, ignore_eos=True))
     finally:
-        del rt.decoder.forward
+        del rt.step.forward
     return gen, torch.stack(seen[-len(gen.token_ids):])
 
 

@@ -176,7 +176,7 @@ def test_layer_by_layer_prefill_takes_the_anchors_snapshots(ftw):
     each anchor's snapshot holds every linear-attention layer's state as that layer left it
     there, the same as separate forwards cut at the anchors leave, and resuming from one gives
     the same logits as a fresh run."""
-    from ftkit.runtime.kv.prefill import prefill
+    from ftkit.runtime.prefix_cache.prefill import prefill
 
     dec = ftw_decoder(ftw["float32"])
     tokens = LONG.tolist()
@@ -204,7 +204,7 @@ def test_expert_runner_gets_the_routing_it_was_told_to_expect(ftw):
 
     from test_fidelity import BankExperts
 
-    from ftkit.runtime.kv.prefill import prefill
+    from ftkit.runtime.prefix_cache.prefill import prefill
 
     calls = {"expected": 0, "taken": 0}
 

@@ -9,7 +9,7 @@ import torch
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.experts.cache import SlotCache
 from ftkit.runtime.experts.planner import Planner, hybrid_fill_count
-from ftkit.runtime.experts.prefill import LayerPrefetcher
+from ftkit.runtime.experts.streaming import LayerPrefetcher
 from ftkit.runtime.profile import Bandwidths
 from ftkit.tools.convert.pipeline import convert, make_plan
 
@@ -31,7 +31,7 @@ def run_tokens(path, stream_prefill=False, **opts):
     """Logits for a prefill then single-token decode steps, plus per-step routing counts."""
     rt = Runtime(path, RuntimeOptions(trace_stats=True, threads=2, **opts))
     if stream_prefill:  # what CUDA does by default: whole layers copied one layer ahead
-        rt.store.prefetcher = LayerPrefetcher(rt.pool, rt.device)
+        rt.store.streaming.prefetcher = LayerPrefetcher(rt.pool, rt.device)
     distinct: list[dict[int, int]] = []
     real_run = rt.store.run
 
@@ -46,7 +46,7 @@ def run_tokens(path, stream_prefill=False, **opts):
         for chunk in [PROMPT] + [[t] for t in DECODE]:
             distinct.append({})
             rt.store.stats.new_step()
-            logits.append(rt.decoder.forward(torch.tensor(chunk), kv))
+            logits.append(rt.step.forward(torch.tensor(chunk), kv))
     rt.close()
     return torch.cat(logits), rt.store.stats, distinct
 
@@ -143,7 +143,7 @@ def test_planner_protects_this_steps_experts():
 
 def test_hybrid_fills_every_miss_of_a_prefill_sized_batch():
     cache = SlotCache(8, 4096, 100, torch.device("cpu"))
-    p = Planner("hybrid", ratio=0.25)
+    p = Planner("hybrid", fill_fraction=0.25)
     split = p.plan(cache, [1, 2, 3, 4])
     assert len(split.fills) == 1 and len(split.cpu) == 3
     whole = p.plan(cache, [5, 6, 7, 8], fill_all=True)
@@ -165,7 +165,7 @@ def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream,
     capacity = 24 if stream else 12
     rt = Runtime(path, RuntimeOptions(strategy="offload", cache_experts=capacity, threads=2))
     if stream:
-        rt.store.prefetcher = LayerPrefetcher(rt.pool, rt.device)
+        rt.store.streaming.prefetcher = LayerPrefetcher(rt.pool, rt.device)
     store, spec = rt.store, rt.spec
     e, k = spec.num_experts, spec.top_k
     staging = (2 if stream and items >= 4 else 1) * e
@@ -185,7 +185,7 @@ def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream,
     fills = store.stats.totals().fills
     assert fills > capacity - len(hot)  # plain LRU would have evicted the hot rows for these
     assert set(hot) <= set(store.cache.lru)
-    assert not store.holding and not store.cache.kept
+    assert not store.streaming.holding and not store.cache.kept
     rt.close()
 
 
@@ -196,9 +196,9 @@ def test_a_short_extend_moves_only_its_misses(hf_checkpoint, tmp_path):
     convert(make_plan(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts
     rt = Runtime(path, RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.3, threads=2,
                                       trace_stats=True))
-    rt.store.prefetcher = LayerPrefetcher(rt.pool, rt.device)
+    rt.store.streaming.prefetcher = LayerPrefetcher(rt.pool, rt.device)
     ahead = []
-    rt.store.prefetcher.prefetch = lambda cache, moe_index, in_use: ahead.append(moe_index)
+    rt.store.streaming.prefetcher.prefetch = lambda cache, moe_index, in_use: ahead.append(moe_index)
     spec, store = rt.spec, rt.store
     e, k = spec.num_experts, spec.top_k
     x = torch.randn((e // k, spec.hidden_size), generator=torch.Generator().manual_seed(0))
@@ -228,17 +228,17 @@ def _layer(q: int, m: int = 20, lead: float = 0.5) -> tuple[float, float]:
 def test_balance_ends_both_branches_together(prior):
     """The up-front split from outcomes (20 misses a layer, `_layer`): from any prior the split
     settles where the two end within one expert of each other."""
-    p = Planner("hybrid", ratio=prior)
+    p = Planner("hybrid", fill_fraction=prior)
     for _ in range(30):
         p.balance(*_layer(p.fill_count(20)))
     fills, cpu = _layer(p.fill_count(20))
-    assert abs(fills - cpu) <= 1.2 and p.ratio == prior  # the rates' ratio is left to graph decode
+    assert abs(fills - cpu) <= 1.2 and p.rate_fraction == prior  # the rates' ratio is left to graph decode
 
 
 def test_balance_comes_back_after_filling_every_miss():
     """A few slow CPU layers (a cold start) can push the split to filling every miss; the
     layers after them, whose CPU got nothing and so took 0 s, bring it back."""
-    p = Planner("hybrid", ratio=0.5)
+    p = Planner("hybrid", fill_fraction=0.5)
     for _ in range(5):
         p.balance(0.001, 1.0)
     assert p.fill_count(20) == 20 and _layer(20)[1] == 0

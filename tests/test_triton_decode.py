@@ -150,8 +150,8 @@ def test_delta_rule_step_matches_torch(hf_checkpoint, tmp_path, monkeypatch, dty
     for kernels in (None, delta_rule):
         monkeypatch.setattr(qwen3_next, "_step_kernels", lambda x, k=kernels: k)
         cache = rt.new_kv(len(PROMPT) + len(tokens))
-        rt.decoder.forward(PROMPT.to(DEV), cache)
-        logits = torch.cat([rt.decoder.forward(torch.tensor([t], device=DEV), cache) for t in tokens]).cpu()
+        rt.step.forward(PROMPT.to(DEV), cache)
+        logits = torch.cat([rt.step.forward(torch.tensor([t], device=DEV), cache) for t in tokens]).cpu()
         runs.append((logits, {(i, n): t.float().cpu() for i, st in cache.states.items() for n, t in st.items()}))
     rt.close()
     (ref, ref_states), (got, got_states) = runs

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv.prefill import prefill
+from ..prefix_cache.prefill import prefill
 from .loader import Runtime
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
@@ -80,7 +80,7 @@ class Decoding:
             gen.cached_tokens = cache.resume(ids, cuts, self.kv) if cache else 0
             points = cache.snapshot_points(ids, cuts) if cache else {}
             t1 = time.perf_counter()
-            self.logits, snaps = prefill(rt.decoder, ids, self.kv, cuts, points, rt.prefill_chunk)
+            self.logits, snaps = prefill(rt.step, ids, self.kv, cuts, points, rt.prefill_chunk)
             t2 = time.perf_counter()
             if cache:
                 cache.insert(ids, cuts, self.kv, snaps, points)
@@ -137,15 +137,13 @@ class Decoding:
     def pipelined(self) -> bool:
         """Decoding through CUDA graphs, the tokens picked on the device: the next step can be
         queued before a token is read."""
-        graphs = self.rt.decoder.graphs
-        return not self.done and graphs is not None and graphs.accepts(self.kv)
+        return not self.done and self.rt.step.pipelines(self.kv)
 
     def burst(self, interrupt: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str, Generation]]:
         """`emit` each token as GraphDecode.pipeline produces it (the GPU never waits for the host
         between tokens), until done or `interrupt()`; decoding can go on step by step after."""
         sampler = self.sampler if self.params.temperature else None  # None: the graphs' own argmax
-        steps = self.rt.decoder.graphs.pipeline(self.next_input, self.kv, self.max_new - len(self.gen.token_ids),
-                                                sampler)
+        steps = self.rt.step.pipeline(self.next_input, self.kv, self.max_new - len(self.gen.token_ids), sampler)
         try:
             for token in steps:
                 self.rt.store.stats.new_step()
@@ -177,7 +175,7 @@ def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
             return
         rt.store.stats.new_step()
         with torch.inference_mode():
-            d.accept(rt.decoder.forward(torch.tensor([d.next_input], device=rt.device), d.kv)[-1])
+            d.accept(rt.step.forward(torch.tensor([d.next_input], device=rt.device), d.kv)[-1])
 
 
 def _partial_stop(text: str, stops: list[str]) -> int:

@@ -38,8 +38,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from ftkit.kernels.triton import optional
+
 from ..experts.store import ExpertStore
-from ..models.decoder import MoEDecoder
+from ..models.decoder import Experts, Mixer, MoEDecoder
 from ..models.kv import KVCache, attention_layers
 from ..models.layers import decode_attention, linear
 from ..spec import QK_NORM_HEAD, QK_NORM_NONE
@@ -70,11 +72,7 @@ def _fused_attention(decoder: MoEDecoder):
         return None
     if s.qk_norm not in (QK_NORM_HEAD, QK_NORM_NONE) or s.extra.get("clip_qkv"):
         return None
-    try:
-        from ftkit.kernels.triton import decode
-    except ImportError:
-        return None
-    return decode
+    return optional("decode")
 
 
 def _concat_qkv(w: dict[str, torch.Tensor], i: int,
@@ -135,7 +133,16 @@ class GraphDecode:
         from ftkit.kernels.triton import attention as few
         from ftkit.kernels.triton.norm import add_rms_norm
 
-        self.add_rms_norm, self.few = add_rms_norm, few
+        self.few = few
+        self.add_norm = decoder.add_norm
+        if type(decoder).norm is MoEDecoder.norm and type(decoder).add_norm is MoEDecoder.add_norm:
+            s = decoder.spec
+
+            def fused_add_norm(x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                """The decoder's add_norm in one launch (a family overriding its norm keeps its own)."""
+                return add_rms_norm(x, delta, decoder.w[name], s.rms_norm_eps, decoder.norm_offset)
+
+            self.add_norm = fused_add_norm
         self.said_too_long = False  # the eager fallback for long sequences is announced once
 
     def accepts(self, cache: KVCache) -> bool:
@@ -278,11 +285,7 @@ class GraphDecode:
             def mix(i: int, h: torch.Tensor) -> torch.Tensor:
                 return dec.mixer(i, h, cos, sin, bound, kv)
 
-        self.store.device_planned = True
-        try:
-            x, h = self._layers(state, layers, mix)
-        finally:
-            self.store.device_planned = False
+        x, h = self._layers(state, layers, mix, self.store.device_plan)
         if layers.stop < s.num_layers:
             return x, h
         logits = F.linear(h, dec.lm_head)
@@ -353,11 +356,7 @@ class GraphDecode:
                 out = [dec.mixer(i, h[a:z], *ropes[b], c) for b, (c, _, _, a, z) in enumerate(segments)]
                 return out[0] if len(out) == 1 else torch.cat(out)
 
-        self.store.device_planned = on_device
-        try:
-            _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), mix)
-        finally:
-            self.store.device_planned = False
+        _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), mix, plan if on_device else None)
         for c, n in zip(caches, counts, strict=True):
             c.advance(n)
         return F.linear(h[-1:] if last_only else h, dec.lm_head)
@@ -373,19 +372,14 @@ class GraphDecode:
             return self.decoder.linear(f"layers.{i}.attn.o", attend(i, h).reshape(h.shape[0], -1))
         return mix
 
-    def _layers(self, state: tuple[torch.Tensor, torch.Tensor], layers: range,
-                mix) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `layers` on (residual stream, its attn_norm): `mix(i, h)` gives layer i's token
-        mixer output [T, H]; each residual add comes with the next RMSNorm. Returns the stream
-        and its norm by the next layer's attn_norm (the final norm after the last)."""
-        dec, s = self.decoder, self.decoder.spec
+    def _layers(self, state: tuple[torch.Tensor, torch.Tensor], layers: range, mix: Mixer,
+                experts: Experts | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `layers` (the decoder's own layer body) on (residual stream, its attn_norm), each
+        residual add fused with the norm after it; `experts`: the device planner, or None for
+        the store's host planner."""
         x, h = state
         for i in layers:
-            p = f"layers.{i}."
-            x, h = self._add_norm(x, mix(i, h), p + "mlp_norm.weight")
-            delta = dec.moe(i, h) if s.is_moe(i) else dec.mlp(p + "mlp", h)
-            nxt = f"layers.{i + 1}.attn_norm.weight" if i + 1 < s.num_layers else "final_norm.weight"
-            x, h = self._add_norm(x, delta, nxt)
+            x, h = self.decoder.layer(i, x, h, mix, self.add_norm, experts)
         return x, h
 
     def _rope_store(self, i: int, qkv: tuple[torch.Tensor, ...], k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -405,11 +399,6 @@ class GraphDecode:
         if i in self.qkv:
             return linear(h, *self.qkv[i]).split(self.qkv_split, dim=-1)
         return tuple(self.decoder.linear(f"layers.{i}.attn.{n}", h) for n in "qkv")
-
-    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """x + delta and its RMSNorm by the weight `name`, in one launch."""
-        dec = self.decoder
-        return self.add_rms_norm(x, delta, dec.w[name], dec.spec.rms_norm_eps, dec.norm_offset)
 
     def _capture(self, span: int) -> list[torch.cuda.CUDAGraph]:
         plan = self.store.device_plan_for_graphs()

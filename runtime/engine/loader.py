@@ -16,12 +16,14 @@ from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
-from ..kv.boundaries import Boundaries
-from ..kv.cache import PrefixCache
 from ..models import FAMILIES
 from ..models.kv import KVCache
+from ..prefix_cache.boundaries import Boundaries
+from ..prefix_cache.cache import PrefixCache
 from ..profile import load_profile
+from .graphs import GraphDecode, unsupported
 from .memory import PREFILL_CHUNK, longest_request, plan_memory
+from .step import Step
 from .tokenizer import Tokenizer
 
 
@@ -76,8 +78,7 @@ class Runtime:
         )
         self.store.stats.trace = opts.trace_stats
         self.decoder = self.family.decoder(self.spec, weights, self.store)
-        if opts.graphs and self.device.type == "cuda":
-            self._setup_graphs()
+        self.step = Step(self.decoder, self._graphs() if opts.graphs and self.device.type == "cuda" else None)
         self.tokenizer = Tokenizer(self.path) if (self.path / "tokenizer.json").is_file() else None
         # On CPU every prefill is cut on this grid, cache on or off, so reuse is bitwise exact.
         # On a GPU (results agree to rounding, not bitwise) a prompt is one forward, run layer by
@@ -91,14 +92,13 @@ class Runtime:
         ) if opts.prefix_cache else None
         self.load_seconds = time.perf_counter() - t0
 
-    def _setup_graphs(self) -> None:
-        from .graphs import GraphDecode, unsupported
-
+    def _graphs(self) -> GraphDecode | None:
+        """CUDA graph decode for this model, or None (said in one line why)."""
         reason = unsupported(self.decoder, self.store)
         if reason:
             print(f"ftkit: decoding without CUDA graphs: {reason}", file=sys.stderr)
-            return
-        self.decoder.graphs = GraphDecode(self.decoder, self.store, longest_request(self.spec, self.opts.kv_tokens))
+            return None
+        return GraphDecode(self.decoder, self.store, longest_request(self.spec, self.opts.kv_tokens))
 
     def cache_slots(self) -> int | None:
         """The device cache size the options ask for (None: every expert row)."""

@@ -222,14 +222,8 @@ class Scheduler:
             t0 = time.perf_counter()
             self.rt.store.stats.new_step()
             tokens = torch.tensor([r.decoding.next_input for r in live], device=self.rt.device)
-            caches, graphs = [r.decoding.kv for r in live], self.rt.decoder.graphs
             with torch.inference_mode():
-                # on a GPU the fused dense part with the experts planned on the device, no host
-                # round trip a layer (the host-planned batch: 309 ms a 4-token step, 27 here)
-                if graphs is not None and graphs.takes(len(live)):
-                    logits = graphs.batch(tokens, caches)
-                else:
-                    logits = self.rt.decoder.forward_batch(tokens, caches)
+                logits = self.rt.step.batch(tokens, [r.decoding.kv for r in live])
             self.counts["decode_forwards"] += 1
             self.counts["decode_batched_tokens"] += len(live)
             self.counts["decode_batches"] += len(live) > 1

@@ -28,7 +28,7 @@ def warm_up(rt: Runtime) -> float | None:
     if rt.device.type != "cuda":
         return None
     t0 = time.perf_counter()
-    spec, dec, graphs = rt.spec, rt.decoder, rt.decoder.graphs
+    spec, step, graphs = rt.spec, rt.step, rt.step.graphs
     # enough tokens that a layer's routing reaches most experts, so the prefill streams layers
     prompt = min(max(512, 8 * spec.num_experts // spec.top_k), spec.max_position_embeddings // 2)
     total = prompt + EXTEND + LONG_EXTEND + 2 * STEPS + 2
@@ -36,12 +36,12 @@ def warm_up(rt: Runtime) -> float | None:
     ids = torch.randint(0, spec.vocab_size, (total,), generator=gen).to(rt.device)
     with torch.inference_mode():
         kv, other = rt.new_kv(total), rt.new_kv(8)
-        dec.forward(ids[:prompt], kv, last_only=True, chunk=rt.prefill_chunk)
+        step.forward(ids[:prompt], kv, last_only=True, chunk=rt.prefill_chunk)
         at = prompt
         for n in (EXTEND, LONG_EXTEND):
-            dec.forward(ids[at : at + n], kv, last_only=True)
+            step.forward(ids[at : at + n], kv, last_only=True)
             at += n
-        dec.forward(ids[:4], other)
+        step.forward(ids[:4], other)
         if graphs is not None and graphs.accepts(kv):
             sampler = Sampler(SamplingParams(temperature=0.7, top_p=0.95, seed=0))
             for pick in (None, sampler):

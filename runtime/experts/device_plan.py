@@ -35,7 +35,7 @@ from ftkit.vocab import CPU, FUSED, HYBRID, OFFLOAD
 
 from ..spec import ModelSpec
 from .cache import SlotCache
-from .planner import CPU_MAX_TOKENS
+from .planner import CPU_MAX_TOKENS, rebalanced
 from .pool import HostPool
 from .stats import ExpertStats
 
@@ -43,7 +43,7 @@ MODES = {FUSED: plan.OFFLOAD_MODE, OFFLOAD: plan.OFFLOAD_MODE, CPU: plan.CPU_MOD
 MAX_TOKENS = GEMM_M  # tokens of a device-planned extend: an expert's items then fit one GEMM tile
 
 
-class _Split:
+class _FillFraction:
     """A hybrid fill fraction and its device copy, adapted from the counters of the layers that
     gave the CPU work: one for decode tokens, one for extends (the CPU's cost per expert
     grows with its tokens, the GPU's hardly)."""
@@ -55,7 +55,7 @@ class _Split:
 
 
 class DevicePlan:
-    def __init__(self, spec: ModelSpec, pool: HostPool, cache: SlotCache, strategy: str, ratio: float | None,
+    def __init__(self, spec: ModelSpec, pool: HostPool, cache: SlotCache, strategy: str, fill_fraction: float | None,
                  kernel, threads: int, stats: ExpertStats):
         """`kernel`: the loaded CPU kernel (its doorbell worker runs the CPU set)."""
         if strategy not in (FUSED, OFFLOAD, CPU, HYBRID):
@@ -71,8 +71,9 @@ class DevicePlan:
         self.stamp = torch.full((cap,), -1, dtype=torch.int64, device=dev)  # slot -> last use (-1: free)
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self.counts = torch.zeros((spec.num_moe_layers, 3), dtype=torch.int64, device=dev)  # hits, fills, cpu
-        self.start_fraction = ratio or 1.0
-        self.splits = (_Split(self.start_fraction, dev), _Split(self.start_fraction, dev))  # decode, extends
+        self.start_fraction = fill_fraction or 1.0
+        # decode's, extends'
+        self.fractions = (_FillFraction(self.start_fraction, dev), _FillFraction(self.start_fraction, dev))
         host_addr = torch.tensor([pool.slot(r).data_ptr() for r in range(self.rows)], dtype=torch.int64)
         mapped = dev.type == "cuda"
         self.addr = (torch.tensor([zero_copy.device_pointer(a) for a in host_addr.tolist()], dtype=torch.int64)
@@ -145,7 +146,7 @@ class DevicePlan:
     @property
     def fill_fraction(self) -> float:
         """Decode's hybrid fill fraction."""
-        return self.splits[0].fraction
+        return self.fractions[0].fraction
 
     @torch.inference_mode()
     def adapt(self, extend: bool = False, step: float = 0.02, gain: float = 0.5) -> None:
@@ -157,14 +158,16 @@ class DevicePlan:
         interpreter) it stays put."""
         if self.strategy != HYBRID:
             return
-        split, i = self.splits[extend], 2 * extend
+        split, i = self.fractions[extend], 2 * extend
         gpu, cpu, layers = int(self.gpu_ns[i]), int(self.busy_ns[i]), int(self.busy_ns[i + 1])
         d_gpu, d_cpu, d_layers = gpu - split.seen[0], cpu - split.seen[1], layers - split.seen[2]
         split.seen = (gpu, cpu, layers)
         if d_layers and not d_gpu:
             return
-        change = gain * (d_cpu - d_gpu) / (d_cpu + d_gpu) if d_layers else -step
-        split.fraction = min(1.0, max(0.05, split.fraction + change))
+        if d_layers:
+            split.fraction = rebalanced(split.fraction, d_gpu, d_cpu, gain, floor=0.05)
+        else:
+            split.fraction = max(0.05, split.fraction - step)
         split.tensor.fill_(split.fraction)
 
     def rebase(self) -> None:
@@ -173,13 +176,13 @@ class DevicePlan:
         wait, and its GPU side, seconds long, would push the fraction to its floor."""
         if self.strategy != HYBRID:
             return
-        for i, split in enumerate(self.splits):
+        for i, split in enumerate(self.fractions):
             split.seen = (int(self.gpu_ns[2 * i]), int(self.busy_ns[2 * i]), int(self.busy_ns[2 * i + 1]))
 
     def restart(self) -> None:
         """Both fill fractions back to where they started, the counters forgotten (after a
         sync): what start-up's warm-up measured, compile time above all, steers nothing."""
-        for split in self.splits:
+        for split in self.fractions:
             split.fraction = self.start_fraction
             split.tensor.fill_(split.fraction)
         self.rebase()
@@ -194,16 +197,18 @@ class DevicePlan:
         return tokens <= MAX_TOKENS and (self.strategy != OFFLOAD or experts <= self.cache.capacity)
 
     # ---- one MoE layer, graph-safe ------------------------------------------------------------
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            final: bool = True) -> torch.Tensor:
         """Gate-weighted sum of the routed experts for x [T, H] (no host sync): one decode
-        token, or a few (`takes`) planned as one layer."""
+        token, or a few (`takes`) planned as one layer (an Experts; `final` does not
+        matter here: nothing is streamed)."""
         if x.shape[0] > 1:
             return self._extend(self.spec.moe_index(layer), x, ids, weights)
         s, k, cap = self.spec, self.spec.top_k, self.cache.capacity
         moe = s.moe_index(layer)
         out = plan.LayerBuffers(k, x.device, weights.dtype)
         plan.plan(ids.reshape(-1), weights.reshape(-1), x.reshape(-1), moe * s.num_experts, self.table, self.owner,
-                  self.stamp, self.clock, self.splits[0].tensor, self.counts[moe], out,
+                  self.stamp, self.clock, self.fractions[0].tensor, self.counts[moe], out,
                   self.d_payload if self.worker is not None else None, cap, MODES[self.strategy], MAX_TOKENS)
         if self.worker is not None:  # the CPU set starts first and runs while the GPU computes
             zero_copy.ring(self.d_bell, moe + 1, self.rung, out.gcount)
@@ -220,7 +225,7 @@ class DevicePlan:
         t, k = ids.shape
         out, x = self.extend_buffers, x.contiguous()
         plan.plan_tokens(ids, weights, x, moe * s.num_experts, s.num_experts, self.table, self.owner, self.stamp,
-                         self.clock, self.splits[1].tensor, self.counts[moe], CPU_MAX_TOKENS, out,
+                         self.clock, self.fractions[1].tensor, self.counts[moe], CPU_MAX_TOKENS, out,
                          self.d_payload if self.worker is not None else None, cap, MODES[self.strategy], MAX_TOKENS)
         if self.worker is not None:
             zero_copy.ring(self.d_bell, moe + 1, self.rung, out.gcount)

@@ -22,7 +22,7 @@ import torch
 
 from ..checkpoint.base import CheckpointError
 from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, ModelSpec
-from .decoder import ExpertRunner, MoEDecoder
+from .decoder import Experts, MoEDecoder
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class Family:
         return 0
 
     # ---- forward ---------------------------------------------------------------------------
-    def decoder(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner) -> MoEDecoder:
+    def decoder(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts) -> MoEDecoder:
         """The forward pass over canonical dense weights; routed experts run in `experts`."""
         return self.decoder_class(spec, weights, experts)
 

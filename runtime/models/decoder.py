@@ -7,8 +7,8 @@ the expert weights wherever they live (device cache, host pool).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +17,8 @@ from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, SLIDING_ATTENTION
 from .kv import CacheSnapshot, KVCache
 from .layers import Rope, apply_rope, attention, linear, rms_norm, softmax_topk, swiglu
 
-if TYPE_CHECKING:
-    from ..engine.sampling import Sampler
 
-
-class ExpertRunner(Protocol):
+class Experts(Protocol):
     def run(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         final: bool = True,
@@ -41,19 +38,10 @@ class ExpertRunner(Protocol):
 # (layer, q [T, heads, D], k, v [T, kv_heads, D]) -> attention output [T, heads, D]: stores the
 # new keys and values and attends over everything cached (MoEDecoder.mixer's `kv`)
 KVAttend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class GraphSteps(Protocol):
-    def accepts(self, cache: KVCache) -> bool: ...
-
-    def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor: ...
-
-    def takes(self, tokens: int) -> bool: ...
-
-    def extend(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
-
-    def pipeline(self, first: int, cache: KVCache, limit: int, sampler: Sampler | None = None,
-                 feed: torch.Tensor | None = None) -> Iterator[int]: ...
+# (layer, h [T, H]) -> the layer's token mixer output [T, H] (MoEDecoder.layer's `mix`)
+Mixer = Callable[[int, torch.Tensor], torch.Tensor]
+# (x, delta, norm weight name) -> (x + delta, its norm) (MoEDecoder.add_norm)
+AddNorm = Callable[[torch.Tensor, torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 class MoEDecoder:
@@ -64,19 +52,17 @@ class MoEDecoder:
     supported_kinds: frozenset[str] = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})
     norm_offset = False  # RMSNorms multiply by (1 + weight) in float32 (Qwen3-Next); layers.rms_norm
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts):
         kinds = set(spec.layer_kinds) - self.supported_kinds
         if kinds:
             raise ValueError(f"{spec.architecture}: layer kind(s) {', '.join(sorted(kinds))} not supported")
         self.spec, self.w, self.experts = spec, weights, experts
-        self.rope = Rope(spec, weights["embed.weight"].device)
+        self.device = weights["embed.weight"].device
+        self.rope = Rope(spec, self.device)
         self.lm_head = weights["embed.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
         # model layer -> (topk_ids, topk_weights) of the last forward, for routing statistics
         self.last_routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.snapshots: dict[int, CacheSnapshot] = {}  # the last forward's `snapshot_at` snapshots
-        # Batch-1 decode steps replayed from CUDA graphs (engine/graphs.py), where set up; it
-        # also runs short extends.
-        self.graphs: GraphSteps | None = None
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -100,13 +86,9 @@ class MoEDecoder:
         experts, which run once for consecutive pieces of up to `chunk` tokens together. A
         token's expert output does not depend on the others in its batch, so the result is
         bitwise that of one forward per piece, with each expert read once per batch."""
-        g, t = self.graphs, input_ids.shape[0]
-        if g is not None and t == 1 and g.accepts(cache):
-            return g.step(input_ids, cache)
+        t = input_ids.shape[0]
         start, step = cache.length, chunk or t
         ends = sorted({p - start for p in (*snapshot_at, *cuts) if start < p < start + t})
-        if g is not None and g.takes(t) and not ends:  # a few tokens: the graph step's fused dense part
-            return g.extend(input_ids, cache, last_only)
         pieces = _pieces(t, step, ends)
         batches = _batches(pieces, step)
         # each piece its own tensor: views of one would keep the whole embedding alive next to them
@@ -156,21 +138,40 @@ class MoEDecoder:
         for the batch, so concurrent requests share each layer's expert work."""
         if len(caches) == 1:
             return self.forward(input_ids, caches[0])
-        s = self.spec
         x = F.embedding(input_ids, self.w["embed.weight"])
         ropes = [self.rope(c.length, 1, x.dtype) for c in caches]
-        for i in range(s.num_layers):
-            p = f"layers.{i}."
-            h = self.norm(x, p + "attn_norm.weight")
-            x = x + torch.cat([self.mixer(i, h[b : b + 1], *ropes[b], c) for b, c in enumerate(caches)])
-            h = self.norm(x, p + "mlp_norm.weight")
-            x = x + (self.moe(i, h) if s.is_moe(i) else self.mlp(p + "mlp", h))
+
+        def mix(i: int, h: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.mixer(i, h[b : b + 1], *ropes[b], c) for b, c in enumerate(caches)])
+
+        h = self.norm(x, "layers.0.attn_norm.weight")
+        for i in range(self.spec.num_layers):
+            x, h = self.layer(i, x, h, mix)
         for c in caches:
             c.advance(1)
-        return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
+        return F.linear(h, self.lm_head)
+
+    def layer(self, i: int, x: torch.Tensor, h: torch.Tensor, mix: Mixer, add_norm: AddNorm | None = None,
+              experts: Experts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i of the residual stream x [T, H] given h, x normed by its attn_norm: returns
+        the stream after the layer and its norm by the next layer's attn_norm (the final norm
+        after the last). `mix(i, h)`: the token mixer's output. The one layer body the batched
+        forward and the graph paths share; a fast path passes a fused `add_norm` (only where
+        this family's own is the default: engine/graphs.py) and its `experts` runner."""
+        add_norm = add_norm or self.add_norm
+        p = f"layers.{i}."
+        x, h = add_norm(x, mix(i, h), p + "mlp_norm.weight")
+        delta = self.moe(i, h, experts) if self.spec.is_moe(i) else self.mlp(p + "mlp", h)
+        nxt = f"layers.{i + 1}.attn_norm.weight" if i + 1 < self.spec.num_layers else "final_norm.weight"
+        return add_norm(x, delta, nxt)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.w[name], self.spec.rms_norm_eps, self.norm_offset)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + delta and its norm by the weight `name`."""
+        x = x + delta
+        return x, self.norm(x, name)
 
     def mixer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
               kv: KVAttend | None = None) -> torch.Tensor:
@@ -225,19 +226,22 @@ class MoEDecoder:
         dtype = logits.dtype if self.cast_router_weights else torch.float32
         return softmax_topk(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
 
-    def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        return self.moe_pieces(i, [x])[0]
+    def moe(self, i: int, x: torch.Tensor, experts: Experts | None = None) -> torch.Tensor:
+        return self.moe_pieces(i, [x], experts=experts)[0]
 
     def moe_pieces(self, i: int, xs: list[torch.Tensor], final: bool = True,
-                   routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+                   routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   experts: Experts | None = None) -> list[torch.Tensor]:
         """Layer i's MoE output for each of the pieces `xs`: each piece routed and its shared
         expert run as a forward of it alone would, the routed experts once for all of them.
-        `final=False`: more pieces of this layer follow in this forward (ExpertRunner.run).
-        `routing`: the pieces' (ids, weights) one after another, where already computed."""
+        `final=False`: more pieces of this layer follow in this forward (Experts.run).
+        `routing`: the pieces' (ids, weights) one after another, where already computed.
+        `experts`: who runs the routed experts, if not `self.experts` (graph paths: the store's
+        device planner)."""
         s, p = self.spec, f"layers.{i}."
         ids, weights = routing or _joined([self.route(i, x) for x in xs])
         self.last_routing[i] = (ids, weights)
-        out = self.experts.run(i, torch.cat(xs) if len(xs) > 1 else xs[0], ids, weights, final=final)
+        out = (experts or self.experts).run(i, torch.cat(xs) if len(xs) > 1 else xs[0], ids, weights, final=final)
         outs = list(out.split([x.shape[0] for x in xs]))
         if s.shared_expert_intermediate_size:
             for n, x in enumerate(xs):

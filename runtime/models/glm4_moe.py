@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint.base import CheckpointError
-from ..spec import QK_NORM_HEAD, QK_NORM_NONE, SIGMOID_GROUP_TOPK, ModelSpec
+from ..spec import QK_NORM_HEAD, QK_NORM_NONE, ModelSpec
 from .base import (
     GGUF_RULES,
     HF_RULES,
@@ -90,7 +90,6 @@ class Glm4Moe(Family):
             self.name, cfg, "moe_intermediate_size", dense_ffn=True,
             moe_layers=tuple(range(first, layers)),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            router=SIGMOID_GROUP_TOPK,
             shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
             qk_norm=QK_NORM_HEAD if cfg.get("use_qk_norm") else QK_NORM_NONE,
             attention_bias=bool(cfg.get("attention_bias", False)),

@@ -7,7 +7,6 @@ runs agree to rounding and bf16 runs to bf16 rounding.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -16,6 +15,8 @@ from torch.backends.cuda import SDPAParams
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from ftkit.kernels.triton import optional
+
 from ..spec import ModelSpec
 
 
@@ -23,8 +24,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     """RMSNorm over the last dim, computed in float32; the weight multiplies the cast-back value.
     `offset` (Qwen3-Next, transformers' Qwen3NextRMSNorm): the float32 value times (1 + weight),
     then the cast. On CUDA one Triton launch does the same (see kernels/triton/norm.py)."""
-    if x.is_cuda and _triton_norm() is not None and x.shape[-1] <= 16384 and weight.shape == x.shape[-1:]:
-        return _triton_norm()(x, weight, eps, offset)
+    if x.is_cuda and optional("norm") is not None and x.shape[-1] <= 16384 and weight.shape == x.shape[-1:]:
+        return optional("norm").rms_norm(x, weight, eps, offset)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
@@ -36,8 +37,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear. One token on CUDA goes through the Triton GEMV instead (kernels/triton/gemv.py):
     inside a CUDA graph cuBLAS took 5.1 us for a router's 128 x 2048 product, the GEMV 1.7."""
     if (x.is_cuda and weight.dim() == 2 and x.numel() == weight.shape[1] and x.is_contiguous()
-            and weight.is_contiguous() and _triton_gemv() is not None):
-        return _triton_gemv()(x, weight, bias)
+            and weight.is_contiguous() and optional("gemv") is not None):
+        return optional("gemv").gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -45,40 +46,13 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype)
     """(ids [T, k], weights [T, k] as `dtype`): softmax over all experts in float32, the k
     largest (descending, as torch.topk), optionally renormalised to sum to one. On CUDA one
     Triton launch does the same (kernels/triton/router.py)."""
-    if logits.is_cuda and _triton_router() is not None and logits.shape[-1] <= 4096:
-        return _triton_router()(logits, k, renorm, dtype)
+    if logits.is_cuda and optional("router") is not None and logits.shape[-1] <= 4096:
+        return optional("router").softmax_topk(logits, k, renorm, dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(dtype)
-
-
-@functools.cache
-def _triton_router():
-    try:
-        from ftkit.kernels.triton.router import softmax_topk as triton_softmax_topk
-    except ImportError:
-        return None
-    return triton_softmax_topk
-
-
-@functools.cache
-def _triton_gemv():
-    try:
-        from ftkit.kernels.triton.gemv import gemv
-    except ImportError:
-        return None
-    return gemv
-
-
-@functools.cache
-def _triton_norm():
-    try:
-        from ftkit.kernels.triton.norm import rms_norm as triton_rms_norm
-    except ImportError:
-        return None
-    return triton_rms_norm
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -201,7 +175,7 @@ def attention(
     if window is None and offset == 0:
         causal = True  # plain prefill: let SDPA pick its fused causal kernel
     elif window is not None or t > 1:
-        few = _few_query_attention() if q.is_cuda else None
+        few = optional("attention") if q.is_cuda else None
         if few is not None and t <= few.MAX_QUERIES:  # an extend behind a long cache
             return few.few_query_attention(q, k, v, offset, window)
         if window is None and _flash_lower_right(q, k, v):
@@ -257,16 +231,6 @@ def _flash_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
     if not flash_behind_cache(q.dtype, q.shape[-1], q.device):
         return False
     return torch.backends.cuda.can_use_flash_attention(SDPAParams(*_heads_first(q, k, v), None, 0.0, False, True))
-
-
-@functools.cache
-def _few_query_attention():
-    """The Triton few-query kernel module, or None without Triton."""
-    try:
-        from ftkit.kernels.triton import attention as few
-    except ImportError:
-        return None
-    return few
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -32,16 +32,17 @@ to every RMSNorm weight except `ssm_norm`; `sanitize` undoes the last two.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ftkit.kernels.triton import optional
+
 from ..checkpoint.base import CheckpointError
 from ..spec import FULL_ATTENTION, LINEAR_ATTENTION, QK_NORM_HEAD, ModelSpec
 from .base import GGUF_RULES, HF_RULES, Family, Mapped, llama_dense_shapes, moe_spec, rules
-from .decoder import ExpertRunner, KVAttend, MoEDecoder
+from .decoder import Experts, KVAttend, MoEDecoder
 from .kv import KVCache
 from .layers import apply_rope, rms_norm
 
@@ -173,7 +174,7 @@ class Qwen3NextDecoder(MoEDecoder):
     supported_kinds = frozenset({FULL_ATTENTION, LINEAR_ATTENTION})
     norm_offset = True
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertRunner):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts):
         super().__init__(spec, weights, experts)
         e = spec.extra
         self.hk, self.hv = e["linear_num_key_heads"], e["linear_num_value_heads"]
@@ -257,16 +258,7 @@ class Qwen3NextDecoder(MoEDecoder):
 def _step_kernels(x: torch.Tensor):
     """The Triton decode-step kernels (kernels/triton/delta_rule.py) for a token on CUDA, where
     Triton is there; else None (the torch ops run)."""
-    return _delta_rule() if x.is_cuda else None
-
-
-@functools.cache
-def _delta_rule():
-    try:
-        from ftkit.kernels.triton import delta_rule
-    except ImportError:
-        return None
-    return delta_rule
+    return optional("delta_rule") if x.is_cuda else None
 
 
 # ---- the family ---------------------------------------------------------------------------

@@ -24,8 +24,8 @@ import torch
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
-from ftkit.runtime.kv.prefill import prefill
 from ftkit.runtime.models import FAMILIES
+from ftkit.runtime.prefix_cache.prefill import prefill
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.spec import ModelSpec
 from ftkit.runtime.synthetic import SPECIAL_TOKENS, write_tokenizer
@@ -123,9 +123,9 @@ def _ideal_seconds(rt: Runtime, ids: list[int], start: int) -> float:
     kv = rt.new_kv(len(ids))
     with torch.inference_mode():
         if start:
-            prefill(rt.decoder, ids[:start], kv, [p for p in cuts if p < start])
+            prefill(rt.step, ids[:start], kv, [p for p in cuts if p < start])
         t0 = time.perf_counter()
-        prefill(rt.decoder, ids, kv, cuts)
+        prefill(rt.step, ids, kv, cuts)
         return time.perf_counter() - t0
 
 

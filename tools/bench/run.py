@@ -21,8 +21,8 @@ import torch
 from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
 from ftkit.runtime.experts.stats import LayerClock
-from ftkit.runtime.kv.prefill import prefill as runtime_prefill
 from ftkit.runtime.models.kv import attention_layers, kv_bytes_per_token
+from ftkit.runtime.prefix_cache.prefill import prefill as runtime_prefill
 from ftkit.vocab import HYBRID
 
 from .routing import RoutingOverride
@@ -67,7 +67,7 @@ def prefill_forward(rt: Runtime, ids: torch.Tensor, kv, anchors: int = 0) -> tor
     position's logits [V]. `anchors`: a recurrent-state snapshot every this many tokens, as a
     hybrid model's turn boundaries ask (on CPU the prompt is then cut there)."""
     points = range(anchors, len(ids), anchors) if anchors else ()
-    return runtime_prefill(rt.decoder, ids.tolist(), kv, points, points, max_chunk=rt.prefill_chunk)[0]
+    return runtime_prefill(rt.step, ids.tolist(), kv, points, points, max_chunk=rt.prefill_chunk)[0]
 
 
 WARMUP = 2  # untimed decode steps before the timed ones (kernel compilation, graph capture)
@@ -101,7 +101,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     def step(i: int) -> None:
         if routing:
             routing.next_step()
-        logits = rt.decoder.forward(ids[i : i + 1], kv)[-1]
+        logits = rt.step.forward(ids[i : i + 1], kv)[-1]
         int(sampler(logits) if sampler else logits.argmax())
 
     with torch.inference_mode():
@@ -111,7 +111,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         for i in range(prompt, prompt + WARMUP):
             step(i)
         start = prompt + WARMUP
-        graphs = rt.decoder.graphs
+        graphs = rt.step.graphs
         pipelined = (routing is None or routing.graph_safe) and graphs is not None and graphs.accepts(kv)
         first = int(ids[start])
         rt.store.stats.reset()
@@ -146,7 +146,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
                 _profiled(rt, lambda: [step(i) for i in range(spare, len(ids))], trace_to)
     return {
         "tokens": tokens,
-        "graphs": rt.decoder.graphs is not None,
+        "graphs": rt.step.graphs is not None,
         "pipelined": pipelined,
         "sampled": sampler is not None,
         "tok_s": tokens / seconds,
@@ -278,15 +278,15 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         del scratch
         if extend:  # behind one token, as the extend is behind the chunk (attention's masked path)
             scratch = rt.new_kv(extend + 1)
-            rt.decoder.forward(ids[:1], scratch)
-            rt.decoder.forward(ids[n - extend:], scratch, last_only=True)
+            rt.step.forward(ids[:1], scratch)
+            rt.step.forward(ids[n - extend:], scratch, last_only=True)
     turns = [_turn(rt, ids, kv, chunk, answer, extend, anchors) for _ in range(repeat)]
     if trace_to is not None:  # counted above: the profiled repeats do not add to the figures
         kv.truncate(0)
         with torch.inference_mode():
             _profiled(rt, lambda: prefill_forward(rt, ids[:chunk], kv, anchors), trace_to)
             if extend:
-                extend_fn = lambda: rt.decoder.forward(ids[n - extend:], kv, last_only=True)  # noqa: E731
+                extend_fn = lambda: rt.step.forward(ids[n - extend:], kv, last_only=True)  # noqa: E731
                 behind = kv.snapshot()  # recurrent states cannot be truncated back to the chunk
                 _profiled(rt, extend_fn, trace_to.with_name(trace_to.stem + "-extend.txt"))
                 kv.restore(behind)  # the same extend again, behind the same chunk
@@ -307,7 +307,7 @@ def prefill(rt: Runtime, chunk: int, figures: Figures, trace_to: Path | None = N
         "missed_gb": moved / 1e9,
         "pcie_bound_s": bound,
         "of_bound": bound / out["seconds"] if bound else None,
-        "streaming": rt.store.prefetcher is not None,
+        "streaming": rt.store.streaming.prefetcher is not None,
         **out,
     }
 
@@ -325,7 +325,7 @@ def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: i
     with torch.inference_mode():
         scratch = rt.new_kv(answer + 1)
         for i in range(chunk, chunk + answer):
-            int(rt.decoder.forward(ids[i : i + 1], scratch)[-1].argmax())
+            int(rt.step.forward(ids[i : i + 1], scratch)[-1].argmax())
         del scratch
         before = set(rt.store.resident_rows())
         kv.truncate(0)
@@ -341,18 +341,18 @@ def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: i
         if not extend:
             return out
         for i in range(chunk, chunk + answer):
-            int(rt.decoder.forward(ids[i : i + 1], kv)[-1].argmax())
+            int(rt.step.forward(ids[i : i + 1], kv)[-1].argmax())
         rt.store.stats.reset()
         rt.store.clock = clock = LayerClock()
         sync(rt)
         t0 = time.perf_counter()
-        rt.decoder.forward(ids[n - extend:], kv, last_only=True)
+        rt.step.forward(ids[n - extend:], kv, last_only=True)
         sync(rt)
         seconds = time.perf_counter() - t0
         rt.store.clock = None
         e, dp = rt.store.stats.totals(), rt.store.device_plan
         on_device = dp is not None and dp.strategy == HYBRID and dp.takes(extend)  # the extend was planned there
-        split = dp.splits[1].fraction if on_device else rt.store.planner.split
+        split = dp.fractions[1].fraction if on_device else rt.store.planner.fill_fraction
         phases = {f"extend_{name}_ms": ms for name, ms in clock.phases_ms().items()}
         return {**out, "extend": extend, "answer": answer, "extend_seconds": seconds, "extend_active": e.active,
                 "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9, **phases,

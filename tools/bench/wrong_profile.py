@@ -50,7 +50,7 @@ def token_times(path: Path, tokens: list[int], **opts) -> list[float]:
     with torch.inference_mode():
         for tok in tokens:
             t0 = time.perf_counter()
-            rt.decoder.forward(torch.tensor([tok], device=rt.device), kv)
+            rt.step.forward(torch.tensor([tok], device=rt.device), kv)
             if rt.device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from typing import Protocol
 
 import torch
 
-from ..models.decoder import MoEDecoder
 from ..models.kv import CacheSnapshot, KVCache
 
 # CPU prefill: the tokens whose routed experts run as one batch (each expert read once for them
@@ -14,10 +14,20 @@ from ..models.kv import CacheSnapshot, KVCache
 CPU_EXPERT_BATCH = 2048
 
 
-def prefill(decoder: MoEDecoder, tokens: list[int], kv: KVCache, cuts: Iterable[int],
+class Forward(Protocol):
+    """What runs a prompt: the engine's step (engine/step.py) or a decoder itself."""
+
+    device: torch.device
+    snapshots: dict[int, CacheSnapshot]  # the last forward's `snapshot_at` snapshots
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False, chunk: int | None = None,
+                snapshot_at: Collection[int] = (), cuts: Collection[int] = ()) -> torch.Tensor: ...
+
+
+def prefill(model: Forward, tokens: list[int], kv: KVCache, cuts: Iterable[int],
             snapshot_at: Collection[int] = (), max_chunk: int | None = None,
             ) -> tuple[torch.Tensor, dict[int, CacheSnapshot]]:
-    """Run tokens[kv.length:] through `decoder` as one forward, layer by layer; returns the last
+    """Run tokens[kv.length:] through `model` as one forward, layer by layer; returns the last
     position's logits and {cut: snapshot} for the cuts in `snapshot_at` that were reached.
 
     Without `max_chunk` (CPU) the pieces end at every cut, and only the routed experts run for
@@ -28,10 +38,9 @@ def prefill(decoder: MoEDecoder, tokens: list[int], kv: KVCache, cuts: Iterable[
     bitwise, which is the GPU's contract anyway."""
     start, n = kv.length, len(tokens)
     inside = [p for p in snapshot_at if start < p < n]
-    logits = decoder.forward(torch.tensor(tokens[start:], device=decoder.w["embed.weight"].device), kv,
-                             last_only=True, chunk=max_chunk or CPU_EXPERT_BATCH, snapshot_at=inside,
-                             cuts=() if max_chunk else cuts)
-    snaps = dict(decoder.snapshots) if inside else {}
+    logits = model.forward(torch.tensor(tokens[start:], device=model.device), kv, last_only=True,
+                           chunk=max_chunk or CPU_EXPERT_BATCH, snapshot_at=inside, cuts=() if max_chunk else cuts)
+    snaps = dict(model.snapshots) if inside else {}
     if n in snapshot_at:
         snaps[n] = kv.snapshot()
     return logits[-1], snaps

@@ -1,0 +1,58 @@
+"""The engine's step: which path runs a forward, decided here and nowhere else.
+
+One token of a sequence the graphs can hold replays the captured decode step; a few tokens (an
+agent's turn after a prefix hit, a batch of sequences' next tokens) run the graphs' eager
+few-token path with the experts planned on the device; everything else, and everything without
+CUDA graphs, is the decoder's own forward. The model knows nothing of graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+
+import torch
+
+from ..models.decoder import MoEDecoder
+from ..models.kv import CacheSnapshot, KVCache
+from .graphs import GraphDecode
+from .sampling import Sampler
+
+
+class Step:
+    def __init__(self, decoder: MoEDecoder, graphs: GraphDecode | None = None):
+        self.decoder, self.graphs, self.device = decoder, graphs, decoder.device
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False,
+                chunk: int | None = None, snapshot_at: Collection[int] = (),
+                cuts: Collection[int] = ()) -> torch.Tensor:
+        """Logits for input_ids at cache.length.. (MoEDecoder.forward's contract)."""
+        g, t, start = self.graphs, input_ids.shape[0], cache.length
+        if g is not None and t == 1 and g.accepts(cache):
+            return g.step(input_ids, cache)
+        inside = any(start < p < start + t for p in (*snapshot_at, *cuts))
+        if g is not None and g.takes(t) and not inside:
+            return g.extend(input_ids, cache, last_only)
+        return self.decoder.forward(input_ids, cache, last_only=last_only, chunk=chunk, snapshot_at=snapshot_at, cuts=cuts)
+
+    @property
+    def snapshots(self) -> dict[int, CacheSnapshot]:
+        """The last forward's `snapshot_at` snapshots (only the decoder's forward takes any)."""
+        return self.decoder.snapshots
+
+    def batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """Logits [B, V] for one new token of each of B sequences. On a GPU the graphs' fused
+        dense part with the experts planned on the device: no host round trip a layer (the
+        host-planned batch took 309 ms a 4-token step, this 27)."""
+        if self.graphs is not None and self.graphs.takes(len(caches)):
+            return self.graphs.batch(input_ids, caches)
+        return self.decoder.forward_batch(input_ids, caches)
+
+    def pipelines(self, cache: KVCache) -> bool:
+        """Whether `pipeline` can decode this sequence (through CUDA graphs)."""
+        return self.graphs is not None and self.graphs.accepts(cache)
+
+    def pipeline(self, first: int, cache: KVCache, limit: int, sampler: Sampler | None = None,
+                 feed: torch.Tensor | None = None) -> Iterator[int]:
+        """GraphDecode.pipeline: tokens decoded with the next step always queued on the GPU."""
+        assert self.graphs is not None, "pipeline needs CUDA graphs (check `pipelines` first)"
+        return self.graphs.pipeline(first, cache, limit, sampler, feed)
