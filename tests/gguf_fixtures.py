@@ -226,3 +226,28 @@ def _output_type(name: str, n_dims: int, arch: gguf.MODEL_ARCH, bid: int | None,
         ):
             return QT.F32
     return qtype
+
+
+# Byte offsets of each block format's fp16 fields (scales, mins) within a block (ggml-common.h);
+# mxfp4's one scale byte is an e8m0 exponent, every value of which is valid.
+F16_FIELDS = {
+    "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+    "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+    "iq4_nl": (0,), "iq4_xs": (0,), "mxfp4": (),
+}  # fmt: skip
+
+
+def random_blocks(fmt: str, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:
+    """Valid random `fmt` blocks for a tensor of logical `shape` (uint8, GGUF's byte shape):
+    random bits everywhere but the scales, which are fp16 of magnitude about `scale` (random
+    sign) or, for mxfp4, an exponent within a factor 4 of it. Dequantized, the weights stay
+    within a few hundred times `scale`, so a model built from them computes finite logits."""
+    fmt_ = gguf.GGMLQuantizationType[fmt.upper()]
+    block, nbytes = gguf.GGML_QUANT_SIZES[fmt_]
+    raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[fmt]:
+        d = (rng.uniform(0.5, 1.5, raw.shape[:-1]) * scale * rng.choice([-1, 1], raw.shape[:-1]))
+        raw[..., off : off + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    if fmt == "mxfp4":  # the block's scale is 2**(e - 128), its weights up to 6 times that
+        raw[..., 0] = np.round(np.log2(scale) + 127 + rng.integers(-2, 1, raw.shape[:-1]))
+    return raw.reshape(*shape[:-1], -1)
