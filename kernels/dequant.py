@@ -18,6 +18,7 @@ import torch
 from ftkit.vocab import FORMATS, FormatError
 
 QK_K = 256  # weights per K-quant (and iq4_xs) super-block
+CHUNK_BLOCKS = 1 << 18  # blocks decoded at once: bounds the temporaries of a whole embedding
 # The 16 levels of a 4-bit non-linear index (IQ4_NL, IQ4_XS) and of an e2m1 value (MXFP4), the
 # latter doubled to integers; ggml pairs it with half the e8m0 scale (GGML_E8M0_TO_FP32_HALF).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -48,7 +49,10 @@ def _rows(fmt: str) -> Callable[[Dequantizer], Dequantizer]:
                     f"got {raw.dtype} {tuple(raw.shape)}"
                 )
             blocks = raw.reshape(-1, f.block_bytes)
-            return per_block(blocks).reshape(*raw.shape[:-1], raw.shape[-1] // f.block_bytes * f.block)
+            out = torch.empty(blocks.shape[0], f.block, dtype=torch.float32)
+            for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
+                out[start : start + CHUNK_BLOCKS] = per_block(blocks[start : start + CHUNK_BLOCKS])
+            return out.reshape(*raw.shape[:-1], raw.shape[-1] // f.block_bytes * f.block)
 
         DEQUANTIZERS[fmt] = rows
         return rows

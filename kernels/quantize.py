@@ -105,9 +105,9 @@ def _round_away(v: torch.Tensor) -> torch.Tensor:
     return torch.sign(v) * (whole + torch.floor(2 * (a - whole)))
 
 
-def _abs_max_signed(x: torch.Tensor) -> torch.Tensor:
-    """Each row's value of largest magnitude, sign kept, the first on ties `[n, 1]`."""
-    return x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))
+def _abs_max_signed(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The value of largest magnitude along `dim` (kept, size 1), sign kept, the first on ties."""
+    return x.gather(dim, x.abs().argmax(dim=dim, keepdim=True))
 
 
 def _f32(v: float) -> float:
@@ -115,13 +115,13 @@ def _f32(v: float) -> float:
 
 
 def _seqsum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dimension `[..., n]` -> `[..., 1]` left to right, as ggml's loops add:
-    the searches compare sums that differ in their last bits, so the order decides ties."""
-    cols = t.movedim(-1, 0).contiguous()
-    acc = cols[0].clone()
-    for c in cols[1:]:
-        acc += c
-    return acc.unsqueeze(-1)
+    """Sum over the first dimension `[n, ...]` -> `[1, ...]` in order, as ggml's loops add: the
+    searches compare sums that differ in their last bits, so the order decides ties. (The fits
+    keep a sub-block's weights along dimension 0, so each term is one contiguous slice.)"""
+    acc = t[0].clone()
+    for term in t[1:]:
+        acc += term
+    return acc.unsqueeze(0)
 
 
 # ---- 32-weight blocks, as the gguf package writes them ---------------------------------------
@@ -197,11 +197,12 @@ def quantize_mxfp4(x: torch.Tensor) -> torch.Tensor:
 def _fit_scale_min(
     x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ggml's make_qkx2_quants (squared error) over the last dimension: x ~ scale * L - min with
-    L in [0, nmax], weights w. Starts from the min/max fit, then tries the least-squares fit of
-    each of nstep + 1 rounding grids, keeping the best. Returns scale, min (>= 0), L."""
-    lo = x.amin(dim=-1, keepdim=True).clamp(max=0)
-    hi = x.amax(dim=-1, keepdim=True)
+    """ggml's make_qkx2_quants (squared error) over dimension 0 (a sub-block's weights): x ~
+    scale * L - min with L in [0, nmax], weights w. Starts from the min/max fit, then tries the
+    least-squares fit of each of nstep + 1 rounding grids, keeping the best. Returns scale,
+    min (>= 0), L."""
+    lo = x.amin(dim=0, keepdim=True).clamp(max=0)
+    hi = x.amax(dim=0, keepdim=True)
     flat = hi == lo
     span = torch.where(flat, 1.0, hi - lo)
     sum_w = _seqsum(w)
@@ -236,10 +237,10 @@ def _fit_scale_min(
 
 
 def _fit_symmetric(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml's make_qx_quants (rmse_type 1, weights x**2, no imatrix) over the last dimension:
-    x ~ scale * (L - nmax) with L in [0, 2 * nmax - 1]; tries 18 scales around -nmax / max and
+    """ggml's make_qx_quants (rmse_type 1, weights x**2, no imatrix) over dimension 0: x ~
+    scale * (L - nmax) with L in [0, 2 * nmax - 1]; tries 18 scales around -nmax / max and
     keeps the one whose least-squares fit explains the most. Returns scale, L."""
-    mx = _abs_max_signed(x)
+    mx = _abs_max_signed(x, dim=0)
     zero = mx.abs() < 1e-15  # GROUP_MAX_EPS
     mx = torch.where(zero, 1.0, mx)
     w = x * x
@@ -263,9 +264,10 @@ def _fit_symmetric(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tens
 def _q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_row_q4_K_ref / q5_K_ref up to the weights: the 16-byte head (fp16 d, fp16 dmin,
     12 bytes of 6-bit sub-block scales and mins) and each weight's level `[n, 8, 32]`."""
-    xs = x.reshape(-1, 8, 32)
+    xs = x.reshape(-1, 8, 32).permute(2, 0, 1).contiguous()  # [32, n, 8]: weight, block, sub-block
     av_x = torch.sqrt(_seqsum(xs.square()) / 32)
     scales, mins, levels = _fit_scale_min(xs, av_x + xs.abs(), nmax, rmin, 0.1, nstep)
+    scales, mins = scales[0], mins[0]  # [n, 8]
     max_scale = scales.amax(dim=1, keepdim=True).clamp(min=0)
     max_min = mins.amax(dim=1, keepdim=True).clamp(min=0)
 
@@ -273,18 +275,17 @@ def _q45_k(x: torch.Tensor, nmax: int, rmin: float, nstep: int) -> tuple[torch.T
         inv = torch.where(top > 0, _over(63, torch.where(top > 0, top, 1.0)), 0.0)
         return (torch.round(inv * v).to(torch.int32) & 0xFF).clamp(max=63)  # uint8_t, then MIN(63)
 
-    ls, lm = six_bits(scales, max_scale)[..., 0], six_bits(mins, max_min)[..., 0]  # [n, 8]
+    ls, lm = six_bits(scales, max_scale), six_bits(mins, max_min)  # [n, 8]
     packed = torch.cat(
         (ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
          (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)),
         dim=-1,
     ).to(torch.uint8)
-    d, dmin = max_scale[:, 0] / 63, max_min[:, 0] / 63  # [n, 1]
+    d, dmin = max_scale / 63, max_min / 63  # [n, 1]
     # Requantize against the scales as stored; a sub-block whose scale rounds to 0 keeps its fit.
-    sub_d = (_f16_round(d) * ls).unsqueeze(-1)
-    sub_m = (_f16_round(dmin) * lm).unsqueeze(-1)
+    sub_d, sub_m = _f16_round(d) * ls, _f16_round(dmin) * lm  # [n, 8]
     requant = torch.round((xs + sub_m) / torch.where(sub_d == 0, 1.0, sub_d)).clamp(0, nmax)
-    levels = torch.where(sub_d == 0, levels, requant)
+    levels = torch.where(sub_d == 0, levels, requant).permute(1, 2, 0)
     return torch.cat((_f16_bytes(d), _f16_bytes(dmin), packed), dim=-1), levels.to(torch.uint8)
 
 
@@ -305,16 +306,17 @@ def quantize_q5_k(x: torch.Tensor) -> torch.Tensor:
 def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     """quantize_row_q6_K_ref: a symmetric 6-bit fit per 16 weights, the 16 scales themselves
     quantized to int8 against the largest-magnitude one, then every weight requantized."""
-    xs = x.reshape(-1, 16, 16)
-    scales, levels = _fit_symmetric(xs, 32)  # [n, 16, 1], [n, 16, 16]
-    top = _abs_max_signed(scales[..., 0])  # [n, 1]
+    xs = x.reshape(-1, 16, 16).permute(2, 0, 1).contiguous()  # [16, n, 16]: weight, block, sub-block
+    scales, levels = _fit_symmetric(xs, 32)
+    scales = scales[0]  # [n, 16]
+    top = _abs_max_signed(scales)  # [n, 1]
     empty = top.abs() < 1e-15  # the whole super-block is zero: every byte 0
     iscale = _over(-128, torch.where(empty, 1.0, top))
     d = 1 / iscale
-    sc = torch.round(iscale * scales[..., 0]).clamp(max=127)  # [n, 16]
-    sub_d = (_f16_round(d) * sc).unsqueeze(-1)
+    sc = torch.round(iscale * scales).clamp(max=127)  # [n, 16]
+    sub_d = _f16_round(d) * sc
     requant = torch.round(xs / torch.where(sub_d == 0, 1.0, sub_d)).clamp(-32, 31) + 32
-    q = torch.where(sub_d == 0, levels, requant).to(torch.uint8).reshape(-1, 2, 4, 32)
+    q = torch.where(sub_d == 0, levels, requant).permute(1, 2, 0).to(torch.uint8).reshape(-1, 2, 4, 32)
     # per half of 128: weights 0-31 and 64-95 share bytes 0-31 of ql (low, high nibble), 32-63
     # and 96-127 bytes 32-63; qh holds the top 2 bits of weights l, l+32, l+64, l+96 in byte l
     ql = _pack_nibbles(torch.stack((q[:, :, :2], q[:, :, 2:]), dim=2).reshape(-1, 2, 2, 64) & 0x0F)
