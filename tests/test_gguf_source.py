@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from ftkit.kernels.dequant import dequantize_q8_0
 from ftkit.runtime.checkpoint.base import CheckpointError
 from ftkit.runtime.checkpoint.gguf import READ_CHUNK, GGUFSource
+from ftkit.tools.diagnose.report import diagnose
 from gguf_fixtures import header_end, random_blocks, write_gguf_from_hf
 
 QT = gguf.GGMLQuantizationType
@@ -308,7 +309,9 @@ def test_row_length_must_split_into_blocks(tmp_path):
     path = _write(tmp_path / "k.gguf", {"blk.0.attn_q.weight": (random_blocks("q4_k", (2, 256), np.random.default_rng(0)), QT.Q4_K)})
     dims_at = _tensor_info_offset(path, "blk.0.attn_q.weight") + 4
     bad = _patched(path, tmp_path / "bad.gguf", dims_at, "<Q", 128)  # ne[0]: the row length
-    _expect_error(bad, "tensor blk.0.attn_q.weight is Q4_K but its row length 128 is not a multiple of 256$")
+    msg = "tensor blk.0.attn_q.weight is Q4_K but its row length 128 is not a multiple of 256"
+    _expect_error(bad, msg + "$")
+    assert diagnose(bad)["problems"] == [f"bad.gguf: {msg}"]  # ft-diagnose: one line, no traceback
 
 
 def test_metadata_value_types(tmp_path):
