@@ -30,10 +30,9 @@ DEQUANTIZERS: dict[str, Dequantizer] = {}
 
 def dequantize(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     """Raw `fmt` rows `[..., nblocks * block_bytes]` (uint8) to float32 `[..., nblocks * block]`."""
-    try:
-        return DEQUANTIZERS[fmt](raw)
-    except KeyError:
-        raise FormatError(f"no dequantizer for weight format {fmt!r}") from None
+    if fmt not in DEQUANTIZERS:
+        raise FormatError(f"no dequantizer for weight format {fmt!r}")
+    return DEQUANTIZERS[fmt](raw)
 
 
 def _rows(fmt: str) -> Callable[[Dequantizer], Dequantizer]:

@@ -9,10 +9,12 @@ operation for operation in float32, so their bytes are the same bit for bit. The
 ggml's reference quantizers without an importance matrix (`quantize_row_q4_K_ref` and its
 `make_qkx2_quants` search, `quantize_row_q6_K_ref` and `make_qx_quants`), which is what
 llama-quantize runs when no imatrix is given: the same trial scales in the same order, the same
-float32 formulas and rounding (`nearest_int` is round-half-to-even, as `torch.round`), the same
-tie rules. Only the order in which a sub-block's 16 or 32 terms are summed differs (torch
-reduces pairwise, C in sequence), so a search that C decides by a last-bit margin may pick the
-neighbouring scale; there is no reference implementation in the gguf package to match.
+float32 formulas, rounding (`nearest_int` is round-half-to-even, as `torch.round`) and tie
+rules, each sum added left to right as C's loops add. So the bytes are those of ggml's reference
+compiled to strict IEEE float32 (they matched a scalar float32 transliteration of it on every
+block tried; the gguf package has no K-quant quantizer to compare with). A ggml build that fuses
+`a * b + c` into one rounding (GCC's default on FMA machines) can decide a search's near-tie the
+other way and pick the neighbouring scale.
 """
 
 from __future__ import annotations
@@ -34,10 +36,9 @@ QUANTIZERS: dict[str, Quantizer] = {}
 
 def quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Float rows `[..., nblocks * block]` to raw `fmt` rows `[..., nblocks * block_bytes]`."""
-    try:
-        return QUANTIZERS[fmt](x)
-    except KeyError:
-        raise FormatError(f"no quantizer for weight format {fmt!r}") from None
+    if fmt not in QUANTIZERS:
+        raise FormatError(f"no quantizer for weight format {fmt!r}")
+    return QUANTIZERS[fmt](x)
 
 
 def _rows(fmt: str) -> Callable[[Quantizer], Quantizer]:
@@ -111,6 +112,7 @@ def _abs_max_signed(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def _f32(v: float) -> float:
+    """`v` rounded to float32: a constant as C computes it from float operands (`0.1f * is`)."""
     return float(np.float32(v))
 
 
