@@ -48,10 +48,13 @@ def _rows(fmt: str) -> Callable[[Dequantizer], Dequantizer]:
                     f"got {raw.dtype} {tuple(raw.shape)}"
                 )
             blocks = raw.reshape(-1, f.block_bytes)
-            out = torch.empty(blocks.shape[0], f.block, dtype=torch.float32)
+            shape = (*raw.shape[:-1], raw.shape[-1] // f.block_bytes * f.block)
+            if blocks.shape[0] <= CHUNK_BLOCKS:  # a slot's part, on whatever device it is
+                return per_block(blocks).reshape(shape)
+            out = torch.empty(blocks.shape[0], f.block, dtype=torch.float32, device=raw.device)
             for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
                 out[start : start + CHUNK_BLOCKS] = per_block(blocks[start : start + CHUNK_BLOCKS])
-            return out.reshape(*raw.shape[:-1], raw.shape[-1] // f.block_bytes * f.block)
+            return out.reshape(shape)
 
         DEQUANTIZERS[fmt] = rows
         return rows
@@ -73,12 +76,12 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits(b: torch.Tensor, width: int) -> torch.Tensor:
     """Bytes `[..., k]` to their `width`-bit fields `[..., 8 // width, k]`, lowest field first."""
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8).reshape(-1, 1)
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=b.device).reshape(-1, 1)
     return (b.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
 
 
 def _levels(values: tuple[int, ...], index: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32)[index.long()]
+    return torch.tensor(values, dtype=torch.float32, device=index.device)[index.long()]
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

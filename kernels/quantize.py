@@ -54,7 +54,7 @@ def _rows(fmt: str) -> Callable[[Quantizer], Quantizer]:
                     f"got {x.dtype} {tuple(x.shape)}"
                 )
             blocks = x.reshape(-1, f.block).to(torch.float32)
-            out = torch.empty(blocks.shape[0], f.block_bytes, dtype=torch.uint8)
+            out = torch.empty(blocks.shape[0], f.block_bytes, dtype=torch.uint8, device=x.device)
             for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
                 out[start : start + CHUNK_BLOCKS] = per_block(blocks[start : start + CHUNK_BLOCKS])
             return out.reshape(*x.shape[:-1], x.shape[-1] // f.block * f.block_bytes)
@@ -95,7 +95,7 @@ def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def _pack_bits(q: torch.Tensor, width: int) -> torch.Tensor:
     """`width`-bit fields `[..., 8 // width, k]` to bytes `[..., k]`, the first field lowest."""
-    shifts = torch.arange(0, 8, width, dtype=torch.int32).reshape(-1, 1)
+    shifts = torch.arange(0, 8, width, dtype=torch.int32, device=q.device).reshape(-1, 1)
     return (q.to(torch.int32) << shifts).sum(dim=-2).to(torch.uint8)
 
 
@@ -189,7 +189,7 @@ def quantize_mxfp4(x: torch.Tensor) -> torch.Tensor:
     amax = x.abs().amax(dim=-1, keepdim=True)
     log2 = torch.log2(amax.to(torch.float64)).to(torch.float32)
     e = torch.where(amax > 0, torch.floor(log2) - 2 + 127, 0.0).to(torch.uint8)
-    levels = torch.tensor(E2M1_LEVELS_X2, dtype=torch.float32)
+    levels = torch.tensor(E2M1_LEVELS_X2, dtype=torch.float32, device=x.device)
     err = (e8m0_half(e).unsqueeze(-1) * levels - x.unsqueeze(-1)).abs()
     q = err.argmin(dim=-1)
     return torch.cat((e, _pack_nibbles(q.reshape(-1, 2, 16))), dim=-1)
