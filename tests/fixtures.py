@@ -117,6 +117,12 @@ TINY_CONFIGS["qwen3_moe_rope"] = {
     },
 }
 
+# Rows of 256 for the K-quants and IQ4_XS (their blocks are 256 weights): hidden, expert and
+# dense FFN widths 256, four experts (llama-quantize special-cases models of exactly eight).
+_WIDE = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256}
+TINY_CONFIGS["qwen3_moe_wide"] = {**TINY_CONFIGS["qwen3_moe"], **_WIDE, "num_experts": 4, "moe_intermediate_size": 256}
+TINY_CONFIGS["mixtral_wide"] = {**TINY_CONFIGS["mixtral"], **_WIDE, "num_local_experts": 4}
+
 
 def tiny_config(name: str) -> PreTrainedConfig:
     """The transformers config for TINY_CONFIGS[name]."""

@@ -12,7 +12,7 @@ the converter vendored in llama-cpp-python 0.3.36 (vocabulary step stubbed).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +226,90 @@ def _output_type(name: str, n_dims: int, arch: gguf.MODEL_ARCH, bid: int | None,
         ):
             return QT.F32
     return qtype
+
+
+# Byte offsets of each block format's fp16 fields (scales, mins) within a block (ggml-common.h);
+# mxfp4's one scale byte is an e8m0 exponent, every value of which is valid.
+F16_FIELDS = {
+    "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+    "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+    "iq4_nl": (0,), "iq4_xs": (0,), "mxfp4": (),
+}  # fmt: skip
+
+
+def random_blocks(fmt: str, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1e-3) -> np.ndarray:
+    """Valid random `fmt` blocks for a tensor of logical `shape` (uint8, GGUF's byte shape):
+    random bits everywhere but the scales, which are fp16 of magnitude about `scale` (random
+    sign) or, for mxfp4, an exponent within a factor 4 of it. Dequantized, the weights stay
+    within a few hundred times `scale`, so a model built from them computes finite logits."""
+    fmt_ = gguf.GGMLQuantizationType[fmt.upper()]
+    block, nbytes = gguf.GGML_QUANT_SIZES[fmt_]
+    raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[fmt]:
+        d = (rng.uniform(0.5, 1.5, raw.shape[:-1]) * scale * rng.choice([-1, 1], raw.shape[:-1]))
+        raw[..., off : off + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    if fmt == "mxfp4":  # the block's scale is 2**(e - 128), its weights up to 6 times that
+        raw[..., 0] = np.round(np.log2(scale) + 127 + rng.integers(-2, 1, raw.shape[:-1]))
+    return raw.reshape(*shape[:-1], -1)
+
+
+
+def _rewrite_gguf(src: Path, out: Path, tensor: Callable[[Any], tuple[np.ndarray, QT | None]]) -> Path:
+    """A copy of the GGUF `src` (same metadata, same tensor order) whose tensors are what
+    `tensor(reader_tensor)` makes of each: (data, raw ggml type or None for a float array)."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, field.contents())
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    for t in reader.tensors:
+        data, raw_dtype = tensor(t)
+        writer.add_tensor(t.name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape))
+
+
+def requantize_gguf(src: Path, out: Path, formats: dict[str, str | None], seed: int = 0) -> Path:
+    """The F32 GGUF `src` with each tensor stored in `formats[name]` (None keeps it), as
+    llama-quantize rewrites a model (`general.file_type` left alone). Blocks come from ftkit's
+    quantizer where it has the format, else they are valid random blocks at the tensor's own
+    scale (IQ4_XS, IQ4_NL, Q2_K, Q3_K)."""
+    from ftkit.kernels.quantize import QUANTIZERS, quantize
+
+    def random_like(fmt: str, data: np.ndarray, seed: int) -> np.ndarray:
+        # the scales of random blocks at 1e-3, then at what gives them the tensor's RMS
+        probe = gguf.quants.dequantize(random_blocks(fmt, data.shape, np.random.default_rng(seed)), QT[fmt.upper()])
+        scale = 1e-3 * np.sqrt(np.mean(data.astype(np.float64) ** 2) / np.mean(probe.astype(np.float64) ** 2))
+        return random_blocks(fmt, data.shape, np.random.default_rng(seed), float(scale))
+
+    def tensor(t: Any) -> tuple[np.ndarray, QT | None]:
+        data = np.array(t.data).reshape(_shape(t))
+        fmt = formats.get(t.name)
+        if fmt is None:
+            return data, None
+        if fmt == "float16":
+            return data.astype(np.float16), None
+        if fmt in QUANTIZERS:
+            return quantize(torch.from_numpy(data.astype(np.float32)), fmt).numpy(), QT[fmt.upper()]
+        return random_like(fmt, data, seed + len(t.name)), QT[fmt.upper()]
+
+    return _rewrite_gguf(src, out, tensor)
+
+
+def dequantized_gguf(src: Path, out: Path) -> Path:
+    """The GGUF `src` with every tensor float32, dequantized by the gguf package: the same model
+    as the quantized file, in the form ftkit has always read."""
+    return _rewrite_gguf(
+        src, out, lambda t: (gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(_shape(t)), None)
+    )

@@ -185,12 +185,32 @@ def _gguf_unsupported(src: Path, out: Path) -> Path:
     path = out / "m.gguf"
     w = gguf.GGUFWriter(path, "qwen3moe")
     w.add_block_count(1)
-    q4 = gguf.quants.quantize(np.zeros((4, 64), np.float32), gguf.GGMLQuantizationType.Q4_0)
-    w.add_tensor("blk.0.ffn_down_exps.weight", q4, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    tq1 = gguf.quants.quantize(np.zeros((4, 256), np.float32), gguf.GGMLQuantizationType.TQ1_0)
+    w.add_tensor("blk.0.ffn_down_exps.weight", tq1, raw_dtype=gguf.GGMLQuantizationType.TQ1_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def _gguf_rows_not_in_blocks(src: Path, out: Path) -> Path:
+    """A Q4_K tensor whose header says rows of 128: not a whole number of 256-weight blocks."""
+    out.mkdir()
+    path = out / "m.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_block_count(1)
+    q4k = np.zeros((4, 144), np.uint8)  # one Q4_K block a row
+    w.add_tensor("blk.0.ffn_down_exps.weight", q4k, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_down_exps.weight"
+    dims_at = data.index(name) + len(name) + 4  # after the name, n_dims; then ne[0]
+    data[dims_at : dims_at + 8] = (128).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
     return path
 
 
@@ -199,7 +219,9 @@ BAD = {
     "offsets past the end": (lambda s, o: fx.offsets_past_end(s, o), "past the end"),
     "missing shard": (lambda s, o: fx.missing_shard(s, o), "missing shard"),
     "GGUF bad magic": (_gguf_bad_magic, "magic"),
-    "GGUF unsupported type": (_gguf_unsupported, "unsupported GGUF type Q4_0 for tensor blk.0.ffn_down_exps.weight"),
+    "GGUF unsupported type": (_gguf_unsupported, "unsupported GGUF type TQ1_0 for tensor blk.0.ffn_down_exps.weight"),
+    "GGUF rows not in blocks": (_gguf_rows_not_in_blocks,
+                                "tensor blk.0.ffn_down_exps.weight is Q4_K but its row length 128 is not a multiple of 256"),
     "no expert count": (lambda s, o: fx.config_without_expert_count(s, o), "expert count"),
     "unknown architecture": (lambda s, o: fx.unknown_architecture(s, o), "unknown architecture"),
     "missing tensor": (lambda s, o: fx.missing_tensor(s, o, "self_attn.k_proj.weight"), "missing tensor"),

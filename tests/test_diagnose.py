@@ -210,7 +210,7 @@ def gguf_copy(model_path, tmp: Path) -> Path:
 
 def gguf_retyped(model_path, tmp: Path, tensor: str) -> Path:
     path = gguf_copy(model_path, tmp)
-    return set_bytes(path, gguf_type_offset(path, tensor), struct.pack("<I", gguf.GGMLQuantizationType.Q4_K))
+    return set_bytes(path, gguf_type_offset(path, tensor), struct.pack("<I", gguf.GGMLQuantizationType.IQ2_XXS))
 
 
 FAILURES: dict[str, tuple[Callable[[Any, Any, Path], Path], str]] = {
@@ -223,9 +223,9 @@ FAILURES: dict[str, tuple[Callable[[Any, Any, Path], Path], str]] = {
     "wrong expert shape": (lambda mp, hf, t: fx.wrong_shape(hf("qwen2_moe", stacked=True), t / "c", "experts.down_proj"),
                            "wrong shape: model.layers.0.mlp.experts.down_proj"),
     "unsupported GGUF type": (lambda mp, hf, t: gguf_retyped(mp, t, "blk.1.ffn_down_exps.weight"),
-                              "unsupported: GGUF type Q4_K for tensor blk.1.ffn_down_exps.weight"),
+                              "unsupported: GGUF type IQ2_XXS for tensor blk.1.ffn_down_exps.weight"),
     "unsupported GGUF embedding": (lambda mp, hf, t: gguf_retyped(mp, t, "token_embd.weight"),
-                                   "unsupported: GGUF type Q4_K for tensor token_embd.weight"),
+                                   "unsupported: GGUF type IQ2_XXS for tensor token_embd.weight"),
     "wrong dense dtype": (lambda mp, hf, t: retyped_hf(hf("qwen2_moe"), t / "c", "model.norm", torch.int8),
                           "wrong dtype: model.norm.weight is int8, expected one of float32, float16, bfloat16"),
     "wrong expert dtype": (lambda mp, hf, t: retyped_hf(hf("olmoe", stacked=True), t / "c", "experts.", torch.float64),
@@ -288,7 +288,7 @@ def test_broken_weights_still_name_the_model(hf_checkpoint, tmp_path: Path) -> N
 
 def test_unsupported_tensor_is_not_also_missing(model_path, tmp_path: Path) -> None:
     _, r = run_json(gguf_retyped(model_path, tmp_path, "blk.1.ffn_down_exps.weight"))
-    assert r["problems"] == ["unsupported: GGUF type Q4_K for tensor blk.1.ffn_down_exps.weight"]
+    assert r["problems"] == ["unsupported: GGUF type IQ2_XXS for tensor blk.1.ffn_down_exps.weight"]
     assert r["memory"]["expert_dtype"] == "q8_0"
 
 
@@ -457,39 +457,18 @@ def test_large_model_stub_names_a_missing_expert(tmp_path: Path) -> None:
     assert r["problems"] == ["missing tensor: layer 47 up projection of expert(s) 127"]
 
 
-def test_k_quant_gguf_names_every_unsupported_tensor_and_still_plans(hf_checkpoint, tmp_path):
-    """Most GGUFs people have are Q4_K-style: FAIL, naming each tensor, with the model still
-    identified and its memory plan given."""
-    import gguf
-    import numpy as np
-
+def test_unsupported_gguf_types_are_each_named_and_still_plan(hf_checkpoint, tmp_path):
+    """A GGUF in types ftkit does not read (IQ2_XXS, TQ1_0, ...): FAIL, naming each tensor and
+    its type, with the model still identified and its memory plan given."""
     from gguf_fixtures import write_gguf_from_hf
 
-    src = tmp_path / "f32.gguf"
-    write_gguf_from_hf(hf_checkpoint("qwen3_moe"), src, "F32")
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(tmp_path / "q4.gguf", "qwen3moe")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, field.contents())
-        else:
-            writer.add_key_value(key, field.contents(), field.types[0])
-    for t in reader.tensors:
-        data = np.array(t.data).reshape(tuple(int(x) for x in reversed(t.shape)))
-        if t.name == "token_embd.weight" or "_exps" in t.name:
-            q4 = gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
-            writer.add_tensor(t.name, q4, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-        else:
-            writer.add_tensor(t.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    report = diagnose(tmp_path / "q4.gguf")
+    path = tmp_path / "iq2.gguf"
+    write_gguf_from_hf(hf_checkpoint("qwen3_moe"), path, "F32")
+    retyped = [t.name for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight" or "_exps" in t.name]
+    for offset in [gguf_type_offset(path, n) for n in retyped]:  # the data is never read
+        set_bytes(path, offset, struct.pack("<I", gguf.GGMLQuantizationType.IQ2_XXS))
+    report = diagnose(path)
     assert report["verdict"] == "FAIL" and report["family"] == "qwen3_moe"
-    assert "unsupported: GGUF type Q4_0 for tensor token_embd.weight" in report["problems"]
-    assert sum("Q4_0" in p for p in report["problems"]) == 1 + 3 * 2  # embedding + 3 parts x 2 layers
-    assert not [p for p in report["problems"] if "missing" in p]
+    assert report["problems"] == [f"unsupported: GGUF type IQ2_XXS for tensor {n}" for n in retyped]
+    assert len(retyped) == 1 + 3 * 2  # embedding + 3 parts x 2 layers
     assert report["memory"]["host_expert_pool_bytes"] > 0

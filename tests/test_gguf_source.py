@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from ftkit.kernels.dequant import dequantize_q8_0
 from ftkit.runtime.checkpoint.base import CheckpointError
 from ftkit.runtime.checkpoint.gguf import READ_CHUNK, GGUFSource
-from gguf_fixtures import header_end, write_gguf_from_hf
+from ftkit.tools.diagnose.report import diagnose
+from gguf_fixtures import header_end, random_blocks, write_gguf_from_hf
 
 QT = gguf.GGMLQuantizationType
 MODELS = ["qwen2_moe", "qwen3_moe", "olmoe", "mixtral"]  # tiny checkpoints from conftest
@@ -260,27 +261,57 @@ def test_corrupt_arrays(tmp_path):
 
 
 def test_unsupported_types(tmp_path):
-    q4_0 = gguf.quants.quantize(np.ones((4, 64), np.float32), QT.Q4_0)
+    tq2 = gguf.quants.quantize(np.ones((4, 256), np.float32), QT.TQ2_0)
     tensors = {
         "token_embd.weight": (np.zeros((2, 64), np.float32), None),
-        "blk.0.ffn_down_exps.weight": (np.zeros((4, 144), np.uint8), QT.Q4_K),  # 4 blocks
-        "blk.0.ffn_up_exps.weight": (q4_0, QT.Q4_0),
+        "blk.0.ffn_down_exps.weight": (np.zeros((4, 66), np.uint8), QT.IQ2_XXS),  # 1 block a row
+        "blk.0.ffn_up_exps.weight": (tq2, QT.TQ2_0),
     }
     path = _write(tmp_path / "quant.gguf", tensors)
 
-    _expect_error(path, "unsupported GGUF type Q4_K for tensor blk.0.ffn_down_exps.weight$")
+    _expect_error(path, "unsupported GGUF type IQ2_XXS for tensor blk.0.ffn_down_exps.weight$")
     src = GGUFSource(path, strict_types=False)
     assert src.unsupported == {
-        "blk.0.ffn_down_exps.weight": "Q4_K",
-        "blk.0.ffn_up_exps.weight": "Q4_0",
+        "blk.0.ffn_down_exps.weight": "IQ2_XXS",
+        "blk.0.ffn_up_exps.weight": "TQ2_0",
     }
+    assert src.unsupported_shapes["blk.0.ffn_down_exps.weight"] == (4, 256)
     assert list(src.tensors) == ["token_embd.weight"]
-    with pytest.raises(CheckpointError, match="unsupported type Q4_0"):
+    with pytest.raises(CheckpointError, match="unsupported type TQ2_0"):
         src.read("blk.0.ffn_up_exps.weight")
 
     odd = tmp_path / "odd.gguf"
     type_at = _tensor_info_offset(path, "blk.0.ffn_down_exps.weight") + 4 + 2 * 8
     _expect_error(_patched(path, odd, type_at, "<I", 42), "unsupported GGUF type type 42 for")
+
+
+BLOCK_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K,
+               QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4]  # fmt: skip
+
+
+def test_every_block_type_reads_as_its_raw_rows(tmp_path):
+    """Each quant type people download, in one file: indexed under our name with GGUF's byte
+    sizes, read back as the stored blocks (rows of raw bytes), any mix of types."""
+    rng = np.random.default_rng(0)
+    raws = {t: random_blocks(t.name.lower(), (3, 512), rng) for t in BLOCK_TYPES}
+    path = _write(tmp_path / "mix.gguf", {f"t.{t.name}": (raw, t) for t, raw in raws.items()})
+    src = GGUFSource(path)
+    reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for t, raw in raws.items():
+        ref = src.tensors[f"t.{t.name}"]
+        assert ref.dtype == t.name.lower() and ref.shape == (3, 512)
+        assert (ref.offset, ref.nbytes) == (reader[ref.name].data_offset, reader[ref.name].n_bytes)
+        assert np.array_equal(src.read(ref.name).numpy(), raw)
+
+
+def test_row_length_must_split_into_blocks(tmp_path):
+    """A K-quant tensor whose rows do not split into 256-weight blocks is named, with its type."""
+    path = _write(tmp_path / "k.gguf", {"blk.0.attn_q.weight": (random_blocks("q4_k", (2, 256), np.random.default_rng(0)), QT.Q4_K)})
+    dims_at = _tensor_info_offset(path, "blk.0.attn_q.weight") + 4
+    bad = _patched(path, tmp_path / "bad.gguf", dims_at, "<Q", 128)  # ne[0]: the row length
+    msg = "tensor blk.0.attn_q.weight is Q4_K but its row length 128 is not a multiple of 256"
+    _expect_error(bad, msg + "$")
+    assert diagnose(bad)["problems"] == [f"bad.gguf: {msg}"]  # ft-diagnose: one line, no traceback
 
 
 def test_metadata_value_types(tmp_path):

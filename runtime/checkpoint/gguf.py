@@ -51,12 +51,15 @@ GGML_TYPE_NAMES: dict[int, str] = {
     22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
     29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
 }
-# ggml types we read, by our dtype name.
+# ggml types we read, by our dtype name: the plain ones, and the block formats people download
+# (the legacy 32-weight quants, the K-quants, IQ4_NL/IQ4_XS and MXFP4), each our lower-case name.
 SUPPORTED_TYPES: dict[int, str] = {
-    0: "float32", 1: "float16", 30: "bfloat16", 8: Q8_0,
+    0: "float32", 1: "float16", 30: "bfloat16",
     24: "int8", 25: "int16", 26: "int32", 27: "int64", 28: "float64",
+    2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: Q8_0,
+    10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k",
+    20: "iq4_nl", 23: "iq4_xs", 39: "mxfp4",
 }
-
 # GGUF metadata value types: id -> (struct code, size) for the fixed-size ones.
 _STRING, _ARRAY = 8, 9
 _SCALARS: dict[int, tuple[str, int]] = {
@@ -246,10 +249,11 @@ class GGUFSource:
                 self.unsupported[tname] = ggml_type_name(type_id)
                 self.unsupported_shapes[tname] = tuple(reversed(ne))
                 continue
-            if dtype == Q8_0 and (not ne or ne[0] % FORMATS[Q8_0].block):
+            block = FORMATS[dtype].block
+            if block > 1 and (not ne or ne[0] % block):
                 raise CheckpointError(
-                    f"{name}: tensor {tname} is Q8_0 but its row length {ne[0] if ne else 0} "
-                    f"is not a multiple of {FORMATS[Q8_0].block}"
+                    f"{name}: tensor {tname} is {ggml_type_name(type_id)} but its row length "
+                    f"{ne[0] if ne else 0} is not a multiple of {block}"
                 )
             shape = tuple(reversed(ne))
             ref = TensorRef(
@@ -267,7 +271,7 @@ class GGUFSource:
             )
 
     def read(self, name: str) -> torch.Tensor:
-        """Stored bytes of one tensor: its dtype and shape, or raw q8_0 rows (see `stored_shape`)."""
+        """Stored bytes of one tensor: its dtype and shape, or raw block rows (see `stored_shape`)."""
         ref = self.tensors.get(name)
         if name in self.unsupported:
             raise CheckpointError(

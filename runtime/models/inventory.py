@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ftkit.vocab import BLOCK_FORMATS, EXPERT_FORMATS
+
 from ..checkpoint.base import Source
 from ..spec import ModelSpec
 from . import Family, Mapped, resolve
 
 PER_EXPERT, STACKED = "per-expert", "stacked"
+# What experts stored in blocks a slot cannot hold become without --dtype: FTW does not keep
+# those blocks yet, so they are dequantized, to the dtype a float checkpoint's experts would be.
+DEQUANTIZED_EXPERTS = "bfloat16"
 
 
 @dataclass
@@ -44,9 +49,22 @@ class Inventory:
         out = [f"unsupported: {u}" for u in self.unsupported]
         out += [f"missing tensor: {m}" for m in self.missing]
         out += [f"wrong shape: {m}" for m in self.mismatched]
-        if len(self.expert_dtypes) > 1:
+        if len(self.expert_dtypes) > 1 and not self.dequantized_experts:
             out.append(f"experts mix dtypes {sorted(self.expert_dtypes)}; convert with --dtype to unify them")
         return out
+
+    @property
+    def dequantized_experts(self) -> list[str]:
+        """The stored expert formats that are GGUF blocks a slot cannot hold (all but q8_0):
+        conversion dequantizes every expert then, whatever mix of formats they come in."""
+        return sorted(d for d in self.expert_dtypes if d in BLOCK_FORMATS and d not in EXPERT_FORMATS)
+
+    def dequantize_note(self, dtype: str) -> str | None:
+        """The one line that says experts are dequantized to `dtype`, or None when none are."""
+        if not self.dequantized_experts:
+            return None
+        blocks = sorted(d for d in self.expert_dtypes if d in BLOCK_FORMATS)  # q8_0 ones go along
+        return f"experts stored as {'/'.join(blocks)} are dequantized to {dtype} (FTW does not keep these blocks yet)"
 
     @property
     def expert_layout(self) -> str:

@@ -62,6 +62,8 @@ def main(
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))
+        if note := plan.inventory.dequantize_note(plan.layout.dtype):
+            console.print(f"[yellow]note:[/] {note}")
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")
             return

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ftkit import __version__
-from ftkit.kernels.dequant import dequantize_q8_0
+from ftkit.kernels.dequant import dequantize
 from ftkit.runtime.checkpoint import CheckpointError, open_source
 from ftkit.runtime.ftw.manifest import (
     DENSE_FILE,
@@ -19,8 +19,8 @@ from ftkit.runtime.ftw.manifest import (
     write_json_atomic,
 )
 from ftkit.runtime.ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
-from ftkit.runtime.models.inventory import Inventory, take_inventory
-from ftkit.vocab import Q8_0, SlotLayout, slot_layout, storage_dtype, stored_nbytes
+from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, Inventory, take_inventory
+from ftkit.vocab import BLOCK_FORMATS, SlotLayout, slot_layout, storage_dtype, stored_nbytes
 
 DEFAULT_BANK_BYTES = 4 << 30
 CAST_DTYPES = ("float32", "float16", "bfloat16")
@@ -55,7 +55,7 @@ class Plan:
 def _out_dtype(src: str, cast: str | None) -> str:
     if cast:
         return cast
-    return "float32" if src == Q8_0 else src  # q8_0 dense tensors are dequantized exactly
+    return "float32" if src in BLOCK_FORMATS else src  # GGUF blocks dequantize exactly to float32
 
 
 def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_BYTES) -> Plan:
@@ -72,7 +72,7 @@ def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BAN
         name, _ = inv.dense[canonical]
         keep = canonical.endswith(inv.family.float32_suffixes)  # the family routes these in float32
         dense.append((canonical, _out_dtype(source.tensors[name].dtype, None if keep else dtype), shape))
-    expert_dtype = dtype or next(iter(inv.expert_dtypes))
+    expert_dtype = dtype or (DEQUANTIZED_EXPERTS if inv.dequantized_experts else next(iter(inv.expert_dtypes)))
     layout = slot_layout(inv.spec, expert_dtype)
     return Plan(
         inventory=inv,
@@ -87,8 +87,8 @@ def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BAN
 def _cast(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
     if src == dst:
         return t
-    if src == Q8_0:
-        t = dequantize_q8_0(t)
+    if src in BLOCK_FORMATS:
+        t = dequantize(t, src)
     return t.to(storage_dtype(dst))
 
 

@@ -51,6 +51,8 @@ def render(r: dict[str, Any]) -> Group:
         parts.append(Text(f"{len(r['unexpected'])} tensor(s) the family does not use (ftw-convert skips them): "
                           + ", ".join(r["unexpected"][:SHOWN]) + (" ..." if len(r["unexpected"]) > SHOWN else ""),
                           style="yellow"))
+    for note in r["notes"]:
+        parts.append(Text(f"note: {note}", style="yellow"))
     for p in r["problems"][:SHOWN]:
         parts.append(Text(f"  - {p}", style="red"))
     if len(r["problems"]) > SHOWN:

@@ -23,10 +23,10 @@ from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
 from ftkit.runtime.ftw.manifest import MANIFEST, FTWError
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES, Family, family_for_config
-from ftkit.runtime.models.inventory import Inventory, take_inventory
+from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, Inventory, take_inventory
 from ftkit.runtime.models.kv import kv_bytes_per_token
 from ftkit.runtime.spec import ModelSpec
-from ftkit.vocab import EXPERT_FORMATS, Q8_0, slot_layout
+from ftkit.vocab import BLOCK_FORMATS, EXPERT_FORMATS, slot_layout
 
 PLAN_DTYPE = torch.bfloat16  # the memory plan's compute dtype: dense weights and KV cache
 KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
@@ -52,6 +52,7 @@ class Diagnosis:
     expert_dtype: str | None = None
     problems: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)  # tensors the family does not use (not a failure)
+    notes: list[str] = field(default_factory=list)  # what conversion will do that the user should know
     memory: dict[str, Any] | None = None
 
     def attempt(self, step: Callable[[], T]) -> T | None:
@@ -86,6 +87,7 @@ class Diagnosis:
             "expert_dtype": self.expert_dtype,
             "problems": self.problems,
             "unexpected": self.unexpected,
+            "notes": self.notes,
             "memory": self.memory,
         }
 
@@ -122,7 +124,9 @@ def memory_plan(family: Family, spec: ModelSpec, expert_dtype: str | None) -> di
     runtime's own plan (engine/memory.py) with top_k expert slots, one token's experts for the
     layer being computed. The CUDA context and allocator slack come on top; more slots mean
     fewer expert fetches."""
-    dtype = expert_dtype if expert_dtype in EXPERT_FORMATS else "bfloat16"  # what --dtype would make
+    # what ftw-convert writes: the stored format a slot holds, else bfloat16 (blocks it dequantizes,
+    # or a mix that --dtype unifies)
+    dtype = expert_dtype if expert_dtype in EXPERT_FORMATS else DEQUANTIZED_EXPERTS
     slot = slot_layout(spec, dtype).slot_bytes
     dense = dense_device_bytes({n: t.shape for n, t in expected_dense(family, spec).items()}, PLAN_DTYPE, spec.family)
     least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=True).with_sizes(expert_slots=spec.top_k)
@@ -168,6 +172,8 @@ def _check_checkpoint(d: Diagnosis) -> None:
     d.unexpected = inv.unexpected
     d.expert_layout = inv.expert_layout
     d.expert_dtype = "/".join(sorted(inv.expert_dtypes)) or None
+    if note := inv.dequantize_note(DEQUANTIZED_EXPERTS):
+        d.notes.append(note)
 
 
 def _read_config(d: Diagnosis, root: Path) -> None:
@@ -191,10 +197,12 @@ def _dtype_problems(inv: Inventory) -> list[str]:
     """Stored dtypes the runtime cannot take: dense ones it cannot cast from, expert ones it
     cannot put in a slot."""
     tensors = inv.source.tensors
-    dense_ok = (*DENSE_DTYPES, Q8_0) if inv.gguf else DENSE_DTYPES  # GGUF q8_0 dense is dequantized exactly
-    out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {', '.join(dense_ok)}"
-           for name, _ in inv.dense.values() if tensors[name].dtype not in dense_ok]
-    bad = inv.expert_dtypes - set(EXPERT_FORMATS)
+    # GGUF block formats (dense or expert) are dequantized exactly at conversion
+    blocks = BLOCK_FORMATS if inv.gguf else ()
+    expected = ", ".join(DENSE_DTYPES) + (" or a GGUF block format" if inv.gguf else "")
+    out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {expected}"
+           for name, _ in inv.dense.values() if tensors[name].dtype not in (*DENSE_DTYPES, *blocks)]
+    bad = inv.expert_dtypes - set(EXPERT_FORMATS) - set(blocks)
     for le in inv.experts.values():
         for name in (*le.stacked.values(), *le.per.values()):
             if tensors[name].dtype in bad:

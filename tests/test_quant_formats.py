@@ -1,0 +1,318 @@
+"""GGUF block formats: our torch dequantizers and quantizers against the gguf package, bit for bit.
+
+Dequantization of every format is compared with `gguf.quants.dequantize` on random valid blocks
+and on blocks built to hit the edges (signed zeros, subnormal and extreme fp16 scales, every
+byte value in every position, all 256 e8m0 exponents). Quantizers the gguf package also has must
+write its bytes exactly; the K-quants (which it cannot write) must round-trip through its
+dequantizer to what ours reads, with the error the format is known for.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from test_fidelity import ftw_decoder, greedy
+from typer.testing import CliRunner
+
+from ftkit.kernels.dequant import DEQUANTIZERS, dequantize, dequantize_q8_0
+from ftkit.kernels.presets import preset_formats
+from ftkit.kernels.quantize import QUANTIZERS, quantize
+from ftkit.runtime.checkpoint.gguf import GGUFSource
+from ftkit.runtime.ftw.reader import FTWModel
+from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.diagnose.cli import app as diagnose_app
+from ftkit.tools.diagnose.report import diagnose
+from ftkit.vocab import BLOCK_FORMATS, FORMATS, FormatError, slot_layout
+from gguf_fixtures import (
+    F16_FIELDS,
+    dequantized_gguf,
+    random_blocks,
+    requantize_gguf,
+    write_gguf_from_hf,
+)
+
+QT = gguf.GGMLQuantizationType
+GGUF_QUANTIZES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4")  # gguf.quants.quantize has these
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+# fp16 scales at the edges: +0, -0, the smallest and largest subnormals of both signs, the
+# smallest normal, 1, and the largest finite values.
+EDGE_F16 = (0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x3C00, 0x7BFF, 0xFBFF)
+
+
+def gguf_dequantize(raw: np.ndarray, fmt: str) -> np.ndarray:
+    return gguf.quants.dequantize(raw, QT[fmt.upper()])
+
+
+def ours(raw: np.ndarray, fmt: str) -> np.ndarray:
+    return dequantize(torch.from_numpy(raw), fmt).numpy()
+
+
+def test_every_gguf_block_format_is_registered():
+    assert set(BLOCK_FORMATS) == set(DEQUANTIZERS) == set(F16_FIELDS)
+    for fmt in BLOCK_FORMATS:
+        f = FORMATS[fmt]
+        assert (f.block, f.block_bytes) == gguf.GGML_QUANT_SIZES[QT[fmt.upper()]], fmt
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_dequantize_random_blocks_bitwise(fmt):
+    rng = np.random.default_rng(0)
+    for scale in (1e-3, 1.0, 300.0):
+        raw = random_blocks(fmt, (3, 5, 4 * FORMATS[fmt].block), rng, scale)
+        got, want = ours(raw, fmt), gguf_dequantize(raw, fmt)
+        assert got.shape == want.shape == (3, 5, 4 * FORMATS[fmt].block)
+        assert np.isfinite(want).all() and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_dequantize_edge_blocks_bitwise(fmt):
+    """Every byte value at every position of the block, under each edge scale (or each of the
+    256 e8m0 exponents for mxfp4), so every nibble, bit field and packed scale is decoded."""
+    nbytes = FORMATS[fmt].block_bytes
+    raw = ((np.arange(256)[:, None] + 37 * np.arange(nbytes)[None, :]) % 256).astype(np.uint8)
+    if fmt == "mxfp4":
+        raw = np.repeat(raw[None], 256, axis=0)  # [exponent, pattern, byte]
+        raw[..., 0] = np.arange(256, dtype=np.uint8)[:, None]
+    else:
+        raw = np.repeat(raw[None], len(EDGE_F16), axis=0)
+        for off in F16_FIELDS[fmt]:
+            raw[..., off : off + 2] = np.array(EDGE_F16, np.uint16)[:, None, None].view(np.uint8)
+    with np.errstate(over="ignore"):  # mxfp4's top exponents times 6 overflow to inf, in both
+        got, want = ours(raw, fmt), gguf_dequantize(raw, fmt)
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.array_equal(np.signbit(got), np.signbit(want))  # -0.0 where gguf has -0.0
+    if fmt == "mxfp4":
+        assert np.isinf(want).any() and (want[1] != 0).any()  # overflow at the top, subnormals at 1
+
+
+def test_dequantize_q8_0_keeps_its_contract():
+    raw = random_blocks("q8_0", (2, 64), np.random.default_rng(1))
+    assert np.array_equal(dequantize_q8_0(torch.from_numpy(raw)).numpy(), gguf_dequantize(raw, "q8_0"))
+
+
+def test_bad_rows_are_one_clear_error():
+    with pytest.raises(FormatError, match=r"q4_k rows must be uint8 with a last dimension divisible by 144"):
+        dequantize(torch.zeros(2, 100, dtype=torch.uint8), "q4_k")
+    with pytest.raises(FormatError, match="no dequantizer for weight format 'iq2_xxs'"):
+        dequantize(torch.zeros(2, 66, dtype=torch.uint8), "iq2_xxs")
+    with pytest.raises(FormatError, match=r"q6_k needs float rows with a last dimension divisible by 256"):
+        quantize(torch.zeros(2, 64), "q6_k")
+    with pytest.raises(FormatError, match="no quantizer for weight format 'iq4_xs'"):
+        quantize(torch.zeros(2, 256), "iq4_xs")
+
+
+def weights(rng: np.random.Generator, rows: int = 48, cols: int = 1024) -> np.ndarray:
+    """Gaussian rows at scales from 1e-4 to 10, with the rows quantizers must not trip on: all
+    zeros (of both signs), constant, all positive, all negative, one outlier."""
+    x = (rng.standard_normal((rows, cols)) * np.logspace(-4, 1, rows)[:, None]).astype(np.float32)
+    x[0], x[1] = 0.0, -0.0
+    x[2] = 0.25
+    x[3] = np.abs(x[3])
+    x[4] = -np.abs(x[4])
+    x[5, 7] = 50.0
+    return x
+
+
+@pytest.mark.parametrize("fmt", GGUF_QUANTIZES)
+def test_quantize_matches_gguf_bitwise(fmt):
+    rng = np.random.default_rng(2)
+    x = weights(rng)
+    # values on rounding boundaries: multiples of half a q8_0/q4_0 step
+    x[6] = np.round(rng.uniform(-127, 127, x.shape[1])) / 2 * np.float32(0.01)
+    got = quantize(torch.from_numpy(x), fmt).numpy()
+    assert np.array_equal(got, gguf.quants.quantize(x, QT[fmt.upper()]))
+    assert np.array_equal(ours(got, fmt), gguf_dequantize(got, fmt))
+
+
+def test_mxfp4_exponent_at_powers_of_two():
+    """The e8m0 exponent is floor(log2(amax)): exact at and next to every power of two."""
+    k = np.arange(-100, 100, dtype=np.float32)
+    amax = np.concatenate([2.0**k, np.nextafter(2.0**k, 0), np.nextafter(2.0**k, np.inf)]).astype(np.float32)
+    x = np.zeros((len(amax), 32), np.float32)
+    x[:, 0] = amax
+    got = quantize(torch.from_numpy(x), "mxfp4").numpy()
+    assert np.array_equal(got, gguf.quants.quantize(x, QT.MXFP4))
+
+
+# Relative RMS error (||dequant(quant(x)) - x|| / ||x||) on Gaussian rows, as measured: q8_0
+# 0.0054, q4_0 0.086, q4_1 0.078, q5_0 0.043, q5_1 0.038, mxfp4 0.115, q4_k 0.071, q5_k 0.036,
+# q6_k 0.018. The bounds leave about 10% either way.
+RMS_BOUNDS = {
+    "q8_0": (0.0048, 0.0060), "q4_0": (0.078, 0.095), "q4_1": (0.070, 0.086), "q5_0": (0.038, 0.047),
+    "q5_1": (0.034, 0.042), "mxfp4": (0.104, 0.127), "q4_k": (0.064, 0.079), "q5_k": (0.032, 0.040),
+    "q6_k": (0.016, 0.020),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", list(RMS_BOUNDS))
+def test_quantizer_error_is_the_formats(fmt):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((32, 1024)) * np.logspace(-3, 1, 32)[:, None]).astype(np.float32)
+    back = ours(quantize(torch.from_numpy(x), fmt).numpy(), fmt)
+    rel = np.sqrt(((back - x) ** 2).mean(axis=1) / (x**2).mean(axis=1))
+    lo, hi = RMS_BOUNDS[fmt]
+    assert lo < float(np.median(rel)) < hi and rel.max() < 1.1 * hi, (np.median(rel), rel.max())
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_round_trip(fmt):
+    """Our K-quant blocks read back by gguf's dequantizer equal what ours reads, bit for bit;
+    zero rows stay exactly zero, a constant row and an outlier come back close."""
+    x = weights(np.random.default_rng(4))
+    raw = quantize(torch.from_numpy(x), fmt).numpy()
+    assert raw.shape == (x.shape[0], x.shape[1] // 256 * FORMATS[fmt].block_bytes)
+    back = gguf_dequantize(raw, fmt)
+    assert np.array_equal(ours(raw, fmt), back)
+    assert not back[:2].any()
+    assert np.abs(back[2] - 0.25).max() < 0.25 * 0.02
+    assert abs(back[5, 7] - 50.0) < 50.0 * 0.02
+
+
+def test_quantize_keeps_leading_dimensions_and_dtypes():
+    x = torch.randn(2, 3, 512, dtype=torch.bfloat16)
+    raw = quantize(x, "q4_k")
+    assert raw.dtype == torch.uint8 and raw.shape == (2, 3, 2 * 144)
+    assert torch.equal(quantize(x.float(), "q4_k"), raw)
+    assert dequantize(raw, "q4_k").shape == (2, 3, 512)
+    assert set(QUANTIZERS) == {*GGUF_QUANTIZES, *K_QUANTS}
+
+
+# ---- quantized GGUF models: ft-diagnose, ftw-convert, and the same tokens as float32 ---------
+def test_q4_k_m_layout():
+    """llama-quantize's Q4_K_M, as kernels/presets.py lays it out for an MoE model."""
+    shapes = {"token_embd.weight": (320, 256), "output_norm.weight": (256,), "output.weight": (320, 256)}
+    for i in range(8):
+        shapes |= {f"blk.{i}.attn_norm.weight": (256,), f"blk.{i}.attn_v.weight": (128, 256),
+                   f"blk.{i}.attn_k.weight": (128, 256), f"blk.{i}.attn_output.weight": (256, 256),
+                   f"blk.{i}.ffn_gate_inp.weight": (4, 256), f"blk.{i}.ffn_gate_exps.weight": (4, 256, 256),
+                   f"blk.{i}.ffn_down_exps.weight": (4, 256, 256), f"blk.{i}.ffn_down_shexp.weight": (256, 256),
+                   f"blk.{i}.ffn_gate_inp_shexp.weight": (1, 256)}
+    got = preset_formats("q4_k_m", shapes, n_layer=8, n_expert=4)
+    more = [0, 3, 6, 7]  # use_more_bits over 8 layers: the first and last eighth, every third between
+    for i in range(8):
+        bits = "q6_k" if i in more else "q4_k"
+        assert [got[f"blk.{i}.{n}.weight"] for n in ("attn_v", "ffn_down_exps", "ffn_down_shexp")] == [bits] * 3
+        assert [got[f"blk.{i}.{n}.weight"] for n in ("attn_k", "attn_output", "ffn_gate_exps")] == ["q4_k"] * 3
+        assert got[f"blk.{i}.ffn_gate_inp.weight"] is got[f"blk.{i}.ffn_gate_inp_shexp.weight"] is None
+    assert (got["token_embd.weight"], got["output.weight"], got["output_norm.weight"]) == ("q4_k", "q6_k", None)
+    # eight experts: Mixtral's bumps; rows of 64 fall back to 32-weight blocks, rows of 48 to F16
+    narrow = {"output.weight": (320, 64), "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64),
+              "blk.0.ffn_down_exps.weight": (8, 64, 32), "blk.0.ffn_up_exps.weight": (8, 32, 64),
+              "blk.0.ffn_down_shexp.weight": (64, 48)}
+    assert preset_formats("q4_k_m", narrow, n_layer=2, n_expert=8) == {
+        "output.weight": "q8_0", "blk.0.attn_v.weight": "q8_0", "blk.0.attn_output.weight": "q5_1",
+        "blk.0.ffn_down_exps.weight": "q5_0", "blk.0.ffn_up_exps.weight": "q5_0",
+        "blk.0.ffn_down_shexp.weight": "float16"}
+    narrow.pop("blk.0.ffn_down_shexp.weight")  # Q8_0 has no fallback: llama-quantize refuses such rows
+    assert preset_formats("mxfp4_moe", narrow, n_layer=2, n_expert=8)["blk.0.ffn_up_exps.weight"] == "mxfp4"
+    with pytest.raises(FormatError, match="row length 48 does not split into q8_0 blocks of 32"):
+        preset_formats("q8_0", {"blk.0.ffn_down_shexp.weight": (64, 48)}, n_layer=2, n_expert=8)
+
+
+# Quantized files: (tiny checkpoint, how its tensors are stored). "every format" stores the
+# quantizable tensors of a 256-wide Mixtral in each block format in turn, dense and experts.
+QUANT_MODELS = {"qwen3_moe_wide-q4_k_m": ("qwen3_moe_wide", "q4_k_m"),
+                "mixtral_wide-every": ("mixtral_wide", "every"),
+                "olmoe-q4_k_m": ("olmoe", "q4_k_m")}  # 64-wide rows: the 32-weight fallbacks
+
+
+@pytest.fixture(scope="module")
+def quant_gguf(hf_checkpoint, tmp_path_factory):
+    """`quant_gguf(key) -> (quantized GGUF, the same dequantized to F32 by gguf)`, cached."""
+    root = tmp_path_factory.mktemp("quant-gguf")
+    built: dict[str, tuple[Path, Path]] = {}
+
+    def get(key: str) -> tuple[Path, Path]:
+        if key not in built:
+            name, how = QUANT_MODELS[key]
+            f32 = root / f"{key}-f32.gguf"
+            write_gguf_from_hf(hf_checkpoint(name), f32, "F32")
+            src = GGUFSource(f32)
+            shapes = {n: r.shape for n, r in src.tensors.items()}
+            if how == "every":
+                quantizable = [n for n, f in preset_formats("q8_0", shapes, 2, 4).items() if f]
+                formats = {n: BLOCK_FORMATS[i % len(BLOCK_FORMATS)] for i, n in enumerate(quantizable)}
+            else:
+                arch = src.metadata["general.architecture"]
+                formats = preset_formats(how, shapes, src.metadata[f"{arch}.block_count"],
+                                         src.metadata[f"{arch}.expert_count"])
+            q = requantize_gguf(f32, root / f"{key}.gguf", formats)
+            built[key] = q, dequantized_gguf(q, root / f"{key}-dequantized.gguf")
+        return built[key]
+
+    return get
+
+
+def expert_formats(path: Path) -> list[str]:
+    return sorted({r.dtype for n, r in GGUFSource(path).tensors.items() if "_exps" in n})
+
+
+@pytest.mark.parametrize("key", list(QUANT_MODELS))
+def test_diagnose_passes_and_prices_bf16_experts(quant_gguf, key):
+    path, _ = quant_gguf(key)
+    r = diagnose(path)
+    stored = expert_formats(path)
+    assert r["verdict"] == "PASS", r["problems"]
+    assert r["expert_dtype"] == "/".join(stored)
+    assert r["notes"] == [f"experts stored as {'/'.join(stored)} are dequantized to bfloat16 "
+                          "(FTW does not keep these blocks yet)"]
+    spec = make_plan(path).spec
+    slot = slot_layout(spec, "bfloat16").slot_bytes
+    assert r["memory"]["expert_dtype"] == "bfloat16" and r["memory"]["expert_slot_bytes"] == slot
+    assert r["memory"]["host_expert_pool_bytes"] == spec.num_expert_rows * slot
+    out = CliRunner().invoke(diagnose_app, [str(path)]).output
+    assert " ".join(out.split()).count("are dequantized to bfloat16") == 1 and "PASS" in out
+
+
+def test_every_format_is_in_the_every_format_model(quant_gguf):
+    path, _ = quant_gguf("mixtral_wide-every")
+    stored = {r.dtype for r in GGUFSource(path).tensors.values()}
+    assert set(BLOCK_FORMATS) <= stored
+    assert len(expert_formats(path)) >= 4 and {"q2_k", "iq4_xs"} & set(expert_formats(path))
+
+
+def test_ftw_convert_dequantizes_experts_to_bf16(quant_gguf, tmp_path):
+    path, ref_path = quant_gguf("qwen3_moe_wide-q4_k_m")
+    out = tmp_path / "m.ftw"
+    r = subprocess.run([sys.executable, "-m", "ftkit.tools.convert", str(path), "-o", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert text.count("note: experts stored as q4_k/q6_k are dequantized to bfloat16 (FTW does not keep these blocks yet)") == 1
+    model = FTWModel(out)
+    assert model.layout.dtype == "bfloat16"
+    assert all(t.dtype == torch.float32 for t in model.dense_state().values())  # dequantized exactly
+    ref = FTWModel(_converted(ref_path, tmp_path / "ref.ftw", "float32"))
+    banks, ref_banks = model.read_banks(pin=False), ref.read_banks(pin=False)
+    for row in range(model.spec.num_expert_rows):
+        for part, t in banks.parts(row).items():
+            assert torch.equal(t, ref_banks.parts(row)[part].to(torch.bfloat16)), (row, part)
+
+
+def _converted(path: Path, out: Path, dtype: str | None = None) -> Path:
+    convert(make_plan(path, dtype=dtype), out)
+    return out
+
+
+@pytest.mark.parametrize("key", ["qwen3_moe_wide-q4_k_m", "mixtral_wide-every"])
+def test_greedy_tokens_equal_the_dequantized_model(quant_gguf, tmp_path, key):
+    """Converted at float32, the quantized GGUF is the gguf package's dequantization of it,
+    tensor for tensor and bit for bit, so it decodes the same tokens with the same logits."""
+    path, ref_path = quant_gguf(key)
+    ours, ref = FTWModel(_converted(path, tmp_path / "q.ftw", "float32")), FTWModel(_converted(ref_path, tmp_path / "r.ftw"))
+    a, b = ours.dense_state(), ref.dense_state()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    banks, ref_banks = ours.read_banks(pin=False), ref.read_banks(pin=False)
+    for row in range(ours.spec.num_expert_rows):
+        assert all(torch.equal(t, ref_banks.parts(row)[p]) for p, t in banks.parts(row).items()), row
+    with torch.no_grad():
+        tokens, logits = greedy(ftw_decoder(tmp_path / "q.ftw"))
+        ref_tokens, ref_logits = greedy(ftw_decoder(tmp_path / "r.ftw"))
+    assert tokens == ref_tokens and len(set(tokens)) > 1
+    assert all(torch.equal(x, y) for x, y in zip(logits, ref_logits, strict=True))
