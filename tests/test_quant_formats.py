@@ -21,11 +21,11 @@ from test_fidelity import ftw_decoder, greedy
 from typer.testing import CliRunner
 
 from ftkit.kernels.dequant import DEQUANTIZERS, dequantize, dequantize_q8_0
-from ftkit.kernels.presets import preset_formats
 from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.checkpoint.gguf import GGUFSource
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.quant_presets import preset_formats
 from ftkit.tools.diagnose.cli import app as diagnose_app
 from ftkit.tools.diagnose.report import diagnose
 from ftkit.vocab import BLOCK_FORMATS, FORMATS, FormatError, slot_layout
@@ -185,7 +185,7 @@ def test_quantize_keeps_leading_dimensions_and_dtypes():
 
 # ---- quantized GGUF models: ft-diagnose, ftw-convert, and the same tokens as float32 ---------
 def test_q4_k_m_layout():
-    """llama-quantize's Q4_K_M, as kernels/presets.py lays it out for an MoE model."""
+    """llama-quantize's Q4_K_M, as tools/convert/quant_presets.py lays it out for an MoE model."""
     shapes = {"token_embd.weight": (320, 256), "output_norm.weight": (256,), "output.weight": (320, 256)}
     for i in range(8):
         shapes |= {f"blk.{i}.attn_norm.weight": (256,), f"blk.{i}.attn_v.weight": (128, 256),
