@@ -69,7 +69,7 @@ class Runtime:
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
         ratio = opts.bandwidth_ratio
         if opts.profile is not None:
-            ratio = load_profile(opts.profile, opts.threads or CPUExecutor.default_threads()).ratio
+            ratio = load_profile(opts.profile).bandwidths(opts.threads or CPUExecutor.default_threads()).ratio
         self.store = ExpertStore(
             self.spec, self.pool, opts.strategy, self.cache_slots(), self.device, opts.threads,
             ratio, self.dtype, opts.stream_prefill,

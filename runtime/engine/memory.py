@@ -199,7 +199,7 @@ def plan_memory(model: Path | FTWModel, opts: RuntimeOptions, kv_tokens: int, bu
     dense = ftw.manifest.dense["tensors"]
     dtype = storage_dtype(opts.dtype or next(iter(dense.values()))["dtype"])
     dense_bytes = dense_device_bytes({name: t["shape"] for name, t in dense.items()}, dtype, spec.family)
-    ratio = load_profile(opts.profile).ratio if opts.profile is not None else opts.bandwidth_ratio
+    ratio = load_profile(opts.profile).bandwidths().ratio if opts.profile is not None else opts.bandwidth_ratio
     strategy = resolve_strategy(opts.strategy, ratio, torch.device(opts.device))
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
     plan = base_plan(spec, dense_bytes, ftw.layout.slot_bytes, dtype, kv_tokens, budget_bytes, prefix,

@@ -62,7 +62,8 @@ def _figures(rt: Runtime, profile: Path | None, pcie: float | None, cpu: float |
     pcie_solo, cpu_solo = pcie, cpu
     if profile is not None:
         threads = rt.store.cpu.threads
-        both, alone = load_profile(profile, threads), load_profile(profile, threads, overlapped=False)
+        calibrated = load_profile(profile)
+        both, alone = calibrated.bandwidths(threads), calibrated.bandwidths(threads, overlapped=False)
         pcie, cpu = pcie or both.pcie_gbps, cpu or both.cpu_gbps
         pcie_solo, cpu_solo = pcie_solo or alone.pcie_gbps, cpu_solo or alone.cpu_gbps
     return run.Figures(pcie, cpu, run.hbm_gbps(rt.device), pcie_solo, cpu_solo)
