@@ -1,4 +1,5 @@
-"""ft-calibrate's CPU-only profile, the profile reader, and the planner's online correction."""
+"""ft-calibrate's CPU-only profile read back by the runtime, the profile reader, and the planner's
+online correction."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from ftkit.runtime.engine.loader import RuntimeOptions
+from ftkit.runtime.engine.resolve import Machine, resolve
 from ftkit.runtime.experts.planner import Planner
-from ftkit.runtime.experts.store import resolve_strategy
+from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.profile import Bandwidths, load_profile
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.tools.calibrate.cli import app
 
 
-def test_cpu_only_calibrate_writes_a_profile_that_makes_auto_pick_cpu(tmp_path, monkeypatch):
+def test_cpu_only_calibrate_writes_a_profile_that_makes_auto_pick_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     res = CliRunner().invoke(app, ["--shape", "256,96", "--threads", "1,2", "--working-set", "8M",
                                    "--seconds", "0.05", "--json"])
@@ -32,7 +36,12 @@ def test_cpu_only_calibrate_writes_a_profile_that_makes_auto_pick_cpu(tmp_path, 
     assert profile.to_dict() == printed and profile.path == written[0]
     bw = profile.bandwidths(2)
     assert bw.pcie_gbps is None and bw.ratio == 0.0 and bw.threads == 2
-    assert resolve_strategy("auto", bw.ratio, torch.device("cpu")) == "cpu"
+    write_random_ftw(tmp_path / "m.ftw", demo_spec(64))
+    opts = RuntimeOptions(profile=written[0], threads=2)
+    capsys.readouterr()
+    got = resolve(FTWModel(tmp_path / "m.ftw"), opts, Machine(torch.device("cpu")))  # memory unknown: no fused
+    assert (got.strategy, got.ratio, got.profile) == ("cpu", 0.0, profile)
+    assert "ftkit: strategy cpu (auto: the profile has no PCIe figures" in capsys.readouterr().err
 
 
 def test_calibrate_rejects_bad_options(tmp_path):

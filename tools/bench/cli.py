@@ -21,7 +21,6 @@ from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
 from ftkit.runtime.console import guarded, parse_bytes
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
-from ftkit.runtime.profile import load_profile
 from ftkit.runtime.random_model import write_random_ftw
 
 from . import agent_trace, hostmem, run
@@ -58,12 +57,13 @@ def write(
     guarded(body)
 
 
-def _figures(rt: Runtime, profile: Path | None, pcie: float | None, cpu: float | None) -> run.Figures:
+def _figures(rt: Runtime, pcie: float | None, cpu: float | None) -> run.Figures:
+    """The bound's bandwidths: those given, else the runtime's profile's (--profile, or the one
+    ft-calibrate wrote for this GPU)."""
     pcie_solo, cpu_solo = pcie, cpu
-    if profile is not None:
+    if (profile := rt.resolved.profile) is not None:
         threads = rt.store.cpu.threads
-        calibrated = load_profile(profile)
-        both, alone = calibrated.bandwidths(threads), calibrated.bandwidths(threads, overlapped=False)
+        both, alone = profile.bandwidths(threads), profile.bandwidths(threads, overlapped=False)
         pcie, cpu = pcie or both.pcie_gbps, cpu or both.cpu_gbps
         pcie_solo, cpu_solo = pcie_solo or alone.pcie_gbps, cpu_solo or alone.cpu_gbps
     return run.Figures(pcie, cpu, run.hbm_gbps(rt.device), pcie_solo, cpu_solo)
@@ -152,7 +152,7 @@ def decode(
                     "miss rate", "prefill"):
             table.add_column(col, justify="right")
         for strategy, graphs_on in ((s, g) for s in strategies.split(",") for g in modes):
-            opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile,
+            opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile, find_profile=True,
                                   bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy), graphs=graphs_on,
                                   stream_prefill={"on": True, "off": False}.get(stream_prefill),
                                   prefill_chunk=prefill_chunk)
@@ -160,7 +160,7 @@ def decode(
                           + [run.prefill_length(int(c), answer, extend) for c in chunks.split(",") if c])
             rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, longest))
             try:
-                figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
+                figs = _figures(rt, pcie_gbps, cpu_gbps)
                 routed = prompt + tokens + 8 + sum(2 * (int(c) + extend + answer) + 1 for c in chunks.split(",") if c)
                 override = Recorder(rt.decoder) if record else _routing(rt, routing, routed)
                 trace = trace_dir / f"profile-{rt.store.strategy}-graphs-{'on' if graphs_on else 'off'}.txt" if trace_dir else None
@@ -225,7 +225,7 @@ def serve_cmd(
                 tokens, turns, *plan.suffixes, concurrent, first) < 1:
             raise ValueError("lengths need 2 or more tokens; tokens, turns, suffixes, concurrent and first 1 or more")
         serve_args = ["--max-running", str(max_running)] + (["--kv-tokens", str(kv_tokens)] if kv_tokens else [])
-        figures = (lambda rt: _figures(rt, opts.profile, pcie_gbps, cpu_gbps)) if engine else None
+        figures = (lambda rt: _figures(rt, pcie_gbps, cpu_gbps)) if engine else None
         result = serve_bench.measure(model, opts, serve_args, plan, log, figures,
                                      say=lambda line: console.print(line, markup=False, highlight=False))
         table = Table(title=f"ft-bench serve: {model}")
