@@ -99,8 +99,11 @@ def runtime_argv(opts: RuntimeOptions) -> list[str]:
     return argv + [flag for flag, on in switches if on]
 
 
-def runtime_flags(*groups: list[tuple[str, object, object]]) -> Callable[[Callable], Callable]:
-    flags = [flag for group in (RUNTIME_FLAGS, *groups) for flag in group]
+def runtime_flags(*groups: list[tuple[str, object, object]], without: tuple[str, ...] = ()
+                  ) -> Callable[[Callable], Callable]:
+    """Add the runtime flags and `groups` to a command, less those `without` names (ft-bench
+    decode sweeps strategies and graph modes with flags of its own); the command gets `opts`."""
+    flags = [flag for group in (RUNTIME_FLAGS, *groups) for flag in group if flag[0] not in without]
 
     def wrap(command: Callable) -> Callable:
         sig = inspect.signature(command, eval_str=True)  # typer reads real annotations

@@ -139,3 +139,21 @@ def test_auto_says_what_it_chose_and_why(tmp_path):
         r = ft_run(*base, "--device", "cuda")
         assert r.returncode == 1 and "no CUDA device is available" in r.stderr and "Traceback" not in r.stderr
 
+
+def test_ft_bench_takes_ft_runs_runtime_flags_from_the_same_declaration():
+    """ft-bench decode and serve take ft-run's runtime flags, the same options with the same
+    help, but --strategy and --no-graphs, which decode sweeps (--strategies, --graphs)."""
+    from ftkit.runtime.cli import RUNTIME_FLAGS
+    from ftkit.runtime.cli import app as run_app
+    from ftkit.tools.bench.cli import app as bench_app
+
+    def options(app, name):
+        return {p.name: (p.opts, p.help, p.default) for p in typer.main.get_command(app).commands[name].params}
+
+    generate = options(run_app, "generate")
+    names = {name for name, _, _ in RUNTIME_FLAGS}
+    for command, without in (("decode", {"strategy", "no_graphs"}), ("serve", set())):
+        bench = options(bench_app, command)
+        assert {n: bench[n] for n in names - without} == {n: generate[n] for n in names - without}, command
+        assert not without & set(bench)
+    assert "cuda when a GPU is present" in generate["device"][1] and "ft-calibrate" in generate["profile"][1]
