@@ -172,3 +172,16 @@ def test_the_runtime_is_built_from_what_was_resolved(model):
         assert (rt.store.strategy, rt.store.cache.capacity, rt.store.ratio, rt.store.cpu.threads) == ("hybrid", 12, 0.25, 1)
     finally:
         rt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_at_hand_the_16gb_model_is_fused(q12, capsys):
+    """The real machine: cuda by default, the GPU known by its uuid, its free memory read."""
+    machine = Machine.detect(None)
+    assert machine.device.type == "cuda" and machine.gpu.uuid.startswith("GPU-") and machine.free_bytes > 0
+    if machine.free_bytes < 24 * GiB:
+        pytest.skip("the GPU has less than 24 GiB free")
+    got = resolve(q12, RuntimeOptions(device=None, threads=4), machine)
+    assert got.strategy == "fused" and got.device.type == "cuda"
+    assert lines(capsys)[-1].startswith("ftkit: strategy fused (auto: all 1536 experts fit the GPU's ")
