@@ -25,13 +25,19 @@ console = Console()
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Run an FTW model.")
 
 Model = Annotated[Path, typer.Option("--model", "-m", help="FTW directory (from ftw-convert)")]
-Strategy = Annotated[str, typer.Option(help="fused | offload | cpu | hybrid | auto")]
+Strategy = Annotated[str, typer.Option(help="fused | offload | cpu | hybrid | auto (fused when every expert fits "
+                                            "the device; else hybrid with a profile or --bandwidth-ratio; else "
+                                            "cpu on the CPU, offload on a GPU)")]
 CacheExperts = Annotated[int | None, typer.Option(help="device expert cache size in slots")]
 CacheBytes = Annotated[str | None, typer.Option(help="device expert cache size in bytes, e.g. 8G")]
-Device = Annotated[str, typer.Option(help="cpu or cuda")]
+Device = Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when a GPU is present, else cpu)")]
 Threads = Annotated[int | None, typer.Option(help="CPU expert threads (default: cores - 1)")]
-Profile = Annotated[Path | None, typer.Option(help="bandwidth profile JSON (from ft-calibrate)")]
-Ratio = Annotated[float | None, typer.Option(help="B_P / B_H for hybrid without a profile")]
+Profile = Annotated[Path | None, typer.Option(help="bandwidth profile JSON (default: the one ft-calibrate wrote "
+                                                   "for this GPU, if any)")]
+NoProfile = Annotated[bool, typer.Option("--no-profile", help="without --profile: leave ft-calibrate's profile "
+                                                              "for this GPU unused")]
+Ratio = Annotated[float | None, typer.Option(help="B_P / B_H for hybrid without a profile (ft-calibrate's for "
+                                                  "this GPU is then not looked up)")]
 GpuBudget = Annotated[str | None, typer.Option(help="device bytes for everything ftkit places there, e.g. 8G; the expert cache gets what the rest of the memory plan leaves")]
 Verify = Annotated[bool, typer.Option("--verify", help="check every FTW checksum before loading")]
 Dtype = Annotated[str | None, typer.Option(help="compute dtype (default: the weights' dtype)")]
@@ -51,47 +57,53 @@ KvTokens = Annotated[int, typer.Option(help="KV tokens a request may reach (prom
 # command's signature and hands the command a RuntimeOptions instead.
 RUNTIME_FLAGS: list[tuple[str, object, object]] = [
     ("strategy", Strategy, "auto"), ("cache_experts", CacheExperts, None), ("cache_bytes", CacheBytes, None),
-    ("gpu_budget", GpuBudget, None), ("device", Device, "cpu"), ("threads", Threads, None),
-    ("profile", Profile, None), ("bandwidth_ratio", Ratio, None), ("dtype", Dtype, None), ("verify", Verify, False),
-    ("no_graphs", NoGraphs, False), ("prefill_chunk", PrefillChunk, RuntimeOptions.prefill_chunk),
+    ("gpu_budget", GpuBudget, None), ("device", Device, None), ("threads", Threads, None),
+    ("profile", Profile, None), ("no_profile", NoProfile, False), ("bandwidth_ratio", Ratio, None),
+    ("dtype", Dtype, None), ("verify", Verify, False), ("no_graphs", NoGraphs, False),
+    ("prefill_chunk", PrefillChunk, RuntimeOptions.prefill_chunk),
 ]
 PREFIX_FLAGS: list[tuple[str, object, object]] = [("no_prefix_cache", NoPrefix, False), ("no_anchors", NoAnchors, False)]
 KV_FLAGS: list[tuple[str, object, object]] = [("kv_tokens", KvTokens, RuntimeOptions.kv_tokens)]
 SERVE_FLAGS: list[tuple[str, object, object]] = [("prefix_cache_tokens", PrefixTokens, None), ("anchor_slots", AnchorSlots, 32)]
+DEFAULTS = {name: default for name, _, default in RUNTIME_FLAGS + PREFIX_FLAGS + KV_FLAGS + SERVE_FLAGS}
 
 
 def _to_options(f: dict) -> RuntimeOptions:
+    """`f`: a value for every flag of DEFAULTS (a command's own, or the default of one it lacks)."""
     return RuntimeOptions(
         strategy=f["strategy"], cache_experts=f["cache_experts"],
         cache_bytes=parse_bytes(f["cache_bytes"]) if f["cache_bytes"] else None,
         gpu_budget=parse_bytes(f["gpu_budget"]) if f["gpu_budget"] else None,
-        device=f["device"], threads=f["threads"], profile=f["profile"], bandwidth_ratio=f["bandwidth_ratio"],
-        dtype=f["dtype"], verify=f["verify"], prefix_cache=not f.get("no_prefix_cache", False),
-        anchors=not f.get("no_anchors", False), prefix_cache_tokens=f.get("prefix_cache_tokens"),
-        anchor_slots=f.get("anchor_slots", 32), graphs=not f["no_graphs"],
-        kv_tokens=f.get("kv_tokens", RuntimeOptions.kv_tokens), prefill_chunk=f["prefill_chunk"],
+        device=f["device"], threads=f["threads"], profile=f["profile"], find_profile=not f["no_profile"],
+        bandwidth_ratio=f["bandwidth_ratio"], dtype=f["dtype"], verify=f["verify"],
+        prefix_cache=not f["no_prefix_cache"], anchors=not f["no_anchors"],
+        prefix_cache_tokens=f["prefix_cache_tokens"], anchor_slots=f["anchor_slots"], graphs=not f["no_graphs"],
+        kv_tokens=f["kv_tokens"], prefill_chunk=f["prefill_chunk"],
     )
 
 
 def runtime_argv(opts: RuntimeOptions) -> list[str]:
     """The ft-run flags that give `opts` back through `_to_options` (ft-bench serve starts the
     server with them); `kv_tokens` is left to the command (serve sizes its own budget)."""
-    d = RuntimeOptions()
-    values = [("--strategy", opts.strategy, d.strategy), ("--cache-experts", opts.cache_experts, None),
+    d = DEFAULTS
+    values = [("--strategy", opts.strategy, d["strategy"]), ("--cache-experts", opts.cache_experts, None),
               ("--cache-bytes", opts.cache_bytes, None), ("--gpu-budget", opts.gpu_budget, None),
-              ("--device", opts.device, d.device), ("--threads", opts.threads, None),
+              ("--device", opts.device, d["device"]), ("--threads", opts.threads, None),
               ("--profile", opts.profile, None), ("--bandwidth-ratio", opts.bandwidth_ratio, None),
-              ("--dtype", opts.dtype, None), ("--prefill-chunk", opts.prefill_chunk, d.prefill_chunk),
+              ("--dtype", opts.dtype, None), ("--prefill-chunk", opts.prefill_chunk, d["prefill_chunk"]),
               ("--prefix-cache-tokens", opts.prefix_cache_tokens, None),
-              ("--anchor-slots", opts.anchor_slots, d.anchor_slots)]
+              ("--anchor-slots", opts.anchor_slots, d["anchor_slots"])]
     argv = [a for flag, v, default in values if v != default for a in (flag, str(v))]
-    switches = [("--verify", opts.verify), ("--no-graphs", not opts.graphs),
+    switches = [("--no-profile", not opts.find_profile), ("--verify", opts.verify), ("--no-graphs", not opts.graphs),
                 ("--no-prefix-cache", not opts.prefix_cache), ("--no-anchors", not opts.anchors)]
     return argv + [flag for flag, on in switches if on]
 
 
-def runtime_flags(*groups: list[tuple[str, object, object]]) -> Callable[[Callable], Callable]:
-    flags = [flag for group in (RUNTIME_FLAGS, *groups) for flag in group]
+def runtime_flags(*groups: list[tuple[str, object, object]], without: tuple[str, ...] = ()
+                  ) -> Callable[[Callable], Callable]:
+    """Add the runtime flags and `groups` to a command, less those `without` names (ft-bench
+    decode sweeps strategies and graph modes with flags of its own); the command gets `opts`."""
+    flags = [flag for group in (RUNTIME_FLAGS, *groups) for flag in group if flag[0] not in without]
 
     def wrap(command: Callable) -> Callable:
         sig = inspect.signature(command, eval_str=True)  # typer reads real annotations
@@ -101,7 +113,7 @@ def runtime_flags(*groups: list[tuple[str, object, object]]) -> Callable[[Callab
         @functools.wraps(command)
         def run(**kwargs: object) -> None:
             given = {n: kwargs.pop(n) for n, _, _ in flags}
-            command(opts=_to_options(given), **kwargs)
+            command(opts=_to_options({**DEFAULTS, **given}), **kwargs)
 
         run.__signature__ = sig.replace(parameters=own + added)  # what typer reads
         return run

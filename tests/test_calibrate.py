@@ -1,21 +1,26 @@
-"""ft-calibrate's CPU-only profile, the profile reader, and the planner's online correction."""
+"""ft-calibrate's CPU-only profile read back by the runtime, the profile reader, and the planner's
+online correction."""
 
 from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from ftkit.runtime.engine.loader import RuntimeOptions
+from ftkit.runtime.engine.resolve import Machine, resolve
 from ftkit.runtime.experts.planner import Planner
-from ftkit.runtime.experts.store import resolve_strategy
+from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.profile import Bandwidths, load_profile
+from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.tools.calibrate.cli import app
 
 
-def test_cpu_only_calibrate_writes_a_profile_that_makes_auto_pick_cpu(tmp_path, monkeypatch):
+def test_cpu_only_calibrate_writes_a_profile_that_makes_auto_pick_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     res = CliRunner().invoke(app, ["--shape", "256,96", "--threads", "1,2", "--working-set", "8M",
                                    "--seconds", "0.05", "--json"])
@@ -27,9 +32,16 @@ def test_cpu_only_calibrate_writes_a_profile_that_makes_auto_pick_cpu(tmp_path, 
     assert printed["expert"] == {"dtype": "bfloat16", "shape": [256, 96], "slot_bytes": 4096 * 36}
     assert [r["threads"] for r in printed["rows"]] == [1, 2]
     assert all(r["cpu_gbps"] > 0 and r["pcie_overlapped_gbps"] is None for r in printed["rows"])
-    bw = load_profile(written[0], 2)
+    profile = load_profile(written[0])  # the runtime reads what ft-calibrate wrote, all of it
+    assert profile.to_dict() == printed and profile.path == written[0]
+    bw = profile.bandwidths(2)
     assert bw.pcie_gbps is None and bw.ratio == 0.0 and bw.threads == 2
-    assert resolve_strategy("auto", bw.ratio, torch.device("cpu")) == "cpu"
+    write_random_ftw(tmp_path / "m.ftw", demo_spec(64))
+    opts = RuntimeOptions(profile=written[0], threads=2)
+    capsys.readouterr()
+    got = resolve(FTWModel(tmp_path / "m.ftw"), opts, Machine(torch.device("cpu")))  # memory unknown: no fused
+    assert (got.strategy, got.ratio, got.profile) == ("cpu", 0.0, profile)
+    assert "ftkit: strategy cpu (auto: the profile has no PCIe figures" in capsys.readouterr().err
 
 
 def test_calibrate_rejects_bad_options(tmp_path):
@@ -48,15 +60,37 @@ def full_profile(tmp_path, pcie=50.0):
 
 def test_profile_rows_prefer_overlapped_figures_and_the_nearest_thread_count(tmp_path):
     path = full_profile(tmp_path)
-    assert load_profile(path, 8) == Bandwidths(40.0, 64.0, True, 8)
+    assert load_profile(path).bandwidths(8) == Bandwidths(40.0, 64.0, True, 8)
+    assert load_profile(path).bandwidths(8, overlapped=False) == Bandwidths(50.0, 80.0, False, 8)
     with pytest.warns(UserWarning, match="measured at 4 CPU thread"):
-        assert load_profile(path, 5).threads == 4
+        assert load_profile(path).bandwidths(5).threads == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert load_profile(path).threads == 8  # no thread count asked: the largest row, no warning
+        assert load_profile(path).bandwidths().threads == 8  # no thread count asked: the largest row, no warning
     path.write_text(json.dumps({"pcie_gbps": 30.0, "cpu_gbps": 60.0}))  # the minimal form
-    assert load_profile(path) == Bandwidths(30.0, 60.0, False)
-    assert load_profile(full_profile(tmp_path, pcie=None), 8) == Bandwidths(None, 80.0, False, 8)
+    minimal = load_profile(path)
+    assert minimal.bandwidths() == Bandwidths(30.0, 60.0, False)
+    assert minimal.to_dict()["cpu_gbps"] == 60.0 and minimal.mismatch(None, "any") is None  # it names no machine
+    assert load_profile(full_profile(tmp_path, pcie=None)).bandwidths(8) == Bandwidths(None, 80.0, False, 8)
+
+
+def test_the_committed_profile_reads_back_to_the_same_json():
+    """The schema has one owner: the H200 profile ft-calibrate wrote comes back key for key."""
+    path = Path(__file__).parents[1] / "docs" / "profiles" / "h200-16c.json"
+    profile = load_profile(path)
+    assert profile.to_dict() == json.loads(path.read_text())
+    assert profile.gpu.name == "NVIDIA H200" and profile.mismatch(profile.gpu, profile.host) is None
+
+
+def test_bad_profiles_are_one_line_errors(tmp_path):
+    path = tmp_path / "p.json"
+    for text, said in (("{", "not valid JSON"), ("[1]", "not a JSON object"), ('{"rows": [{"cpu_gbps": 1}]}', "no rows"),
+                       ('{"rows": [{"threads": 1}], "gpu": {"uuid": "GPU-1"}}', "malformed")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=said):
+            load_profile(path)
+    with pytest.raises(FileNotFoundError, match="run ft-calibrate"):
+        load_profile(tmp_path / "none.json")
 
 
 def simulate(planner: Planner, fill_gbps: float, cpu_gbps: float, steps: int, m: int = 8,

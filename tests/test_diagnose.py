@@ -28,7 +28,8 @@ from typer.testing import CliRunner
 import fixtures as fx
 from ftkit.runtime.checkpoint.gguf import READ_CHUNK
 from ftkit.runtime.engine.loader import RuntimeOptions
-from ftkit.runtime.engine.memory import plan_memory
+from ftkit.runtime.engine.resolve import Machine, resolve
+from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.spec import ModelSpec
 from ftkit.tools.convert.pipeline import convert, make_plan
@@ -179,10 +180,11 @@ def test_memory_plan_matches_what_convert_and_the_runtime_allocate(model_path, n
     # no prefix cache, with top_k slots; a byte less is refused.
     assert m["min_gpu_bytes"] == sum(m["min_gpu_terms"].values())
     opts = RuntimeOptions(device="cuda", strategy="offload", dtype="bfloat16", prefix_cache=False,
-                          gpu_budget=m["min_gpu_bytes"])
-    assert plan_memory(ftw, opts, 1000, None).expert_slots == spec.top_k
+                          gpu_budget=m["min_gpu_bytes"], kv_tokens=1000)
+    model, gpu = FTWModel(ftw), Machine(torch.device("cuda"))  # the plan needs no GPU
+    assert resolve(model, opts, gpu).cache_slots == spec.top_k
     with pytest.raises(ValueError, match="prefill workspace"):
-        plan_memory(ftw, dataclasses.replace(opts, gpu_budget=m["min_gpu_bytes"] - 1), 1000, None)
+        resolve(model, dataclasses.replace(opts, gpu_budget=m["min_gpu_bytes"] - 1), gpu)
 
 
 # ---- FAIL ----------------------------------------------------------------------------------

@@ -150,7 +150,8 @@ def test_gpu_budget_holds_a_long_prefill(tmp_path):
     KV, a prompt run layer by layer in two 8192-token pieces, decode steps) stays within
     --gpu-budget: the plan counts the prefill workspace (the whole prompt's residual stream
     included), the prefix cache and the graph K/V, not only dense weights and KV."""
-    from ftkit.runtime.engine.memory import plan_memory
+    from ftkit.runtime.engine.resolve import resolve
+    from ftkit.runtime.ftw.reader import FTWModel
     from ftkit.runtime.prefix_cache.prefill import prefill
 
     spec = dataclasses.replace(demo_spec(4096), hidden_size=1024, moe_intermediate_size=512, num_experts=32,
@@ -161,7 +162,7 @@ def test_gpu_budget_holds_a_long_prefill(tmp_path):
     write_random_ftw(path, spec, dtype="bfloat16")
     tokens = 16384
     sized = RuntimeOptions(device="cuda", strategy="offload", cache_experts=24, kv_tokens=tokens)
-    budget = plan_memory(path, sized, tokens, None).total_bytes
+    budget = resolve(FTWModel(path), sized).memory.total_bytes
     opts = dataclasses.replace(sized, cache_experts=None, gpu_budget=budget)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -18,7 +18,6 @@ import torch
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.graphs import GraphDecode, unsupported
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.engine.memory import plan_memory
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.engine.scheduler import Request, Scheduler
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
@@ -689,7 +688,7 @@ def test_a_lone_greedy_request_bursts_and_yields_to_a_new_one(model):
         rt.close()
 
     rt = _graph_runtime(model, **cfg)
-    sched = Scheduler(rt, plan_memory(model, rt.opts, 256, None), max_running=2)
+    sched = Scheduler(rt, rt.resolved.memory.with_sizes(kv_tokens=256), max_running=2)
     seen = [threading.Event(), threading.Event()]
     done = [threading.Event(), threading.Event()]
     reqs = []

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.engine.memory import plan_memory, prefill_workspace_bytes
+from ftkit.runtime.engine.memory import MemoryPlan, prefill_workspace_bytes
+from ftkit.runtime.engine.resolve import Machine, resolve
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
-from ftkit.runtime.server.launch import make_plan, planned_runtime
+from ftkit.runtime.server.launch import resolve_serve
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +20,12 @@ def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("memory") / "m.ftw"
     write_random_ftw(path, demo_spec(300))
     return path
+
+
+def plan_memory(model, opts: RuntimeOptions, kv_tokens: int) -> MemoryPlan:
+    """The plan of `opts` at `kv_tokens`, on their device with its memory unknown (unchecked)."""
+    machine = Machine(torch.device(opts.device))
+    return resolve(FTWModel(model), dataclasses.replace(opts, kv_tokens=kv_tokens), machine).memory
 
 
 def device_bytes(rt: Runtime) -> tuple[int, int]:
@@ -31,7 +38,7 @@ def device_bytes(rt: Runtime) -> tuple[int, int]:
 def test_gpu_budget_gives_the_experts_what_the_rest_leaves(model, kv_tokens):
     budget = 12 << 20
     opts = RuntimeOptions(strategy="offload", gpu_budget=budget, kv_tokens=kv_tokens)
-    plan = plan_memory(model, opts, kv_tokens, None)
+    plan = plan_memory(model, opts, kv_tokens)
     assert plan.total_bytes <= budget < plan.total_bytes + plan.slot_bytes
     assert plan.prefix_bytes > 0  # the prefix cache's K/V rows are on the device too
     rt = Runtime(model, opts)
@@ -45,10 +52,11 @@ def test_the_server_allocates_its_plan(model):
     """A server's KV budget (here 2 x context) is not opts.kv_tokens: the runtime it starts
     holds the plan's slots, not those the options alone would give."""
     opts = RuntimeOptions(strategy="offload", gpu_budget=12 << 20)
-    plan = make_plan(model, opts, max_running=2, kv_tokens=None, device_memory=None)
-    alone = plan_memory(model, opts, opts.kv_tokens, None)
+    resolved = resolve_serve(FTWModel(model), opts, max_running=2, kv_tokens=None, device_memory=None)
+    plan = resolved.memory
+    alone = plan_memory(model, opts, opts.kv_tokens)
     assert plan.kv_tokens != opts.kv_tokens and plan.expert_slots != alone.expert_slots
-    rt = planned_runtime(model, opts, plan)
+    rt = Runtime(model, resolved)
     try:
         assert device_bytes(rt) == (plan.dense_bytes, plan.expert_bytes)
     finally:
@@ -62,7 +70,7 @@ def test_a_budget_too_small_names_what_took_it(model):
     msg = str(err.value)
     assert "--gpu-budget" in msg and "KV 8192 tokens" in msg and "prefix cache" in msg and "--kv-tokens" in msg
     # the cpu strategy keeps no expert on the device: no minimum to refuse
-    assert plan_memory(model, dataclasses.replace(opts, strategy="cpu"), 8192, None).expert_slots == 0
+    assert plan_memory(model, dataclasses.replace(opts, strategy="cpu"), 8192).expert_slots == 0
 
 
 def test_prefill_workspace_grows_with_chunk_and_context():
@@ -78,10 +86,10 @@ def test_prefill_chunk_sizes_the_workspace_and_the_runtime(model):
     """--prefill-chunk: the plan reserves that chunk's activations (so a larger chunk leaves
     the experts fewer slots under one budget) and the GPU runtime prefills in pieces of it."""
     opts = RuntimeOptions(device="cuda", strategy="offload", prefill_chunk=2048)
-    unbounded = plan_memory(model, opts, 2048, None)
+    unbounded = plan_memory(model, opts, 2048)
     opts.gpu_budget = unbounded.total_bytes - unbounded.expert_bytes + 10 * unbounded.slot_bytes
-    large = plan_memory(model, opts, 2048, None)
-    small = plan_memory(model, dataclasses.replace(opts, prefill_chunk=256), 2048, None)
+    large = plan_memory(model, opts, 2048)
+    small = plan_memory(model, dataclasses.replace(opts, prefill_chunk=256), 2048)
     assert small.workspace_bytes < large.workspace_bytes and small.expert_slots > large.expert_slots == 10
     for bad in (0, -8):
         with pytest.raises(ValueError, match="--prefill-chunk must be at least 1 token"):
@@ -94,13 +102,14 @@ def test_graph_kv_holds_the_longest_request_the_budget_admits(model):
     longer, and would decode without graphs."""
     opts = RuntimeOptions(device="cuda", strategy="offload", cache_experts=8)
     context = 2048  # demo_spec's
-    assert plan_memory(model, opts, 1024, None).graph_tokens == 1024
-    assert plan_memory(model, opts, 3 * context, None).graph_tokens == context
-    assert plan_memory(model, dataclasses.replace(opts, graphs=False), 1024, None).graph_tokens == 0
-    plan = make_plan(model, dataclasses.replace(opts, device="cpu"), max_running=2, kv_tokens=None, device_memory=None)
-    rt = planned_runtime(model, dataclasses.replace(opts, device="cpu"), plan)
+    assert plan_memory(model, opts, 1024).graph_tokens == 1024
+    assert plan_memory(model, opts, 3 * context).graph_tokens == context
+    assert plan_memory(model, dataclasses.replace(opts, graphs=False), 1024).graph_tokens == 0
+    resolved = resolve_serve(FTWModel(model), dataclasses.replace(opts, device="cpu"), max_running=2,
+                             kv_tokens=None, device_memory=None)
+    rt = Runtime(model, resolved)
     try:
-        assert rt.opts.kv_tokens == plan.kv_tokens == 2 * context
+        assert rt.opts.kv_tokens == resolved.kv_tokens == 2 * context
     finally:
         rt.close()
 
@@ -109,16 +118,15 @@ def test_graph_decode_reserves_the_recurrent_states(hf_checkpoint, tmp_path):
     """A hybrid-attention model's graph decode keeps its recurrent states in static buffers and a
     saved copy (engine/graphs.py): the plan reserves both, beside the graph K/V."""
     from ftkit.runtime.models import qwen3_next
-    from ftkit.tools.convert.pipeline import convert
-    from ftkit.tools.convert.pipeline import make_plan as convert_plan
+    from ftkit.tools.convert.pipeline import convert, make_plan
 
     path = tmp_path / "m.ftw"
-    convert(convert_plan(hf_checkpoint("qwen3_next"), dtype="bfloat16"), path)
+    convert(make_plan(hf_checkpoint("qwen3_next"), dtype="bfloat16"), path)
     opts = RuntimeOptions(device="cuda", strategy="offload", cache_experts=8)
-    plan = plan_memory(path, opts, 256, None)
+    plan = plan_memory(path, opts, 256)
     states = qwen3_next.FAMILY.recurrent_state_bytes(FTWModel(path).spec, torch.bfloat16)
     assert states and plan.graph_state_bytes == 2 * states
     assert plan.graph_bytes == 256 * plan.kv_bytes_per_token + 2 * states
     assert "graph K/V 256 tokens and states" in plan.describe()
-    assert plan_memory(path, dataclasses.replace(opts, graphs=False), 256, None).graph_state_bytes == 0
-    assert plan_memory(path, dataclasses.replace(opts, device="cpu"), 256, None).graph_bytes == 0
+    assert plan_memory(path, dataclasses.replace(opts, graphs=False), 256).graph_state_bytes == 0
+    assert plan_memory(path, dataclasses.replace(opts, device="cpu"), 256).graph_bytes == 0

@@ -11,7 +11,6 @@ import torch
 
 from ftkit.runtime.engine.generate import Decoding
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.engine.memory import plan_memory
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.engine.scheduler import Request, Scheduler
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
@@ -31,7 +30,7 @@ PROMPT = list(range(5, 105))
 def _first_turn(model, opts: RuntimeOptions) -> tuple[Runtime, Scheduler, list[int]]:
     """A runtime, its scheduler, and the reply to PROMPT it served."""
     rt = Runtime(model, opts)
-    sched = Scheduler(rt, plan_memory(model, opts, 2048, None), max_running=2)
+    sched = Scheduler(rt, rt.resolved.memory.with_sizes(kv_tokens=2048), max_running=2)
     done = threading.Event()
     req = Request(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), lambda e: e.done and done.set())
     sched.submit(req)

@@ -36,7 +36,8 @@ def test_generate_json_matches_transformers(hf_checkpoint, tmp_path, family):
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
     want = want[0, len(prompt):].tolist()
     r = ft_run("generate", "-m", out, "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "12",
-               "--ignore-eos", "--json", "--strategy", "hybrid", "--cache-experts", "3", "--bandwidth-ratio", "0.4")
+               "--ignore-eos", "--json", "--strategy", "hybrid", "--cache-experts", "3", "--bandwidth-ratio", "0.4",
+               "--device", "cpu")  # transformers' tokens, bitwise: on the CPU also where a GPU is
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["token_ids"] == want
@@ -119,3 +120,40 @@ def test_runtime_argv_gives_the_options_back():
         for f in fields(RuntimeOptions):
             if f.name not in own:
                 assert getattr(got["opts"], f.name) == getattr(opts, f.name), f.name
+
+
+def test_auto_says_what_it_chose_and_why(tmp_path):
+    """On stderr, one line, so --json output stays one object: on the CPU the device tier is
+    host memory (cpu, however much fits); with a ratio, hybrid."""
+    ft_run("demo", "--out", tmp_path, "--max-tokens", "1")
+    model = tmp_path / "demo.ftw"
+    base = ["generate", "-m", model, "--prompt-ids", "1,2", "--max-tokens", "2", "--json"]
+    r = ft_run(*base)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["strategy"] == "cpu"
+    assert "ftkit: strategy cpu (auto: the device tier is host memory; all 64 experts fit the " in r.stderr
+    r = ft_run(*base, "--cache-experts", "8", "--bandwidth-ratio", "0.5")
+    assert json.loads(r.stdout)["stats"]["strategy"] == "hybrid"
+    assert "ftkit: strategy hybrid (auto: --bandwidth-ratio 0.5; --cache-experts 8 asked; all 64 experts fit" in r.stderr
+    if not torch.cuda.is_available():  # the default is cpu here; asking for cuda is one clear line
+        r = ft_run(*base, "--device", "cuda")
+        assert r.returncode == 1 and "no CUDA device is available" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ft_bench_takes_ft_runs_runtime_flags_from_the_same_declaration():
+    """ft-bench decode and serve take ft-run's runtime flags, the same options with the same
+    help, but --strategy and --no-graphs, which decode sweeps (--strategies, --graphs)."""
+    from ftkit.runtime.cli import RUNTIME_FLAGS
+    from ftkit.runtime.cli import app as run_app
+    from ftkit.tools.bench.cli import app as bench_app
+
+    def options(app, name):
+        return {p.name: (p.opts, p.help, p.default) for p in typer.main.get_command(app).commands[name].params}
+
+    generate = options(run_app, "generate")
+    names = {name for name, _, _ in RUNTIME_FLAGS}
+    for command, without in (("decode", {"strategy", "no_graphs"}), ("serve", set())):
+        bench = options(bench_app, command)
+        assert {n: bench[n] for n in names - without} == {n: generate[n] for n in names - without}, command
+        assert not without & set(bench)
+    assert "cuda when a GPU is present" in generate["device"][1] and "ft-calibrate" in generate["profile"][1]

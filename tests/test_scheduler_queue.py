@@ -8,7 +8,6 @@ import threading
 import pytest
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.engine.memory import plan_memory
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.engine.scheduler import RebuildError, Request, Scheduler
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
@@ -24,7 +23,7 @@ def model(tmp_path_factory):
 def test_a_request_a_rebuild_outgrew_fails_and_the_queue_moves_on(model):
     opts = RuntimeOptions(strategy="cpu", threads=1)
     rt = Runtime(model, opts)
-    sched = Scheduler(rt, plan_memory(model, opts, 2048, None), max_running=1)
+    sched = Scheduler(rt, rt.resolved.memory.with_sizes(kv_tokens=2048), max_running=1)
     ends: dict[str, object] = {}
     done = {name: threading.Event() for name in "abcd"}
 
@@ -52,7 +51,7 @@ def test_a_request_a_rebuild_outgrew_fails_and_the_queue_moves_on(model):
 def test_a_rebuild_past_the_model_is_refused_not_clamped(model):
     opts = RuntimeOptions(strategy="offload", cache_experts=8, threads=1)
     rt = Runtime(model, opts)
-    sched = Scheduler(rt, plan_memory(model, opts, 256, None), max_running=1)
+    sched = Scheduler(rt, rt.resolved.memory.with_sizes(kv_tokens=256), max_running=1)
     with pytest.raises(RebuildError, match="expert rows"):
         sched.rebuild(10**30, None).result(60)
     assert rt.store.cache.capacity == 8

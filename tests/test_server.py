@@ -24,13 +24,14 @@ import pytest
 import uvicorn
 
 from ftkit.runtime.engine import generate as generate_mod
-from ftkit.runtime.engine.loader import RuntimeOptions
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler as RealSampler
 from ftkit.runtime.engine.scheduler import Scheduler
+from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.server.app import create_app
 from ftkit.runtime.server.core import ServerState
-from ftkit.runtime.server.launch import make_plan, planned_runtime
+from ftkit.runtime.server.launch import resolve_serve
 from ftkit.runtime.synthetic import EOS_TOKEN, write_tokenizer
 
 KEY = "test-key"
@@ -68,9 +69,10 @@ def server(tmp_path_factory):
     model = tmp_path_factory.mktemp("serve") / "demo.ftw"
     write_random_ftw(model, demo_spec(512), side_files=lambda d: write_tokenizer(d, 512))
     opts = RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.5, threads=1)
-    plan = make_plan(model, opts, max_running=4, kv_tokens=None, device_memory=256 << 20)
-    rt = planned_runtime(model, opts, plan)
-    scheduler = Scheduler(rt, plan, max_running=4)
+    ftw = FTWModel(model)
+    resolved = resolve_serve(ftw, opts, max_running=4, kv_tokens=None, device_memory=256 << 20)
+    rt = Runtime(ftw, resolved)
+    scheduler = Scheduler(rt, resolved.memory, max_running=4)
     state = ServerState(rt, scheduler, MODEL, KEY)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

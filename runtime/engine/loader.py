@@ -1,4 +1,4 @@
-"""FTW + runtime options -> a ready runtime: dense weights, host pool, expert store, decoder."""
+"""FTW + resolved runtime options -> a ready runtime: dense weights, host pool, expert store, decoder."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ from pathlib import Path
 
 import torch
 
-from ftkit.vocab import storage_dtype
-
-from ..experts.cpu import CPUExecutor
 from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
@@ -20,9 +17,9 @@ from ..models import FAMILIES
 from ..models.kv import KVCache
 from ..prefix_cache.boundaries import Boundaries
 from ..prefix_cache.cache import PrefixCache
-from ..profile import load_profile
 from .graphs import GraphDecode, unsupported
-from .memory import PREFILL_CHUNK, longest_request, plan_memory
+from .memory import PREFILL_CHUNK, longest_request
+from .resolve import Resolved, resolve
 from .step import Step
 from .tokenizer import Tokenizer
 
@@ -34,9 +31,10 @@ class RuntimeOptions:
     cache_bytes: int | None = None  # ... or in bytes
     gpu_budget: int | None = None  # ... or what this many device bytes leave (engine/memory.py)
     kv_tokens: int = 8192  # KV tokens the runtime is sized for: reserved by a gpu_budget, graph K/V rows
-    device: str = "cpu"
+    device: str | None = "cpu"  # None: cuda when a GPU is present, else cpu (the CLI's default)
     threads: int | None = None
     profile: Path | None = None
+    find_profile: bool = False  # no profile nor ratio given: ft-calibrate's for this GPU (the CLI's default)
     bandwidth_ratio: float | None = None  # B_P / B_H without a profile file
     dtype: str | None = None  # compute dtype; default: the dense weights' dtype
     trace_stats: bool = False
@@ -51,30 +49,26 @@ class RuntimeOptions:
 
 
 class Runtime:
-    def __init__(self, path: Path, opts: RuntimeOptions):
+    def __init__(self, model: Path | FTWModel, opts: RuntimeOptions | Resolved):
+        """`opts`: the user's options, resolved here, or options already resolved for this model
+        (ft-run serve resolves them first, to check its memory plan before loading)."""
         t0 = time.perf_counter()
-        self.path, self.opts = Path(path), opts
-        self.ftw = FTWModel(self.path)
+        self.ftw = model if isinstance(model, FTWModel) else FTWModel(Path(model))
+        self.path = self.ftw.path
+        self.resolved = r = opts if isinstance(opts, Resolved) else resolve(self.ftw, opts)
+        self.opts = opts = r.options
         if opts.verify and (problems := self.ftw.verify()):
             raise FTWError(f"{self.path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
         self.spec = self.ftw.spec
         self.family = FAMILIES[self.spec.family]
-        self.device = torch.device(opts.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda, but no CUDA device is available")
-        if opts.prefill_chunk < 1:
-            raise ValueError(f"--prefill-chunk must be at least 1 token, got {opts.prefill_chunk}")
+        self.device, self.dtype = r.device, r.dtype
         weights = self.ftw.dense_state()
-        self.dtype = storage_dtype(opts.dtype) if opts.dtype else weights["embed.weight"].dtype
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
         weights = {k: v.to(self.device, torch.float32 if k.endswith(keep) else self.dtype) for k, v in weights.items()}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
-        ratio = opts.bandwidth_ratio
-        if opts.profile is not None:
-            ratio = load_profile(opts.profile, opts.threads or CPUExecutor.default_threads()).ratio
         self.store = ExpertStore(
-            self.spec, self.pool, opts.strategy, self.cache_slots(), self.device, opts.threads,
-            ratio, self.dtype, opts.stream_prefill,
+            self.spec, self.pool, r.strategy, r.cache_slots, self.device, r.threads, r.ratio, self.dtype,
+            opts.stream_prefill,
         )
         self.store.stats.trace = opts.trace_stats
         self.decoder = self.family.decoder(self.spec, weights, self.store)
@@ -99,17 +93,6 @@ class Runtime:
             print(f"ftkit: decoding without CUDA graphs: {reason}", file=sys.stderr)
             return None
         return GraphDecode(self.decoder, self.store, longest_request(self.spec, self.opts.kv_tokens))
-
-    def cache_slots(self) -> int | None:
-        """The device cache size the options ask for (None: every expert row)."""
-        o = self.opts
-        if sum(x is not None for x in (o.cache_experts, o.cache_bytes, o.gpu_budget)) > 1:
-            raise ValueError("give one of --cache-experts, --cache-bytes and --gpu-budget")
-        if o.cache_bytes is not None:
-            return o.cache_bytes // self.ftw.layout.slot_bytes
-        if o.gpu_budget is not None:  # what dense weights, KV, prefix cache and workspace leave
-            return plan_memory(self.ftw, o, o.kv_tokens, None).expert_slots
-        return o.cache_experts
 
     def new_kv(self, max_tokens: int) -> KVCache:
         return KVCache(self.spec, max_tokens, self.dtype, self.device)

@@ -1,8 +1,9 @@
 """The device memory plan: dense weights + KV tokens + expert slots + the rest, against a budget.
 
-Computed from the manifest before any weight is read, so a plan that cannot fit is refused with
-advice instead of failing half-way through loading; the same check guards a cache rebuild. It is
-also what sizes the expert cache under `--gpu-budget`: the slots get what everything else leaves.
+Computed from the manifest before any weight is read (engine/resolve.py makes the plan a runtime's
+options ask for), so a plan that cannot fit is refused with advice instead of failing half-way
+through loading; the same check guards a cache rebuild. It is also what sizes the expert cache
+under `--gpu-budget`: the slots get what everything else leaves.
 """
 
 from __future__ import annotations
@@ -10,23 +11,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from ftkit.vocab import CPU, FUSED, human_bytes, storage_dtype
+from ftkit.vocab import human_bytes
 
-from ..experts.store import cache_capacity, resolve_strategy
-from ..ftw.reader import FTWModel
 from ..models import FAMILIES
 from ..models.kv import kv_bytes_per_token
 from ..models.layers import flash_behind_cache
-from ..profile import load_profile
 from ..spec import ModelSpec
-
-if TYPE_CHECKING:
-    from .loader import RuntimeOptions
 
 PREFILL_CHUNK = 8192  # tokens per prefill forward on a GPU
 
@@ -87,11 +80,15 @@ class MemoryPlan:
         terms = " + ".join(f"{label} ({human_bytes(b)})" for label, b in self.terms())
         return f"memory plan: {terms} = {human_bytes(self.total_bytes)} of {budget}"
 
+    def slots_fitting(self, budget: int) -> int:
+        """The expert slots that `budget` holds beside everything else in the plan."""
+        return max(0, budget - self.with_sizes(expert_slots=0).total_bytes) // self.slot_bytes
+
     def slots_within(self, budget: int, least: int) -> int:
-        """The expert slots that `budget` holds beside everything else in the plan; a ValueError
-        that names each term when that is fewer than `least` (one layer's top-k)."""
+        """`slots_fitting(budget)`; a ValueError that names each term when that is fewer than
+        `least` (one layer's top-k)."""
         others = self.with_sizes(expert_slots=0)
-        slots = max(0, budget - others.total_bytes) // self.slot_bytes
+        slots = self.slots_fitting(budget)
         if slots < least:
             terms = ", ".join(f"{label} {human_bytes(b)}" for label, b in others.terms())
             raise ValueError(
@@ -119,19 +116,6 @@ class MemoryPlan:
             return head + (f"{self.expert_slots} expert slots and {self.kv_tokens} KV tokens each fill it alone; "
                            f"lower both --cache-experts and --kv-tokens")
         return head + ", or ".join(ways)
-
-
-def device_budget(device: str) -> int | None:
-    """Free device memory now: VRAM on CUDA, available RAM on CPU (None where unknown)."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def longest_request(spec: ModelSpec, kv_tokens: int) -> int:
@@ -189,24 +173,3 @@ def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: torch.d
                       if cuda else 0,
                       2 * FAMILIES[spec.family].recurrent_state_bytes(spec, dtype) if graph else 0)
 
-
-def plan_memory(model: Path | FTWModel, opts: RuntimeOptions, kv_tokens: int, budget_bytes: int | None) -> MemoryPlan:
-    """The plan `Runtime(model, opts)` with `opts.kv_tokens = kv_tokens` would make. Under
-    `opts.gpu_budget` the expert cache gets what the rest leaves (ValueError below one layer's
-    top-k slots); the runtime sizes its cache with this same function, from its open model."""
-    ftw = model if isinstance(model, FTWModel) else FTWModel(Path(model))
-    spec = ftw.spec
-    dense = ftw.manifest.dense["tensors"]
-    dtype = storage_dtype(opts.dtype or next(iter(dense.values()))["dtype"])
-    dense_bytes = dense_device_bytes({name: t["shape"] for name, t in dense.items()}, dtype, spec.family)
-    ratio = load_profile(opts.profile).ratio if opts.profile is not None else opts.bandwidth_ratio
-    strategy = resolve_strategy(opts.strategy, ratio, torch.device(opts.device))
-    prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
-    plan = base_plan(spec, dense_bytes, ftw.layout.slot_bytes, dtype, kv_tokens, budget_bytes, prefix,
-                     cuda=torch.device(opts.device).type == "cuda", graphs=opts.graphs, chunk=opts.prefill_chunk)
-    requested = opts.cache_experts
-    if opts.cache_bytes is not None:
-        requested = opts.cache_bytes // ftw.layout.slot_bytes
-    if opts.gpu_budget is not None and strategy not in (CPU, FUSED):
-        requested = plan.slots_within(opts.gpu_budget, spec.top_k)
-    return plan.with_sizes(expert_slots=cache_capacity(strategy, requested, spec.num_expert_rows))

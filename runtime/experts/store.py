@@ -30,7 +30,7 @@ import torch
 
 from ftkit.kernels.cpu import load as load_cpu_kernel
 from ftkit.kernels.triton import optional
-from ftkit.vocab import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES
+from ftkit.vocab import CPU, FUSED, HYBRID, OFFLOAD
 
 from ..spec import ModelSpec
 from .cache import SlotCache
@@ -45,34 +45,11 @@ from .streaming import LayerPrefetcher, PrefillStreaming
 if TYPE_CHECKING:
     from .device_plan import DevicePlan
 
-__all__ = ["ExpertStore", "cache_capacity", "resolve_strategy"]
+__all__ = ["ExpertStore"]
 
 HOST_SORT_ITEMS = 4096  # routed items up to which the host sorts them by expert (beyond: the device)
 
 
-def resolve_strategy(strategy: str, ratio: float | None, device: torch.device) -> str:
-    """`auto`: hybrid when a bandwidth ratio is known (`cpu` when it is 0: a profile measured
-    without a GPU); otherwise `cpu` when the device tier is host memory (copying slots within RAM
-    buys nothing) and `offload` on a GPU."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-    if strategy != AUTO:
-        return strategy
-    if ratio is not None:  # from a profile or the command line; 0: no PCIe figures (a CPU-only profile)
-        return HYBRID if ratio > 0 else CPU
-    return CPU if device.type == "cpu" else OFFLOAD
-
-
-def cache_capacity(strategy: str, cache_slots: int | None, rows: int) -> int:
-    """Device cache slots a resolved strategy uses for a requested size (None: all rows)."""
-    if strategy == FUSED:
-        return rows
-    if strategy == CPU:
-        return 0
-    capacity = rows if cache_slots is None else min(cache_slots, rows)
-    if capacity < 1:
-        raise ValueError(f"strategy {strategy} needs a cache of at least one expert slot")
-    return capacity
 
 
 class ExpertStore:
@@ -80,23 +57,23 @@ class ExpertStore:
         self,
         spec: ModelSpec,
         pool: HostPool,
-        strategy: str = AUTO,
-        cache_slots: int | None = None,
+        strategy: str,
+        capacity: int,
         device: str | torch.device = "cpu",
         threads: int | None = None,
-        ratio: float | None = None,
+        fill_fraction: float | None = None,
         dtype: torch.dtype = torch.float32,
         stream_prefill: bool | None = None,
     ):
-        """`stream_prefill`: copy whole layers ahead during long prefill chunks (default: on CUDA
+        """`strategy` and `capacity` (device cache slots) as engine/resolve.py resolves them;
+        `stream_prefill`: copy whole layers ahead during long prefill chunks (default: on CUDA
         with a cache of at least two layers)."""
         self.spec, self.pool, self.dtype = spec, pool, dtype
         self.device = torch.device(device)
-        self.strategy = resolve_strategy(strategy, ratio, self.device)
+        self.strategy = strategy
         rows = spec.num_expert_rows
-        capacity = cache_capacity(self.strategy, cache_slots, rows)
         self.cache = SlotCache(capacity, pool.layout.slot_bytes, rows, self.device)
-        self.planner = Planner(self.strategy, ratio)
+        self.planner = Planner(self.strategy, fill_fraction)
         self.stats = ExpertStats()
         kernel = load_cpu_kernel()
         float_slots = pool.layout.dtype != "q8_0"
@@ -393,8 +370,9 @@ class ExpertStore:
             self.device_plan = None
             self.stats.pull = None
 
-    def rebuild(self, cache_slots: int) -> None:
-        """Resize the device cache (call at a safe point: no `run` in flight); the host pool is
+    def rebuild(self, capacity: int) -> None:
+        """Resize the device cache to `capacity` slots, 1 to the model's rows (call at a safe
+        point: no `run` in flight; the scheduler checks the count); the host pool is
         untouched, so refills come from it. A transaction: if the new cache cannot be allocated
         the old one stays (or, when both did not fit together, an empty one of the old size) and
         the error is raised."""
@@ -404,7 +382,6 @@ class ExpertStore:
         self.version += 1
         self.streaming.release(self.cache)
         rows = self.spec.num_expert_rows
-        capacity = cache_capacity(self.strategy, cache_slots, rows)
         old = self.cache.capacity
         try:
             self.cache = SlotCache(capacity, self.pool.layout.slot_bytes, rows, self.device)

@@ -1,4 +1,5 @@
-"""`ft-run serve`: size the memory plan, refuse with advice if it cannot fit, load, run uvicorn."""
+"""`ft-run serve`: resolve the options (the memory plan with them), refuse with advice if it cannot
+fit, load, run uvicorn."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..engine.loader import Runtime, RuntimeOptions
-from ..engine.memory import MemoryPlan, device_budget, plan_memory
+from ..engine.resolve import Resolved, resolve
 from ..engine.warmup import warm_up
 from ..ftw.reader import FTWModel
 
@@ -25,24 +26,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def make_plan(model: Path, opts: RuntimeOptions, max_running: int, kv_tokens: int | None,
-              device_memory: int | None) -> MemoryPlan:
-    """The start-up plan; default KV budget: a full context for each running request."""
+def resolve_serve(ftw: FTWModel, opts: RuntimeOptions, max_running: int, kv_tokens: int | None,
+                  device_memory: int | None) -> Resolved:
+    """The options resolved for the server's KV budget (default: a full context for each running
+    request), which the runtime is sized for too: a --gpu-budget gives the expert cache what
+    that budget leaves, and on CUDA the graph K/V holds the longest request it admits (with
+    opts.kv_tokens alone, a request longer than 8192 tokens, prompt plus max_tokens, as an
+    agent's usually is, would decode without graphs). `device_memory`: the budget the plan
+    must fit (default: what the device has free)."""
     if kv_tokens is None:
-        kv_tokens = max_running * FTWModel(model).spec.max_position_embeddings
+        kv_tokens = max_running * ftw.spec.max_position_embeddings
     if kv_tokens < 1:
         raise ValueError("--kv-tokens must be >= 1")
-    budget = device_memory if device_memory is not None else device_budget(opts.device)
-    return plan_memory(model, opts, kv_tokens, budget)
-
-
-def planned_runtime(model: Path, opts: RuntimeOptions, plan: MemoryPlan) -> Runtime:
-    """The runtime the plan describes: its expert cache (a --gpu-budget sized it beside the
-    server's KV budget) and graph K/V for the longest request that budget admits (with
-    opts.kv_tokens alone, a request longer than 8192 tokens, prompt plus max_tokens, as an
-    agent's usually is, would decode without graphs)."""
-    return Runtime(model, replace(opts, cache_experts=plan.expert_slots, cache_bytes=None, gpu_budget=None,
-                                  kv_tokens=plan.kv_tokens))
+    return resolve(ftw, replace(opts, kv_tokens=kv_tokens), budget=device_memory)
 
 
 def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
@@ -55,14 +51,16 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
     from .app import create_app
     from .core import ServerState
 
-    plan = make_plan(model, opts, max_running, kv_tokens, device_memory)
+    ftw = FTWModel(model)
+    resolved = resolve_serve(ftw, opts, max_running, kv_tokens, device_memory)
+    plan = resolved.memory
     say(plan.describe())
     if not plan.fits:
         raise ValueError(plan.advice())
     if not is_loopback(host) and not api_key:
         say(f"WARNING: serving on {host}, reachable from other machines, with no --api-key: anyone who can "
             f"reach it can use it")
-    rt = planned_runtime(model, opts, plan)
+    rt = Runtime(ftw, resolved)
     if rt.device.type == "cuda":
         say("warming up: compiling the GPU kernels (kept in Triton's disk cache) and capturing the decode graphs")
     warm = warm_up(rt)

@@ -18,10 +18,9 @@ from rich.table import Table
 
 from ftkit import __version__
 from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
-from ftkit.runtime.console import guarded, parse_bytes
+from ftkit.runtime.console import guarded
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
-from ftkit.runtime.profile import load_profile
 from ftkit.runtime.random_model import write_random_ftw
 
 from . import agent_trace, hostmem, run
@@ -58,11 +57,13 @@ def write(
     guarded(body)
 
 
-def _figures(rt: Runtime, profile: Path | None, pcie: float | None, cpu: float | None) -> run.Figures:
+def _figures(rt: Runtime, pcie: float | None, cpu: float | None) -> run.Figures:
+    """The bound's bandwidths: those given, else the runtime's profile's (--profile, or the one
+    ft-calibrate wrote for this GPU)."""
     pcie_solo, cpu_solo = pcie, cpu
-    if profile is not None:
+    if (profile := rt.resolved.profile) is not None:
         threads = rt.store.cpu.threads
-        both, alone = load_profile(profile, threads), load_profile(profile, threads, overlapped=False)
+        both, alone = profile.bandwidths(threads), profile.bandwidths(threads, overlapped=False)
         pcie, cpu = pcie or both.pcie_gbps, cpu or both.cpu_gbps
         pcie_solo, cpu_solo = pcie_solo or alone.pcie_gbps, cpu_solo or alone.cpu_gbps
     return run.Figures(pcie, cpu, run.hbm_gbps(rt.device), pcie_solo, cpu_solo)
@@ -95,19 +96,16 @@ def _machine() -> dict:
 
 
 @app.command()
+@runtime_flags(without=("strategy", "no_graphs"))
 def decode(
     model: Annotated[Path, typer.Option("--model", "-m")],
     strategies: Annotated[str, typer.Option(help="comma-separated strategies")] = "offload,cpu,hybrid",
-    gpu_budget: Annotated[str | None, typer.Option(help="device bytes for experts + dense + KV, e.g. 8G")] = None,
     cache_fraction: Annotated[float | None, typer.Option(help="cacheable share of the expert pool")] = None,
-    device: str = "cuda",
-    threads: int | None = None,
     tokens: int = 64,
     prompt: int = 16,
     chunks: Annotated[str, typer.Option(help="prompts to prefill and time, in tokens, e.g. 4096,8192 ('' = none)")] = "",
     routing: Annotated[str, typer.Option(help="real | reuse:P | trace:FILE")] = "real",
     record: Annotated[Path | None, typer.Option(help="save the real routing of the run")] = None,
-    profile: Path | None = None,
     pcie_gbps: float | None = None,
     cpu_gbps: float | None = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
@@ -120,14 +118,14 @@ def decode(
                                         "extend (a turn's reply)")] = 32,
     temperature: Annotated[float, typer.Option(help="timed decode steps sample at this temperature (0: argmax)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="with --temperature: the top-p cut")] = 1.0,
-    prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill piece at most, as ft-run's "
-                                               "--prefill-chunk (prompts and --chunks run so)")] = RuntimeOptions.prefill_chunk,
     repeat: Annotated[int, typer.Option(help="timed prefill turns (answer, chunk, answer, extend) per chunk "
                                         "size: medians reported")] = 1,
     anchors_every: Annotated[int, typer.Option(help="--chunks prompts snapshot their recurrent state every this "
                                                "many tokens, as a hybrid model's turn boundaries do (0: none)")] = 0,
+    opts: RuntimeOptions = None,
 ) -> None:
-    """Decode tok/s (batch 1) and prefill per strategy, each beside its bound."""
+    """Decode tok/s (batch 1) and prefill per strategy, each beside its bound (ft-run's runtime
+    flags but --strategy and --no-graphs, which --strategies and --graphs sweep)."""
     if graphs not in ("on", "off", "both"):
         raise typer.BadParameter("--graphs takes on, off or both")
     if stream_prefill not in ("auto", "on", "off"):
@@ -150,16 +148,15 @@ def decode(
         for col in ("strategy", "graphs", "cache slots", "tok/s", "bound tok/s", "of bound", "overhead ms/tok",
                     "miss rate", "prefill"):
             table.add_column(col, justify="right")
+        longest = max([run.decode_length(prompt, tokens)]
+                      + [run.prefill_length(int(c), answer, extend) for c in chunks.split(",") if c])
+        sized = _sized(opts, model, cache_fraction, longest)
         for strategy, graphs_on in ((s, g) for s in strategies.split(",") for g in modes):
-            opts = RuntimeOptions(strategy=strategy, device=device, threads=threads, profile=profile,
-                                  bandwidth_ratio=_ratio(pcie_gbps, cpu_gbps, profile, strategy), graphs=graphs_on,
-                                  stream_prefill={"on": True, "off": False}.get(stream_prefill),
-                                  prefill_chunk=prefill_chunk)
-            longest = max([run.decode_length(prompt, tokens)]
-                          + [run.prefill_length(int(c), answer, extend) for c in chunks.split(",") if c])
-            rt = Runtime(model, _sized(opts, model, gpu_budget, cache_fraction, longest))
+            rt = Runtime(model, dataclasses.replace(
+                sized, strategy=strategy, graphs=graphs_on, stream_prefill={"on": True, "off": False}.get(stream_prefill),
+                bandwidth_ratio=sized.bandwidth_ratio or _ratio(pcie_gbps, cpu_gbps, sized.profile, strategy)))
             try:
-                figs = _figures(rt, profile, pcie_gbps, cpu_gbps)
+                figs = _figures(rt, pcie_gbps, cpu_gbps)
                 routed = prompt + tokens + 8 + sum(2 * (int(c) + extend + answer) + 1 for c in chunks.split(",") if c)
                 override = Recorder(rt.decoder) if record else _routing(rt, routing, routed)
                 trace = trace_dir / f"profile-{rt.store.strategy}-graphs-{'on' if graphs_on else 'off'}.txt" if trace_dir else None
@@ -224,7 +221,7 @@ def serve_cmd(
                 tokens, turns, *plan.suffixes, concurrent, first) < 1:
             raise ValueError("lengths need 2 or more tokens; tokens, turns, suffixes, concurrent and first 1 or more")
         serve_args = ["--max-running", str(max_running)] + (["--kv-tokens", str(kv_tokens)] if kv_tokens else [])
-        figures = (lambda rt: _figures(rt, opts.profile, pcie_gbps, cpu_gbps)) if engine else None
+        figures = (lambda rt: _figures(rt, pcie_gbps, cpu_gbps)) if engine else None
         result = serve_bench.measure(model, opts, serve_args, plan, log, figures,
                                      say=lambda line: console.print(line, markup=False, highlight=False))
         table = Table(title=f"ft-bench serve: {model}")
@@ -273,19 +270,18 @@ def _ratio(pcie, cpu, profile, strategy) -> float | None:
     return pcie / cpu if pcie and cpu else None
 
 
-def _sized(opts: RuntimeOptions, model: Path, gpu_budget: str | None, fraction: float | None,
-           kv_tokens: int) -> RuntimeOptions:
-    """Expert cache slots from a device budget (after dense weights and KV) or a pool fraction;
+def _sized(opts: RuntimeOptions, model: Path, fraction: float | None, kv_tokens: int) -> RuntimeOptions:
+    """Expert cache slots from a pool fraction (else as the runtime flags size them);
     `kv_tokens`: the run's longest sequence (so it decodes through graphs, as a server sized for
     it does)."""
     from ftkit.runtime.ftw.reader import FTWModel
 
-    opts.kv_tokens = kv_tokens
-    if fraction is not None:
-        opts.cache_experts = max(1, int(FTWModel(model).spec.num_expert_rows * fraction))
-    elif gpu_budget is not None:
-        opts.gpu_budget = parse_bytes(gpu_budget)
-    return opts
+    if fraction is None:
+        return dataclasses.replace(opts, kv_tokens=kv_tokens)
+    if any(x is not None for x in (opts.cache_experts, opts.cache_bytes, opts.gpu_budget)):
+        raise ValueError("give one of --cache-fraction, --cache-experts, --cache-bytes and --gpu-budget")
+    rows = FTWModel(model).spec.num_expert_rows
+    return dataclasses.replace(opts, kv_tokens=kv_tokens, cache_experts=max(1, int(rows * fraction)))
 
 
 def _of_bound(r: dict) -> str:

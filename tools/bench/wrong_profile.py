@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.profile import load_profile
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
 
 
@@ -34,12 +35,10 @@ def model(root: Path, layers: int) -> Path:
 
 def wrong_copy(profile: Path, out: Path) -> Path:
     """The profile with every CPU figure ten times too high."""
-    d = json.loads(profile.read_text())
-    for row in d.get("rows", [d.get("figures", d)]):
-        for key in ("cpu_gbps", "cpu_overlapped_gbps"):
-            if row.get(key):
-                row[key] *= 10
-    out.write_text(json.dumps(d, indent=1))
+    p = load_profile(profile)
+    rows = tuple(dataclasses.replace(r, **{k: getattr(r, k) * 10 for k in ("cpu_gbps", "cpu_overlapped_gbps")
+                                           if getattr(r, k)}) for r in p.rows)
+    dataclasses.replace(p, rows=rows).save(out)
     return out
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,26 +21,18 @@ from ftkit.kernels.cpu import load as load_cpu_kernel
 from ftkit.runtime.console import guarded, parse_bytes
 from ftkit.runtime.experts.cpu import CPUExecutor
 from ftkit.runtime.experts.planner import hybrid_fill_count
-from ftkit.runtime.ftw.manifest import write_json_atomic
-from ftkit.runtime.profile import load_profile
+from ftkit.runtime.profile import CPUInfo, ExpertInfo, Profile, Row, default_path, gpu_identity
 from ftkit.vocab import EXPERT_FORMATS, SlotLayout, human_bytes
 
 from . import measure
-from .sysinfo import cpu_model, gpu
+from .sysinfo import cpu_model
 
-SCHEMA = 1
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32"}
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, help=__doc__)
 
 
 def _round(gbps: float | None) -> float | None:
     return None if gbps is None else round(gbps, 2)
-
-
-def default_path(gpu_info: dict[str, str] | None) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ftkit" / "profiles"
-    name = gpu_info["uuid"] if gpu_info and gpu_info["uuid"] else f"cpu-{socket.gethostname()}"
-    return base / f"{name}.json"
 
 
 def pick_layout(model: Path | None, slot_bytes: str | None, shape: str | None, dtype: str) -> SlotLayout:
@@ -68,10 +59,9 @@ def pick_layout(model: Path | None, slot_bytes: str | None, shape: str | None, d
     return measure.layout_for(hidden, inter, dtype)
 
 
-def summary(profile: dict[str, Any], path: Path) -> Table:
-    gpu_info = profile["gpu"]
-    t = Table(title=f"ft-calibrate: {gpu_info['name'] if gpu_info else 'no GPU'}, {profile['cpu']['model']}, "
-                    f"slot {human_bytes(profile['expert']['slot_bytes'])}")
+def summary(profile: Profile) -> Table:
+    t = Table(title=f"ft-calibrate: {profile.gpu.name if profile.gpu else 'no GPU'}, {profile.cpu.model}, "
+                    f"slot {human_bytes(profile.expert.slot_bytes)}")
     t.add_column("threads", justify="right")
     for col in ("B_P", "B_H", "B_P overl.", "B_H overl.", "DRAM read"):
         t.add_column(f"{col} GB/s", justify="right")
@@ -80,13 +70,13 @@ def summary(profile: dict[str, Any], path: Path) -> Table:
     def gbps(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}"
 
-    for row in profile["rows"]:
-        ratio = load_profile(path, row["threads"]).ratio
+    for row in profile.rows:
+        ratio = profile.bandwidths(row.threads).ratio
         qs = " ".join(str(hybrid_fill_count(m, ratio)) for m in range(1, 9)) if ratio else "-"
-        t.add_row(str(row["threads"]), gbps(profile["pcie_gbps"]), gbps(row["cpu_gbps"]),
-                  gbps(row["pcie_overlapped_gbps"]), gbps(row["cpu_overlapped_gbps"]), gbps(row["dram_read_gbps"]), qs)
-    if not gpu_info:
-        t.caption = "no GPU: B_H only; with this profile `auto` runs every expert on the CPU"
+        t.add_row(str(row.threads), gbps(profile.pcie_gbps), gbps(row.cpu_gbps), gbps(row.pcie_overlapped_gbps),
+                  gbps(row.cpu_overlapped_gbps), gbps(row.dram_read_gbps), qs)
+    if not profile.gpu:
+        t.caption = "no GPU: B_H only; with this profile `auto` runs the experts on the CPU (fused if all fit)"
     return t
 
 
@@ -99,7 +89,8 @@ def calibrate(
     threads: str | None = typer.Option(None, help="CPU thread counts, e.g. 4,8,15 (default: the runtime's)"),
     working_set: str = typer.Option("2G", help="host memory cycled through (>> L3)"),
     seconds: float = typer.Option(2.0, help="per measurement"),
-    out: Path | None = typer.Option(None, help="profile path (default ~/.cache/ftkit/profiles/<gpu-uuid>.json)"),
+    out: Path | None = typer.Option(None, help="profile path (default ~/.cache/ftkit/profiles/<gpu-uuid>.json, "
+                                               "where ft-run and ft-bench find it)"),
     as_json: bool = typer.Option(False, "--json", help="print the profile as JSON on stdout"),
 ) -> None:
     """Measure and write the bandwidth profile."""
@@ -110,7 +101,7 @@ def calibrate(
         counts = sorted({int(v) for v in threads.split(",")}) if threads else [CPUExecutor.default_threads()]
         if not counts or min(counts) < 1:
             raise ValueError("--threads takes positive integers, e.g. 4,8,15")
-        gpu_info, kernel = gpu(), load_cpu_kernel()
+        gpu_info, kernel = gpu_identity(), load_cpu_kernel()
         slots = measure.working_set(layout, parse_bytes(working_set), pin=gpu_info is not None)
         cycle = measure.ExpertCycle(layout, slots, tokens=1, per_call=8, bytes_per_expert=layout.slot_bytes)
         copier = measure.Copier(slots) if gpu_info else None
@@ -139,28 +130,20 @@ def calibrate(
                 if kernel and copier:
                     po, co = step(f"B_P and B_H at once, {t} thread(s)", measure.overlapped_gbps, copier, kernel,
                                   cycle, t, seconds)
-                rows.append({"threads": t, "cpu_gbps": _round(cpu), "pcie_overlapped_gbps": _round(po),
-                             "cpu_overlapped_gbps": _round(co), "dram_read_gbps": _round(dram)})
-        profile = {
-            "schema": SCHEMA,
-            "tool": f"ft-calibrate {__version__}",
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "host": platform.node(),
-            "gpu": gpu_info,
-            "cpu": {"model": cpu_model(), "cores": os.cpu_count(), "kernel": kernel.isa if kernel else "torch"},
-            "expert": {"dtype": layout.dtype, "shape": list(layout.parts[0].shape[::-1]),
-                       "slot_bytes": layout.slot_bytes},
-            "working_set_bytes": slots.nbytes,
-            "pcie_gbps": _round(pcie),
-            "rows": rows,
-        }
+                rows.append(Row(t, _round(cpu), _round(po), _round(co), _round(dram)))
+        profile = Profile(
+            pcie_gbps=_round(pcie), rows=tuple(rows), gpu=gpu_info, host=platform.node(),
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), tool=f"ft-calibrate {__version__}",
+            cpu=CPUInfo(cpu_model(), os.cpu_count(), kernel.isa if kernel else "torch"),
+            expert=ExpertInfo(layout.dtype, tuple(layout.parts[0].shape[::-1]), layout.slot_bytes),
+            working_set_bytes=slots.nbytes,
+        )
         path = out or default_path(gpu_info)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, profile)
-        console.print(summary(profile, path))
+        profile.save(path)
+        console.print(summary(profile))
         console.print(f"[green]wrote[/] {path}")
         if as_json:
-            print(json.dumps(profile, indent=1))
+            print(json.dumps(profile.to_dict(), indent=1))
 
     guarded(run)
 

@@ -1,11 +1,9 @@
-"""What a profile says about the machine it was measured on."""
+"""The CPU a profile was measured on (the GPU's identity is the runtime's: runtime/profile.py)."""
 
 from __future__ import annotations
 
 import platform
 from pathlib import Path
-
-import torch
 
 
 def cpu_model() -> str:
@@ -17,11 +15,3 @@ def cpu_model() -> str:
         pass
     return platform.processor() or platform.machine()
 
-
-def gpu() -> dict[str, str] | None:
-    """{"name", "uuid"} of the current CUDA device, or None without one."""
-    if not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    uuid = str(getattr(props, "uuid", "") or "")
-    return {"name": props.name, "uuid": uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}"}
