@@ -853,3 +853,15 @@ def test_sequences_join_and_leave_batches_between_single_steps(model):
         for a, b in zip(got[n], ref[n], strict=True):
             assert a == int(b.argmax()) if isinstance(a, int) else torch.allclose(a, b, rtol=1e-3, atol=1e-4)
         assert all(torch.allclose(rows[n][i], ref_rows[n][i], rtol=1e-4, atol=1e-5) for i in ref_rows[n])
+
+
+def test_a_batch_of_one_is_its_graph_step(model):
+    """The scheduler steps a lone decoding request (the others prefilling) as a batch of one:
+    that is the sequence's graph step, which binds it, not the eager forward."""
+    rt = _graph_runtime(model, strategy="fused")
+    kv = rt.new_kv(len(MORE) + 2)
+    with torch.inference_mode():
+        rt.step.forward(torch.tensor(MORE, device=rt.device), kv)
+        logits = rt.step.batch(torch.tensor([33], device=rt.device), [kv])
+    assert logits.shape == (1, rt.spec.vocab_size) and rt.step.graphs.bound() is kv and kv.length == len(MORE) + 1
+    rt.close()
