@@ -81,6 +81,21 @@ def test_hybrid_graph_decode_reports_both_sides(tiny):
     off.close()
 
 
+def test_decode_batch_times_sequences_decoding_together(tiny):
+    """`--batch`: several sequences through Step.batch, timed per step and over the batch; with
+    graph decode (its steps eager here) the captured batched step, without the decoder's batch."""
+    from ftkit.runtime.engine.graphs import GraphDecode
+
+    rt = runtime(tiny, strategy="offload", cache_experts=16)
+    for graphs in (False, True):
+        if graphs:
+            rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+        d = run.decode_batch(rt, 1, 4, 2)
+        assert d["batch"] == 2 and d["graphs"] == graphs and d["tok_s"] > 0
+        assert d["tok_s"] == pytest.approx(2 * 1000 / d["ms_per_step"])
+    rt.close()
+
+
 def test_decode_bound_reads_one_embedding_row(tiny):
     """A decode step reads one row of an untied embedding table, not all of it (the bound
     counted the whole table per token until the eighth session: ~0.15 ms at the qwen3 shape)."""

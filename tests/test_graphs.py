@@ -20,7 +20,9 @@ from ftkit.runtime.engine.graphs import GraphDecode, unsupported
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.engine.scheduler import Request, Scheduler
+from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
+from ftkit.runtime.spec import SLIDING_ATTENTION
 from ftkit.tools.convert.pipeline import convert, make_plan
 
 pytest.importorskip("triton")
@@ -712,8 +714,8 @@ def test_a_lone_greedy_request_bursts_and_yields_to_a_new_one(model):
 
 def _next_tokens(path, prompts: list[list[int]], nxt: list[int], fused: bool, **cfg):
     """Each prompt prefilled into its own cache, then one more token each: as one
-    `GraphDecode.batch` (fused) or as each sequence's own eager forward. The logits [B, V] and
-    every cache's K/V rows."""
+    `GraphDecode.batch` (fused) or as each sequence's own eager forward. The logits [B, V],
+    every cache's K/V rows and recurrent states, and whether the batch was a captured step's."""
     rt = _graph_runtime(path, **cfg) if fused else Runtime(path, RuntimeOptions(
         threads=2, device="cuda" if CUDA else "cpu", dtype="float32", graphs=False, **cfg))
     caches = [rt.new_kv(len(p) + 2) for p in prompts]
@@ -721,6 +723,7 @@ def _next_tokens(path, prompts: list[list[int]], nxt: list[int], fused: bool, **
         for p, kv in zip(prompts, caches, strict=True):
             rt.step.forward(torch.tensor(p, device=rt.device), kv)
         ids = torch.tensor(nxt, device=rt.device)
+        batched = fused and rt.step.graphs.batched(caches)
         if fused:
             logits = rt.step.graphs.batch(ids, caches)
         else:
@@ -728,7 +731,7 @@ def _next_tokens(path, prompts: list[list[int]], nxt: list[int], fused: bool, **
     rows = [{i: kv.k[i][: kv.length].float().cpu() for i in kv.k} for kv in caches]
     states = [_states(kv) for kv in caches]
     rt.close()
-    return logits.float().cpu(), rows, states
+    return logits.float().cpu(), rows, states, batched
 
 
 # hybrid: fills and the CPU worker under one device plan; Qwen3-Next: its own mixers and states
@@ -739,14 +742,125 @@ def _next_tokens(path, prompts: list[list[int]], nxt: list[int], fused: bool, **
 def test_a_batch_of_sequences_steps_as_each_alone(model, next_model, family, cfg):
     """Concurrent requests' decode step (the scheduler's batch): one token of each of three
     sequences at different positions through GraphDecode.batch, experts planned on the device
-    once for all, gives each sequence's own step: logits, K/V rows and recurrent states."""
+    once for all, gives each sequence's own step: logits, K/V rows and recurrent states. The
+    demo model's is the captured batched step; Qwen3-Next's (its own mixers) the eager batch."""
     path = model if family == "demo" else next_model
     prompts, nxt = [PROMPT, MORE, PROMPT[:6] + MORE], [33, 120, 7]
     ref = _next_tokens(path, prompts, nxt, False, **cfg)
     got = _next_tokens(path, prompts, nxt, True, **cfg)
+    assert got[3] == (family == "demo")
     assert got[0].shape == ref[0].shape == (3, got[0].shape[1])
     assert torch.allclose(got[0], ref[0], rtol=1e-3, atol=1e-4)
     for a, b in zip(ref[1], got[1], strict=True):
         assert all(torch.allclose(a[i], b[i], rtol=1e-4, atol=1e-5) for i in a)
     for a, b in zip(ref[2], got[2], strict=True):
         assert a.keys() == b.keys() and all(torch.allclose(a[n], b[n], rtol=1e-4, atol=1e-5) for n in a)
+
+
+def _copy(rt: Runtime, kv: KVCache) -> KVCache:
+    """Another cache holding kv's rows (no recurrent states)."""
+    new = rt.new_kv(kv.max_tokens)
+    for i in kv.k:
+        new.k[i][: kv.length], new.v[i][: kv.length] = kv.k[i][: kv.length], kv.v[i][: kv.length]
+    new.length = kv.length
+    return new
+
+
+@pytest.mark.parametrize(("size", "cfg", "sliding"), [(2, OFFLOAD8, True), (3, HYBRID8, False)],
+                         ids=["2-offload-sliding", "3-hybrid"])
+def test_a_captured_batch_step_is_each_sequences_own_step(model, size, cfg, sliding):
+    """The batched step GraphDecode.batch captures per batch size (eager here, as the graphs
+    run it), of 2 and 3 sequences at different positions, also over a sliding-window layer
+    that the prompt outgrows: each sequence's logits and K/V rows are those of its own graph
+    step, and those of the eager batch it replaces (`max_batch` below the batch)."""
+    rt = _graph_runtime(model, **cfg)
+    graphs = rt.step.graphs
+    if sliding:  # layer 0 slides over the last 4 positions
+        s = rt.decoder.spec
+        rt.decoder.spec = dataclasses.replace(s, layer_kinds=(SLIDING_ATTENTION,) + s.layer_kinds[1:], sliding_window=4)
+    prompts, ids = [PROMPT, MORE, PROMPT[:6] + MORE][:size], torch.tensor([33, 120, 7][:size], device=rt.device)
+    runs = {}
+    with torch.inference_mode():
+        prefilled = [rt.new_kv(len(p) + 2) for p in prompts]
+        for p, kv in zip(prompts, prefilled, strict=True):
+            rt.step.forward(torch.tensor(p, device=rt.device), kv)
+        for how in ("batch", "steps", "eager batch"):
+            caches = [_copy(rt, kv) for kv in prefilled]
+            graphs.max_batch = 1 if how == "eager batch" else size
+            if how == "steps":
+                logits = torch.cat([rt.step.forward(ids[b : b + 1], kv) for b, kv in enumerate(caches)])
+            else:
+                assert graphs.batched(caches) == (how == "batch")
+                logits = graphs.batch(ids, caches)
+            runs[how] = logits.float().cpu(), [{i: kv.k[i][: kv.length].float().cpu() for i in kv.k} for kv in caches]
+    rt.close()
+    got = runs.pop("batch")
+    assert got[0].shape == (size, rt.spec.vocab_size)
+    for ref in runs.values():
+        assert torch.allclose(got[0], ref[0], rtol=1e-3, atol=1e-4)
+        for a, b in zip(ref[1], got[1], strict=True):
+            assert all(torch.allclose(a[i], b[i], rtol=1e-4, atol=1e-5) for i in a)
+
+
+def test_sequences_join_and_leave_batches_between_single_steps(model):
+    """Three sequences move between batched steps (of 2 and 3, in changing order and
+    membership) and single graph steps: a batch writes the row of the sequence the single step
+    holds bound into the static buffers, and that of one bound before (and given its own copy
+    back) into its own; a single step and a pipelined run after a batch read their rows. Each
+    token's logits (the pipeline's: its picks) and the K/V rows are those of each sequence
+    decoded alone by the eager forward."""
+    prompts = {"a": PROMPT, "b": MORE, "c": PROMPT[:6] + MORE}
+    schedule = [("batch", "a", "b"), ("step", "a"), ("batch", "a", "b", "c"), ("step", "a"), ("step", "b"),
+                ("batch", "c", "a"), ("pipeline", "a", "a"), ("batch", "b", "c")]  # pipeline: two tokens
+
+    def decode(rt: Runtime, graphs: bool) -> tuple[dict, dict]:
+        """Each sequence's outputs in order (logits [V], or a pipelined step's token) and rows."""
+        feeds = {n: iter(DECODE) for n in prompts}
+        kvs = {n: rt.new_kv(len(p) + 8) for n, p in prompts.items()}
+        out = {n: [] for n in prompts}
+        with torch.inference_mode():
+            for n, p in prompts.items():
+                rt.step.forward(torch.tensor(p, device=rt.device), kvs[n])
+            for how, *names in schedule:
+                fed = [next(feeds[n]) for n in names]
+                if not graphs:  # the reference: each token its own sequence's forward
+                    for n, t in zip(names, fed, strict=True):
+                        out[n].append(rt.step.forward(torch.tensor([t], device=rt.device), kvs[n])[-1].float().cpu())
+                elif how == "pipeline":
+                    n = names[0]
+                    out[n] += rt.step.graphs.pipeline(fed[0], kvs[n], len(fed), feed=torch.tensor(fed, device=rt.device))
+                elif how == "step":
+                    n = names[0]
+                    out[n].append(rt.step.forward(torch.tensor(fed, device=rt.device), kvs[n])[-1].float().cpu())
+                else:
+                    caches = [kvs[n] for n in names]
+                    assert rt.step.graphs.batched(caches)
+                    logits = rt.step.graphs.batch(torch.tensor(fed, device=rt.device), caches).float().cpu()
+                    for n, row in zip(names, logits, strict=True):
+                        out[n].append(row)
+        return out, {n: {i: kv.k[i][: kv.length].float().cpu() for i in kv.k} for n, kv in kvs.items()}
+
+    cfg = dict(strategy="offload", cache_experts=12)  # 3 tokens x top-4 fit the cache: planned on the device
+    ref_rt = Runtime(model, RuntimeOptions(threads=2, dtype="float32", graphs=False, **cfg))
+    ref, ref_rows = decode(ref_rt, False)
+    ref_rt.close()
+    rt = _graph_runtime(model, **cfg)
+    got, rows = decode(rt, True)
+    rt.close()
+    for n in prompts:
+        assert len(got[n]) == len(ref[n])
+        for a, b in zip(got[n], ref[n], strict=True):
+            assert a == int(b.argmax()) if isinstance(a, int) else torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+        assert all(torch.allclose(rows[n][i], ref_rows[n][i], rtol=1e-4, atol=1e-5) for i in ref_rows[n])
+
+
+def test_a_batch_of_one_is_its_graph_step(model):
+    """The scheduler steps a lone decoding request (the others prefilling) as a batch of one:
+    that is the sequence's graph step, which binds it, not the eager forward."""
+    rt = _graph_runtime(model, strategy="fused")
+    kv = rt.new_kv(len(MORE) + 2)
+    with torch.inference_mode():
+        rt.step.forward(torch.tensor(MORE, device=rt.device), kv)
+        logits = rt.step.batch(torch.tensor([33], device=rt.device), [kv])
+    assert logits.shape == (1, rt.spec.vocab_size) and rt.step.graphs.bound() is kv and kv.length == len(MORE) + 1
+    rt.close()

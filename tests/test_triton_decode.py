@@ -53,6 +53,45 @@ def test_rope_store_matches_torch(dtype, heads, kv_heads, d, r, norm, tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, d, r, norm", [(4, 2, 32, 32, True), (6, 2, 24, 12, False)])
+def test_rope_store_batch_form_writes_each_sequence_at_its_position(dtype, heads, kv_heads, d, r, norm):
+    """One token of each of three sequences (a batched step): token t rotated at its own
+    position pos[t], its K/V written into row pos[t] of its own sequence's caches (found by
+    address), nothing else written, the shape-giving caches untouched."""
+    from ftkit.kernels.triton.decode import rope_store
+
+    gen = torch.Generator().manual_seed(4)
+    positions, pos = 40, [29, 0, 17]
+    t = len(pos)
+    qkv = torch.randn((t, (heads + 2 * kv_heads) * d), generator=gen).to(dtype)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    qw, kw = (torch.randn(d, generator=gen).to(dtype) for _ in range(2))
+    angles = torch.rand((positions, r // 2), generator=gen) * 6
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    # each sequence's caches as long as it is (the longest: `positions`), the shape-giving pair apart
+    kcs, vcs = ([torch.zeros((n, kv_heads, d), dtype=dtype, device=DEV) for n in (30, positions, 18)] for _ in range(2))
+    shape_k, shape_v = (torch.zeros((positions, kv_heads, d), dtype=dtype, device=DEV) for _ in range(2))
+    caches = torch.tensor([[c.data_ptr() for c in kcs], [c.data_ptr() for c in vcs]], device=DEV)
+    dev = [a.to(DEV) for a in (qkv, qw, kw, cos, sin, torch.tensor(pos))]
+    dq, dk, dv = dev[0].split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    got = rope_store(dq, dk, dv, dev[1] if norm else None, dev[2] if norm else None, 1e-6, *dev[3:],
+                     shape_k, shape_v, caches=caches).cpu()
+    qh, kh = q.reshape(t, heads, d), k.reshape(t, kv_heads, d)
+    if norm:
+        qh, kh = rms_norm(qh, qw, 1e-6), rms_norm(kh, kw, 1e-6)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for b, p in enumerate(pos):
+        ref_q, ref_k = (apply_rope(a[b : b + 1], cos[p : p + 1], sin[p : p + 1]) for a in (qh, kh))
+        assert torch.allclose(got[b : b + 1].float(), ref_q.float(), **tol)
+        kc, vc = kcs[b].cpu(), vcs[b].cpu()
+        assert torch.allclose(kc[p : p + 1].float(), ref_k.float(), **tol)
+        assert torch.equal(vc[p], v[b].reshape(kv_heads, d))
+        others = torch.arange(kc.shape[0]) != p
+        assert not kc[others].any() and not vc[others].any()  # only row pos[b] of its own caches
+    assert not shape_k.any() and not shape_v.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pos, window", [(0, None), (150, None), (150, 37), (63, 64), (700, None), (700, 300),
                                          (1023, 100)])
 def test_attention_matches_torch(dtype, pos, window):
@@ -70,6 +109,31 @@ def test_attention_matches_torch(dtype, pos, window):
     ref = decode_attention(q, kc, vc, mask)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     assert torch.allclose(got.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 37, 300])
+def test_attention_batch_form_attends_each_query_over_its_own_cache(dtype, window):
+    """A batched step's attention: query t over rows 0..pos[t] (the window's, for a sliding
+    layer) of its own sequence's caches, found by address; the grid sized by the longest, so a
+    short sequence's chunks past its keys end at once, and one past DECODE_CHUNK keys is split."""
+    from ftkit.kernels.triton.attention import decode_attention as triton_decode_attention
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, positions = 8, 2, 40, 1024
+    pos, lengths = [700, 0, 150], [800, 1, positions]
+    q = torch.randn((len(pos), heads, d), generator=gen).to(dtype)
+    kcs, vcs = ([torch.randn((n, kv_heads, d), generator=gen).to(dtype) for n in lengths] for _ in range(2))
+    shape = torch.zeros((positions, kv_heads, d), dtype=dtype, device=DEV)  # gives the layout and the grid
+    on_dev = [[c.to(DEV) for c in cs] for cs in (kcs, vcs)]
+    caches = torch.tensor([[c.data_ptr() for c in cs] for cs in on_dev], device=DEV)
+    got = triton_decode_attention(q.to(DEV), shape, shape, torch.tensor(pos).to(DEV), window, caches).cpu()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for b, p in enumerate(pos):
+        keys = torch.arange(lengths[b])
+        mask = (keys <= p) & ((keys > p - window) if window else True)
+        ref = decode_attention(q[b : b + 1], kcs[b], vcs[b], mask)
+        assert torch.allclose(got[b : b + 1].float(), ref.float(), **tol)
 
 
 @pytest.mark.parametrize("renorm", [True, False])

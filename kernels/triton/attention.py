@@ -10,7 +10,10 @@ query head sharing that K/V head against its chunk with an online softmax, and a
 combines the chunks by their log-sum-exp. K/V are read once per chunk and query block, in place.
 A graph decode step (`decode_attention`) reads its position on the device: a captured grid of
 a fixed number of chunks serves every position, each chunk sized from the position in the kernel,
-so a step behind 8k keys keeps 128 programs busy where one program per head walked them all.
+so a step behind 8k keys keeps 128 programs busy where one program per head walked them all. Its
+batch form takes one query of each of several sequences, each at its own position over its own
+cache (their addresses read on the device too), so one captured grid serves every batch of that
+many sequences.
 """
 
 from __future__ import annotations
@@ -28,15 +31,22 @@ DECODE_CHUNK = 256  # a decode step's smallest chunk: below it a program's walk 
 
 
 @triton.jit(do_not_specialize=["T", "S", "offset", "window", "chunk"])  # one compile for every position
-def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, pos_ptr, T, S, offset, window, scale, chunk,
+def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, pos_ptr, caches_ptr, T, S, offset, window, scale, chunk,
              HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
              BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
-             POS_ON_DEVICE: tl.constexpr):
+             POS_ON_DEVICE: tl.constexpr, BATCH: tl.constexpr):
     kh, tb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = sp * chunk
     if POS_ON_DEVICE:  # offset, S and the chunk (at least `chunk`) from the position pos_ptr holds
-        offset = tl.load(pos_ptr).to(tl.int32)
-        S = offset + T
+        if BATCH:  # query tb (BT = 1) is its own sequence's: its position, its K and V caches
+            last = tl.load(pos_ptr + tb).to(tl.int32)
+            offset = last - tb  # query t sits at offset + t below: tb at `last`
+            k_ptr = tl.load(caches_ptr + tb).to(tl.pointer_type(k_ptr.dtype.element_ty))
+            v_ptr = tl.load(caches_ptr + T + tb).to(tl.pointer_type(v_ptr.dtype.element_ty))
+        else:
+            offset = tl.load(pos_ptr).to(tl.int32)
+            last = offset + T - 1
+        S = last + 1  # no key is read past the last query's own
         first = offset * 0
         if window > 0:  # keys before the window are not walked
             first = tl.maximum(offset + tb * BT - window + 1, 0) // BLOCK_S * BLOCK_S
@@ -116,20 +126,25 @@ def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     window: int | None) -> torch.Tensor:
+                     window: int | None, caches: torch.Tensor | None = None) -> torch.Tensor:
     """One query's GQA attention over cache rows 0..pos (the last `window` of them for sliding
     layers), graph-safe: q [1, heads, D]; k_cache, v_cache [positions, kv_heads, D]; pos int64
     [1] on the device. The grid is fixed by the cache's size, each chunk at least DECODE_CHUNK
-    keys: near the start one chunk does the work and the others end at once."""
+    keys: near the start one chunk does the work and the others end at once.
+    The batch form, `caches` given: q [T, heads, D] holds one query of each of T sequences, pos
+    int64 [T] each one's position and `caches` int64 [2, T] on the device the addresses of query
+    t's sequence's K cache (row 0) and V cache, contiguous, typed and laid out as k_cache and
+    v_cache, which then give only that and the grid (their positions: as many as the longest)."""
     capacity = k_cache.shape[0]
     splits = min(MAX_SPLITS, triton.cdiv(capacity, DECODE_CHUNK))
-    return _attend(q, k_cache, v_cache, capacity, 0, window, DECODE_CHUNK, splits, pos)
+    return _attend(q, k_cache, v_cache, capacity, 0, window, DECODE_CHUNK, splits, pos, caches)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, offset: int, window: int | None,
-            chunk: int, splits: int, pos: torch.Tensor | None = None) -> torch.Tensor:
+            chunk: int, splits: int, pos: torch.Tensor | None = None,
+            caches: torch.Tensor | None = None) -> torch.Tensor:
     """`_partial` over `splits` key chunks of `chunk` keys (with `pos`: of at least that many,
-    sized on the device), then `_combine`."""
+    sized on the device; with `caches` too: each query over its own sequence's), then `_combine`."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads:
@@ -144,9 +159,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, offset: i
     block_d = max(16, triton.next_power_of_2(d))
     ieee = q.dtype == torch.float32 or interpreting()  # the interpreter's 16-bit dot is wrong (Triton 3.x)
     _partial[(kv_heads, triton.cdiv(t, bt), splits)](
-        q, k, v, acc, ml, pos if pos is not None else q, t, s, offset, window or 0, d**-0.5, chunk, HEADS=heads,
-        KV_HEADS=kv_heads, D=d, BLOCK_D=block_d, BT=bt, BLOCK_M=block_m, BLOCK_S=BLOCK_S, IEEE=ieee,
-        POS_ON_DEVICE=pos is not None)
+        q, k, v, acc, ml, pos if pos is not None else q, caches if caches is not None else q, t, s, offset,
+        window or 0, d**-0.5, chunk, HEADS=heads, KV_HEADS=kv_heads, D=d, BLOCK_D=block_d, BT=bt, BLOCK_M=block_m,
+        BLOCK_S=BLOCK_S, IEEE=ieee, POS_ON_DEVICE=pos is not None, BATCH=caches is not None)
     out = torch.empty_like(q)
     _combine[(t, heads)](acc, ml, out, t, splits, HEADS=heads, D=d, BLOCK_D=block_d,
                          BLOCK_P=MAX_SPLITS)  # fixed: one compile whatever the context length

@@ -1,5 +1,7 @@
 """A batch-1 decode step's norms, RoPE and cache writes in one launch per layer (Triton); it
-also serves a few tokens at once (an extend). Attention follows in kernels/triton/attention.py.
+also serves a few tokens at once (an extend), and one token of each of several sequences (a
+batched step: each token at its own position, written into its own sequence's cache). Attention
+follows in kernels/triton/attention.py.
 
 In eager torch the step between the Q/K/V projections and the output projection is about
 twenty small kernels per layer (per-head norms, rotate-half RoPE on q and k, two cache writes,
@@ -18,11 +20,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qout_ptr, kc_ptr, vc_ptr, eps,
-                q_stride, k_stride, v_stride, table_start, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                R: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qout_ptr, kc_ptr, vc_ptr, caches_ptr,
+                eps, q_stride, k_stride, v_stride, table_start, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                D: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, BATCH: tl.constexpr):
     h, t = tl.program_id(0), tl.program_id(1)
-    pos = tl.load(pos_ptr).to(tl.int64) + t
+    kc, vc = kc_ptr, vc_ptr
+    if BATCH:  # token t is its own sequence's: its position, its K and V caches' addresses
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        kc = tl.load(caches_ptr + t).to(tl.pointer_type(kc_ptr.dtype.element_ty))
+        vc = tl.load(caches_ptr + tl.num_programs(1) + t).to(tl.pointer_type(vc_ptr.dtype.element_ty))
+    else:
+        pos = tl.load(pos_ptr).to(tl.int64) + t
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     rm = d < R
@@ -48,18 +56,23 @@ def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
         tl.store(qout_ptr + (t * HEADS + h) * D + d, out, mask=dm)
     else:
         row = (pos * KV_HEADS + kh) * D
-        tl.store(kc_ptr + row + d, out, mask=dm)
-        tl.store(vc_ptr + row + d, tl.load(v_ptr + t * v_stride + kh * D + d, mask=dm), mask=dm)
+        tl.store(kc + row + d, out, mask=dm)
+        tl.store(vc + row + d, tl.load(v_ptr + t * v_stride + kh * D + d, mask=dm), mask=dm)
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, table_start: int = 0) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, table_start: int = 0,
+               caches: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, heads*D], k, v [T, kv_heads*D] (projections; rows may be strided, as the column
     views of one Q/K/V product are); q_norm, k_norm: per-head RMSNorm weights [D] or None; cos,
     sin [positions, R]: row r holds position table_start + r; pos int64 [1] on the device: the
     first token's position; k_cache, v_cache [positions, kv_heads, D]. Writes rows pos..pos+T of
-    the caches; returns the rotated q [T, heads, D]."""
+    the caches; returns the rotated q [T, heads, D].
+    The batch form, `caches` given: the T tokens are T sequences' next ones, pos int64 [T] holds
+    each one's position and `caches` int64 [2, T] on the device the addresses of token t's
+    sequence's K cache (row 0) and V cache, contiguous, typed and laid out as k_cache and v_cache
+    (which are not written then); row pos[t] of each is written."""
     kv_heads, d = k_cache.shape[1], k_cache.shape[2]
     t, heads = q.shape[0], q.shape[-1] // d
     if any(a.stride(-1) != 1 for a in (q, k, v)):
@@ -67,7 +80,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.
     out = torch.empty((t, heads, d), dtype=q.dtype, device=q.device)
     norm = q_norm is not None
     _rope_store[(heads + kv_heads, t)](q, k, v, q_norm if norm else q, k_norm if norm else k, cos, sin, pos, out,
-                                       k_cache, v_cache, eps, q.stride(0), k.stride(0), v.stride(0), table_start,
-                                       HEADS=heads, KV_HEADS=kv_heads, D=d, R=cos.shape[-1],
-                                       BLOCK_D=triton.next_power_of_2(d), NORM=norm)
+                                       k_cache, v_cache, caches if caches is not None else pos, eps, q.stride(0),
+                                       k.stride(0), v.stride(0), table_start, HEADS=heads, KV_HEADS=kv_heads, D=d,
+                                       R=cos.shape[-1], BLOCK_D=triton.next_power_of_2(d), NORM=norm,
+                                       BATCH=caches is not None)
     return out

@@ -1,4 +1,5 @@
-"""Batch-1 decode steps captured in CUDA graphs and replayed with one launch.
+"""Decode steps captured in CUDA graphs and replayed with one launch: one sequence's, and a
+batch of concurrent sequences' next tokens.
 
 An eager decode step launches some 70 kernels per layer from Python and reads every layer's
 routing back to the host; at a few hundred microseconds of expert traffic per layer the host
@@ -21,7 +22,13 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
 - the routed experts go through the store's DevicePlan (hits, fills and the CPU set decided on
   the GPU, the CPU branch started by a doorbell, not by Python);
 - a step is a few graphs of two layers each, replayed back to back, so the GPU need not wait
-  for the host to launch the whole step.
+  for the host to launch the whole step;
+- B concurrent sequences' next tokens (`batch`, B up to `max_batch`) are one step too, captured
+  once per B where the fused kernels apply: each token's position and the addresses of its
+  sequence's K/V caches are device inputs the batch forms of those kernels read, so a sequence's
+  rows stay in its own cache (nothing is copied as sequences join and leave batches); the dense
+  products run over the B rows and the experts through the device planner over the B tokens, as
+  an extend's, so the batch shares each layer's expert reads.
 A short extend (2..64 tokens after a prefix hit, `extend`) runs eagerly, its experts planned on
 the device where they fit, through the same fused dense part with the few-query attention kernel
 in place of the one-query one (a family with its own token mixer: that mixer over the cache). Without CUDA (`capture=False`) the same step runs eagerly: tests check it on
@@ -34,6 +41,7 @@ import gc
 import sys
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +55,17 @@ from ..models.layers import decode_attention, linear
 from ..spec import QK_NORM_HEAD, QK_NORM_NONE
 from .sampling import Sampler
 
+if TYPE_CHECKING:
+    from ..experts.device_plan import DevicePlan
+
 FIRST_SPAN = 256  # attention span of the smallest graph; each next one doubles it
 # A step is captured as several graphs of this many layers: launching a graph costs host time
 # in proportion to its nodes (~0.5 ms for a whole 12-layer step), and the GPU starts on the
 # first piece while the host launches the next.
 LAYERS_PER_GRAPH = 2
+# Sequences of the largest captured batched step: each batch size up to it is a set of graphs of
+# its own (captured on first use or by the warm-up); a larger batch runs eagerly.
+MAX_BATCH = 8
 
 
 def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
@@ -93,11 +107,31 @@ def _concat_qkv(w: dict[str, torch.Tensor], i: int,
     return fused[0], fused[1] if len(fused) > 1 else None
 
 
+class _Batch:
+    """A batched step's device inputs for B sequences: their tokens, and in one int64 buffer (one
+    copy a step) their positions and, per attention layer, the addresses of each one's K and V
+    caches, which the captured kernels read at every replay. Static K/V slots per batch place
+    instead would hold B more sequences at the graph capacity (B times the graph K/V the memory
+    plan reserves) and copy a sequence's rows in whenever it joined a batch."""
+
+    def __init__(self, size: int, layers: list[int], device: torch.device):
+        with torch.inference_mode(False):  # normal tensors: steps inside inference mode and out write them
+            self.token = torch.zeros(size, dtype=torch.int64, device=device)
+            self.io = torch.zeros(size * (1 + 2 * len(layers)), dtype=torch.int64, device=device)
+        self.size = size
+        self.pos = self.io[:size]
+        table = self.io[size:].view(len(layers), 2, size)
+        self.caches = {i: table[j] for j, i in enumerate(layers)}  # layer -> [2, B]: K, then V addresses
+
+
 class GraphDecode:
-    def __init__(self, decoder: MoEDecoder, store: ExpertStore, capacity: int, capture: bool = True):
-        """`capacity`: tokens of static K/V (sequences longer than this decode eagerly)."""
+    def __init__(self, decoder: MoEDecoder, store: ExpertStore, capacity: int, capture: bool = True,
+                 max_batch: int = MAX_BATCH):
+        """`capacity`: tokens of static K/V (sequences longer than this decode eagerly);
+        `max_batch`: the most sequences a captured batched step takes."""
         s, dev = decoder.spec, store.device
         self.decoder, self.store, self.capacity, self.capture = decoder, store, capacity, capture
+        self.max_batch = max_batch
         dtype = decoder.lm_head.dtype
         shape = (capacity, s.num_kv_heads, s.head_dim)
         layers = attention_layers(s)
@@ -113,12 +147,16 @@ class GraphDecode:
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
         self.positions = torch.arange(capacity, device=dev)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # span -> the step's pieces, in order
+        # (span, sequences) -> the step's pieces, in order; their logits
+        self.graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         n = s.num_layers
         self.pieces = [range(i, min(i + LAYERS_PER_GRAPH, n)) for i in range(0, n, LAYERS_PER_GRAPH)]
-        self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None  # one memory pool for every span's graph: they never run at once
+        self.pool = None  # one memory pool for every step's graphs: they never run at once
         self.bound: weakref.ref[KVCache] | None = None
+        self.batches: dict[int, _Batch] = {}  # batch size -> its device inputs
+        # each batched sequence's K/V addresses (`_addresses`), until `_bind` re-points its cache
+        self.addresses: weakref.WeakKeyDictionary[KVCache, torch.Tensor] = weakref.WeakKeyDictionary()
         self.version = store.version
         self.fused = _fused_attention(decoder)
         # layer -> its concatenated Q/K/V projection (weight, bias), on the fused path
@@ -226,12 +264,7 @@ class GraphDecode:
         """Bind `cache`, hand the residency to the device planner; the attention span that
         covers positions below `end`."""
         self._bind(cache)
-        plan = self.store.device_plan_for_graphs()
-        if self.store.version != self.version:  # the cache was rebuilt: its slots moved
-            self.graphs.clear()
-            self.logits.clear()
-            self.version = self.store.version
-        plan.to_device()
+        self._plan_on_device()
         if self.fused:  # fused attention reads the position on the device: one graph serves every span
             return self.capacity
         span = FIRST_SPAN
@@ -239,36 +272,54 @@ class GraphDecode:
             span *= 2
         return min(span, self.capacity)
 
-    def _launch(self, span: int) -> torch.Tensor:
-        """Run one step at the device's token and position: replay its graphs (captured on first
-        use) or, without capture, run it eagerly. Returns the logits (the graph's own buffer)."""
-        if not self.capture:
-            return self._forward(span)
-        for graph in self.graphs.get(span) or self._capture(span):
-            graph.replay()
-        return self.logits[span]
+    def _plan_on_device(self) -> DevicePlan:
+        """The device planner, holding the residency; the graphs captured before a rebuild of
+        the cache are dropped (its slots moved)."""
+        plan = self.store.device_plan_for_graphs()
+        if self.store.version != self.version:
+            self.graphs.clear()
+            self.logits.clear()
+            self.version = self.store.version
+        plan.to_device()
+        return plan
 
-    def _forward(self, span: int) -> torch.Tensor:
+    def _launch(self, span: int, batch: _Batch | None = None) -> torch.Tensor:
+        """Run one step at the device's tokens and positions (`batch`: its sequences', else the
+        bound one's): replay its graphs (captured on first use) or, without capture, run it
+        eagerly. Returns the logits (the graph's own buffer)."""
+        if not self.capture:
+            return self._forward(span, batch)
+        key = (span, batch.size if batch is not None else 1)
+        for graph in self.graphs.get(key) or self._capture(key, batch):
+            graph.replay()
+        return self.logits[key]
+
+    def _forward(self, span: int, batch: _Batch | None = None) -> torch.Tensor:
         state = None
         for layers in self.pieces:
-            state = self._piece(state, layers, span)
+            state = self._piece(state, layers, span, batch)
         return state
 
-    def _piece(self, state: tuple[torch.Tensor, torch.Tensor] | None, layers: range,
-               span: int) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        """The step's `layers`. `state`: the residual stream and its RMSNorm by the first layer's
-        attn_norm (None: from the token's embedding). Returns the same for the next piece, or
-        the logits after the model's last layer."""
+    def _piece(self, state: tuple[torch.Tensor, torch.Tensor] | None, layers: range, span: int,
+               batch: _Batch | None = None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """The step's `layers` (`batch`: of its sequences' tokens, else of the bound sequence's).
+        `state`: the residual stream and its RMSNorm by the first layer's attn_norm (None: from
+        the tokens' embeddings). Returns the same for the next piece, or the logits after the
+        model's last layer."""
         dec, s = self.decoder, self.decoder.spec
+        token, pos, caches = (self.token, self.pos, None) if batch is None else (batch.token, batch.pos, batch.caches)
         if state is None:
-            state = self._embed(self.token)
+            state = self._embed(token)
         if self.fused:
             def attend(i: int, h: torch.Tensor) -> torch.Tensor:
-                q = self._rope_store(i, self._qkv(i, h), self.k[i], self.v[i], (self.cos, self.sin, 0), self.pos)
-                return self.few.decode_attention(q, self.k[i], self.v[i], self.pos, dec.window(i))
+                # the static K/V buffers, or (a batch) each token's own sequence's caches, which
+                # those buffers then only lay out
+                rows = None if caches is None else caches[i]
+                q = self._rope_store(i, self._qkv(i, h), self.k[i], self.v[i], (self.cos, self.sin, 0), pos, rows)
+                return self.few.decode_attention(q, self.k[i], self.v[i], pos, dec.window(i), rows)
 
             mix = self._projected(attend)
-        else:  # the decoder's own token mixer, its keys and values in the static buffers
+        else:  # the decoder's own token mixer (one sequence), its keys and values in the static buffers
             cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)
             keys = self.positions[:span]
             visible = keys <= self.pos
@@ -289,8 +340,9 @@ class GraphDecode:
         if layers.stop < s.num_layers:
             return x, h
         logits = F.linear(h, dec.lm_head)
-        self.token.copy_(logits.argmax(-1))  # the next step's input when decoding greedily
-        self.pos.add_(1)
+        if batch is None:  # the next step's input when decoding greedily (a batch's: the scheduler samples)
+            self.token.copy_(logits.argmax(-1))
+            self.pos.add_(1)
         return logits
 
     def takes(self, tokens: int) -> bool:
@@ -309,10 +361,59 @@ class GraphDecode:
         return self._eager(input_ids, [cache], [input_ids.shape[0]], last_only)
 
     def batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """Logits [B, V] for one new token of each of B sequences (concurrent requests): as
-        `extend` over the B tokens, each attending over its own cache at its own position, the
-        experts planned once on the device for them all, so the batch shares their reads."""
-        return self._eager(input_ids, caches, [1] * len(caches))
+        """Logits [B, V] for one new token of each of B sequences (concurrent requests), each
+        attending over its own cache at its own position, the experts planned once on the device
+        for them all (as an extend's), so the batch shares their reads. Where `batched`: a step
+        captured once per batch size and replayed; else as `extend` over the B tokens, eagerly."""
+        if not self.batched(caches):
+            return self._eager(input_ids, caches, [1] * len(caches))
+        batch = self._batch_inputs(caches)
+        self._plan_on_device().adapt(extend=True)  # the extends' split: its experts are planned as theirs
+        batch.token.copy_(input_ids)
+        logits = self._launch(self.capacity, batch)
+        for c in caches:
+            c.advance(1)
+        return logits.clone() if self.capture else logits  # the graph's buffer is reused next step
+
+    def batched(self, caches: list[KVCache]) -> bool:
+        """Whether `batch` replays captured graphs for these sequences: 2 to `max_batch` of them;
+        attention the fused kernels do (a family's own token mixer, Qwen3-Next's recurrent
+        layers among them, or OLMoE's whole-projection Q/K norm keeps the eager batch, whose
+        mixers read each cache from the host); each sequence within the rotary tables (no longer
+        than the capacity) with room for its token; B tokens' experts the device planner takes
+        (offload: when they fit the cache)."""
+        n = len(caches)
+        return (self.fused is not None and 1 < n <= self.max_batch
+                and all(c.max_tokens <= self.capacity and c.length < c.max_tokens for c in caches)
+                and self.store.device_plan_for_graphs().takes(n))
+
+    def _batch_inputs(self, caches: list[KVCache]) -> _Batch:
+        """The device inputs of a batched step of these sequences, their positions and cache
+        addresses written (one copy); the tokens are the caller's to write."""
+        n = len(caches)
+        batch = self.batches.get(n)
+        if batch is None:
+            batch = self.batches[n] = _Batch(n, list(self.k), self.token.device)
+        table = torch.stack([self._addresses(c) for c in caches], dim=-1)  # [layers, 2, B]
+        host = torch.cat((torch.tensor([c.length for c in caches]), table.reshape(-1)))
+        batch.io.copy_(host, non_blocking=True)  # from pageable memory: staged before this returns
+        return batch
+
+    def _addresses(self, cache: KVCache) -> torch.Tensor:
+        """int64 [attention layers, 2]: the addresses of `cache`'s K and V rows per layer, for the
+        batch-form kernels (kept until `_bind` re-points the cache). Those kernels write there,
+        so every tensor must be laid out as the static buffers: contiguous, same dtype, heads
+        and device."""
+        found = self.addresses.get(cache)
+        if found is None:
+            pairs = [(cache.k[i], cache.v[i]) for i in self.k]
+            like = next(iter(self.k.values()))
+            if any(t.dtype != like.dtype or t.device != like.device or t.shape[1:] != like.shape[1:]
+                   or not t.is_contiguous() for pair in pairs for t in pair):
+                raise ValueError("a batched graph step writes K/V rows in place: every cache must be contiguous, "
+                                 f"{like.dtype} [positions, {like.shape[1]}, {like.shape[2]}] on {like.device}")
+            found = self.addresses[cache] = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in pairs])
+        return found
 
     def _eager(self, input_ids: torch.Tensor, caches: list[KVCache], counts: list[int],
                last_only: bool = False) -> torch.Tensor:
@@ -383,14 +484,16 @@ class GraphDecode:
         return x, h
 
     def _rope_store(self, i: int, qkv: tuple[torch.Tensor, ...], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    table: tuple[torch.Tensor, torch.Tensor, int], pos: torch.Tensor) -> torch.Tensor:
+                    table: tuple[torch.Tensor, torch.Tensor, int], pos: torch.Tensor,
+                    caches: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's rotated queries [T, heads, D] from its projections (`_qkv`) at positions
         pos.. (`pos`: the first, on the device); its keys and values written into the cache rows
-        there. `table`: (cos, sin, the first row's position)."""
+        there. `table`: (cos, sin, the first row's position). `caches`: a batch's (rope_store's
+        batch form: each token at its own position pos[t], into its own sequence's caches)."""
         p, s = f"layers.{i}.attn.", self.decoder.spec
         w = self.decoder.w
         return self.fused.rope_store(*qkv, w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight"), s.rms_norm_eps,
-                                     *table[:2], pos, k_cache, v_cache, table[2])
+                                     *table[:2], pos, k_cache, v_cache, table[2], caches)
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer i's Q, K and V projections of h [T, H]: one product where the weights were
@@ -400,17 +503,19 @@ class GraphDecode:
             return linear(h, *self.qkv[i]).split(self.qkv_split, dim=-1)
         return tuple(self.decoder.linear(f"layers.{i}.attn.{n}", h) for n in "qkv")
 
-    def _capture(self, span: int) -> list[torch.cuda.CUDAGraph]:
+    def _capture(self, key: tuple[int, int], batch: _Batch | None) -> list[torch.cuda.CUDAGraph]:
+        """Capture the step of `key` (span, sequences) as `_launch` replays it."""
+        span = key[0]
         plan = self.store.device_plan_for_graphs()
         kept = [t for t in (plan.counts, self.token, self.pos, self.flat) if t is not None]
         saved = [t.clone() for t in kept]
         # Warm-up on a side stream (Triton compiles, cuBLAS picks kernels): it runs this very
-        # step, which is idempotent (same K/V row, a valid cache state), minus its counts, the
+        # step, which is idempotent (same K/V rows, a valid cache state), minus its counts, the
         # recurrent states it advanced and its move to the next token and position.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(span)
+            self._forward(span, batch)
         torch.cuda.current_stream().wait_stream(side)
         for t, old in zip(kept, saved, strict=True):
             t.copy_(old)
@@ -423,13 +528,13 @@ class GraphDecode:
             for layers in self.pieces:  # replayed in capture order, so sharing one pool is safe
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    state = self._piece(state, layers, span)
+                    state = self._piece(state, layers, span, batch)
                 self.pool = graph.pool()
                 graphs.append(graph)
         finally:
             if collecting:
                 gc.enable()
-        self.logits[span], self.graphs[span] = state, graphs
+        self.logits[key], self.graphs[key] = state, graphs
         return graphs
 
     def _bind(self, cache: KVCache) -> None:
@@ -441,6 +546,7 @@ class GraphDecode:
             if prev is not None:
                 for i in self.k:
                     prev.k[i], prev.v[i] = prev.k[i].clone(), prev.v[i].clone()
+                self.addresses.pop(prev, None)
                 for i in prev.states:
                     prev.states[i] = {n: t.clone() for n, t in prev.states[i].items()}
             self._bind_kv(cache)
@@ -472,4 +578,5 @@ class GraphDecode:
             self.k[i][:n].copy_(cache.k[i][:n])
             self.v[i][:n].copy_(cache.v[i][:n])
             cache.k[i], cache.v[i] = self.k[i][: cache.max_tokens], self.v[i][: cache.max_tokens]
+        self.addresses.pop(cache, None)
         self.bound = weakref.ref(cache)

@@ -1,9 +1,10 @@
 """The engine's step: which path runs a forward, decided here and nowhere else.
 
-One token of a sequence the graphs can hold replays the captured decode step; a few tokens (an
-agent's turn after a prefix hit, a batch of sequences' next tokens) run the graphs' eager
-few-token path with the experts planned on the device; everything else, and everything without
-CUDA graphs, is the decoder's own forward. The model knows nothing of graphs.
+One token of a sequence the graphs can hold replays the captured decode step, and a batch of
+sequences' next tokens the captured batched step where it applies (`GraphDecode.batched`); a few
+tokens (an agent's turn after a prefix hit, a batch the captured step does not take) run the
+graphs' eager few-token path with the experts planned on the device; everything else, and
+everything without CUDA graphs, is the decoder's own forward. The model knows nothing of graphs.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ class Step:
         return self.decoder.snapshots
 
     def batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """Logits [B, V] for one new token of each of B sequences. On a GPU the graphs' fused
-        dense part with the experts planned on the device: no host round trip a layer (the
-        host-planned batch took 309 ms a 4-token step, this 27)."""
+        """Logits [B, V] for one new token of each of B sequences. On a GPU the graphs' batched
+        step, the experts planned on the device: no host round trip a layer (the host-planned
+        batch took 309 ms a 4-token step, the device-planned one run eagerly 27); captured per
+        batch size where `GraphDecode.batched`. One sequence takes `forward` (its graph step)."""
+        if len(caches) == 1:
+            return self.forward(input_ids, caches[0])
         if self.graphs is not None and self.graphs.takes(len(caches)):
             return self.graphs.batch(input_ids, caches)
         return self.decoder.forward_batch(input_ids, caches)

@@ -122,10 +122,13 @@ def decode(
                                         "size: medians reported")] = 1,
     anchors_every: Annotated[int, typer.Option(help="--chunks prompts snapshot their recurrent state every this "
                                                "many tokens, as a hybrid model's turn boundaries do (0: none)")] = 0,
+    batch: Annotated[int, typer.Option(help="also time this many sequences decoding together in batched steps, "
+                                       "as concurrent requests in ft-run serve (1: none)")] = 1,
     opts: RuntimeOptions = None,
 ) -> None:
-    """Decode tok/s (batch 1) and prefill per strategy, each beside its bound (ft-run's runtime
-    flags but --strategy and --no-graphs, which --strategies and --graphs sweep)."""
+    """Decode tok/s (batch 1, and with --batch of several sequences together) and prefill per
+    strategy, each beside its bound (ft-run's runtime flags but --strategy and --no-graphs,
+    which --strategies and --graphs sweep)."""
     if graphs not in ("on", "off", "both"):
         raise typer.BadParameter("--graphs takes on, off or both")
     if stream_prefill not in ("auto", "on", "off"):
@@ -134,6 +137,10 @@ def decode(
         raise typer.BadParameter("--repeat takes 1 or more")
     if anchors_every < 0:
         raise typer.BadParameter("--anchors-every takes 0 (none) or a token count")
+    if batch < 1:
+        raise typer.BadParameter("--batch takes 1 (none) or a number of sequences")
+    if batch > 1 and (routing != "real" or record):
+        raise typer.BadParameter("--batch times real routing only (the overrides route one token a step)")
     modes = {"on": [True], "off": [False], "both": [False, True]}[graphs]
     if (routing.startswith("trace:") or record) and True in modes:
         # recording and replaying go through host lists; a captured graph would freeze its first answer
@@ -146,7 +153,7 @@ def decode(
             trace_dir.mkdir(parents=True, exist_ok=True)
         table = Table(title=f"ft-bench decode: {model}")
         for col in ("strategy", "graphs", "cache slots", "tok/s", "bound tok/s", "of bound", "overhead ms/tok",
-                    "miss rate", "prefill"):
+                    "miss rate", *([f"batch {batch} tok/s (ms/step)"] if batch > 1 else []), "prefill"):
             table.add_column(col, justify="right")
         longest = max([run.decode_length(prompt, tokens)]
                       + [run.prefill_length(int(c), answer, extend) for c in chunks.split(",") if c])
@@ -164,17 +171,18 @@ def decode(
                 r = run.decode(rt, tokens, prompt, override, figs, trace, sampler=sampler)
                 if record:
                     override.save(record)
+                together = run.decode_batch(rt, tokens, prompt, batch) if batch > 1 else None
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
                                    if trace_dir else None, extend, answer, repeat, anchors_every)
                        for c in chunks.split(",") if c]
                 results["runs"].append({"strategy": rt.store.strategy, "cache_slots": rt.store.cache.capacity,
                                         "threads": rt.store.cpu.threads, "routing": routing,
-                                        "figures": vars(figs), "decode": r, "prefill": pre,
+                                        "figures": vars(figs), "decode": r, "decode_batch": together, "prefill": pre,
                                         "host_pool": hostmem.pool_pages(rt.store.pool.banks.buffers)})
                 table.add_row(rt.store.strategy, "on" if r["graphs"] else "off", str(rt.store.cache.capacity),
                               f"{r['tok_s']:.1f}", _fmt(r["bound_tok_s"]), _of_bound(r),
                               _fmt(r["overhead_ms_per_token"]), f"{r['miss_rate']:.1%}",
-                              " ".join(_prefill_cell(p) for p in pre))
+                              *([_batch_cell(together)] if together else []), " ".join(_prefill_cell(p) for p in pre))
             finally:
                 rt.close()
         console.print(table)
@@ -294,6 +302,11 @@ def _prefill_cell(p: dict) -> str:
     pieces = f"/{p['pieces']}" if p.get("pieces", 1) > 1 else ""  # a prompt run in several pieces a layer
     cell = f"{p['chunk']}{pieces}: {p['seconds']:.3f}s ({_pct(p['of_bound'])})"
     return cell + (f" +{p['extend']}: {p['extend_seconds']:.3f}s" if p.get("extend") else "")
+
+
+def _batch_cell(b: dict) -> str:
+    """tok/s over the batch and ms a step, marked where the steps ran eagerly, not captured."""
+    return f"{b['tok_s']:.1f} ({b['ms_per_step']:.1f})" + ("" if b["graphs"] else " eager")
 
 
 def _fmt(x: float | None) -> str:

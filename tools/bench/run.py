@@ -173,6 +173,37 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     }
 
 
+def decode_batch(rt: Runtime, tokens: int, prompt: int, size: int) -> dict:
+    """`size` sequences decoding together as the scheduler's batched mode runs them: tok/s over
+    all of them across `tokens` batched steps (`Step.batch`), after each one's `prompt`-token
+    prefill and WARMUP untimed steps (kernel compilation, the batch size's graph capture). Each
+    step feeds seeded random tokens (as `decode`, for the same reason) and reads every row's
+    argmax back to the host, as the scheduler samples there. `graphs`: whether the steps were
+    the captured batched step (GraphDecode.batched) rather than an eager one."""
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, rt.spec.vocab_size, (prompt + WARMUP + tokens, size), generator=gen).to(rt.device)
+    caches = [rt.new_kv(decode_length(prompt, tokens)) for _ in range(size)]
+
+    def step(i: int) -> None:
+        rt.store.stats.new_step()
+        rt.step.batch(ids[i], caches).argmax(-1).tolist()
+
+    with torch.inference_mode():
+        for b, kv in enumerate(caches):
+            int(prefill_forward(rt, ids[:prompt, b], kv).argmax())
+        for i in range(prompt, prompt + WARMUP):
+            step(i)
+        graphs = rt.step.graphs is not None and rt.step.graphs.batched(caches)
+        sync(rt)
+        t0 = time.perf_counter()
+        for i in range(prompt + WARMUP, prompt + WARMUP + tokens):
+            step(i)
+        sync(rt)
+        seconds = time.perf_counter() - t0
+    return {"batch": size, "tokens": tokens, "graphs": graphs, "tok_s": size * tokens / seconds,
+            "ms_per_step": 1000 * seconds / tokens}
+
+
 def _sides(rt: Runtime) -> list[int] | None:
     """The device planner's counters of decode layers with CPU items: [GPU ns, layers, worker
     ns] (None without its CPU worker). Read after a sync; the GPU's are in mapped memory."""
