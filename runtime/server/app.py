@@ -1,16 +1,17 @@
-"""The FastAPI app: routers, API-key check, and errors in the shape of the API that was called."""
+"""The FastAPI app: routers, API-key check, body limits, and errors in the shape of the API that
+was called."""
 
 from __future__ import annotations
 
 import secrets
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from . import anthropic, control, openai, responses
 from .core import ServerState
 from .errors import ApiError, body_for
+from .limits import BodyLimit
 
 OPEN_PATHS = {"/health"}  # answered without a key, for load balancers and `ft-run ctl`
 
@@ -29,6 +30,10 @@ def create_app(state: ServerState) -> FastAPI:
     def error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(body_for(request.url.path, e), status_code=e.status)
 
+    # Inside the key check (added first, so it runs second): a client without the key never has
+    # its body read.
+    app.add_middleware(BodyLimit, max_bytes=state.max_body)
+
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         if state.api_key and request.url.path not in OPEN_PATHS:
@@ -42,10 +47,6 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return error(request, e)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error(request, ApiError(400, str(e)))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:

@@ -11,6 +11,7 @@ from ..engine.loader import Runtime, RuntimeOptions
 from ..engine.memory import MemoryPlan, device_budget, plan_memory
 from ..engine.warmup import warm_up
 from ..ftw.reader import FTWModel
+from .limits import DEFAULT_MAX_BODY
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8741
@@ -47,7 +48,7 @@ def planned_runtime(model: Path, opts: RuntimeOptions, plan: MemoryPlan) -> Runt
 
 def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           api_key: str | None = None, max_running: int = 4, kv_tokens: int | None = None,
-          device_memory: int | None = None, served_name: str | None = None,
+          device_memory: int | None = None, served_name: str | None = None, max_body: int = DEFAULT_MAX_BODY,
           say: Callable[[str], None] = print) -> None:
     import uvicorn  # only here: the runtime works without the serve extra
 
@@ -55,6 +56,8 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
     from .app import create_app
     from .core import ServerState
 
+    if max_body < 1:
+        raise ValueError("--max-body must be at least 1 byte")
     plan = make_plan(model, opts, max_running, kv_tokens, device_memory)
     say(plan.describe())
     if not plan.fits:
@@ -68,7 +71,7 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
     warm = warm_up(rt)
     scheduler = Scheduler(rt, plan, max_running)
     try:
-        state = ServerState(rt, scheduler, served_name or Path(model).name, api_key)
+        state = ServerState(rt, scheduler, served_name or Path(model).name, api_key, max_body)
         say(f"serving {state.model_name} on http://{host}:{port} (OpenAI /v1/chat/completions, Anthropic "
             f"/v1/messages, control /v1/stats)" + (f"; warm-up took {warm:.1f} s" if warm is not None else ""))
         uvicorn.run(create_app(state), host=host, port=port, log_level="warning")
