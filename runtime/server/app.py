@@ -1,5 +1,5 @@
-"""The FastAPI app: routers, API-key check, body limits, and errors in the shape of the API that
-was called."""
+"""The FastAPI app: routers, API-key check, body limits, /openapi.json, and errors in the shape
+of the API that was called."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ import secrets
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from ... import __version__
 from . import anthropic, control, openai, responses
 from .core import ServerState
 from .errors import ApiError, body_for
 from .limits import BodyLimit
+from .openapi_doc import document
 
-OPEN_PATHS = {"/health"}  # answered without a key, for load balancers and `ft-run ctl`
+# Answered without a key, for load balancers and `ft-run ctl`. /openapi.json is not among them:
+# it names the served model and is read by tools, which can send the key as clients do.
+OPEN_PATHS = {"/health"}
 
 
 def _key_of(request: Request) -> str | None:
@@ -24,8 +28,17 @@ def _key_of(request: Request) -> str | None:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="ftkit", docs_url=None, redoc_url=None, openapi_url=None)
+    # No /docs or /redoc: their pages load scripts from a CDN, which a loopback server should not need.
+    app = FastAPI(title="ftkit", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI- and Anthropic-compatible API of ft-run serve")
     app.state.server = state
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(app, state, OPEN_PATHS)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     def error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(body_for(request.url.path, e), status_code=e.status)

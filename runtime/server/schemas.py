@@ -13,11 +13,13 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
     Tag,
     ValidationError,
+    WithJsonSchema,
     model_validator,
 )
 from pydantic.json_schema import models_json_schema
@@ -29,16 +31,34 @@ class Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
+def served(fact: str) -> dict[str, Any]:
+    """A bound that is a fact of the served model (`context`, `last_token_id`, `expert_rows`):
+    /openapi.json states it as the field's `maximum` (openapi_doc.py), the route checks it."""
+    return {"x-maximum": fact}
+
+
+def _integral(value: Any) -> Any:
+    """2.0 is the integer 2, as JSON Schema counts integers (strict validation would refuse it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds: Any) -> Any:
+    """An integer field's type with its bounds (the converter comes after them, or the schema
+    would lose them)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
 # ---- shared ---------------------------------------------------------------------------------
-MaxTokens = Annotated[int, Field(ge=1, description="1 to the model's context (a larger value is a 400)")]
+MaxTokens = integer(ge=1, json_schema_extra=served("context"))
+Seed = integer(ge=-(2**63), le=2**64 - 1)  # what a torch generator takes
+TokenId = integer(ge=0, json_schema_extra=served("last_token_id"))
 Stop = str | list[str]
 
 
 class Sampling(Body):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(None, description="0: greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = Field(
-        None, description="reproducible on one device and build; the range a torch generator takes")
+    seed: Seed | None = Field(None, description="reproducible on one device and build")
     ignore_eos: bool | None = Field(None, description="vLLM extension: decode through end-of-sequence tokens")
 
 
@@ -115,7 +135,7 @@ class OpenAIRequest(Sampling):
     stop: Stop | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = Field(None, description="only 1")
+    n: integer(ge=1, le=1) | None = Field(None, description="only 1")
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -126,13 +146,13 @@ class ChatCompletionRequest(OpenAIRequest):
     tool_choice: ToolChoice | None = Field(None, description="none disables the tools; other choices offer them")
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-OneText = Annotated[list[str], Field(min_length=1, max_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+OneText = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
 OneTokenIds = Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | TokenIds | OneText | OneTokenIds = Field(
+    prompt: Annotated[str, Field(min_length=1)] | TokenIds | OneText | OneTokenIds = Field(
         description="text, token ids (below the vocabulary size), or a batch of one of either")
     max_tokens: MaxTokens | None = Field(None, description="default 16")
 
@@ -187,7 +207,10 @@ class ResponsesRequest(Sampling):
     tool_choice: ToolChoice | None = None
     stream: bool | None = None
     max_output_tokens: MaxTokens | None = None
-    previous_response_id: str | None = Field(None, description="refused (400): responses are not stored")
+    # Typed as a string so that an id gets the route's own 400 (which says what to send instead);
+    # published as null only, which is all that is served.
+    previous_response_id: Annotated[str | None, WithJsonSchema(
+        {"type": "null", "description": "an id is refused: responses are not stored"})] = None
     metadata: dict[str, Any] | None = None
 
 
@@ -258,16 +281,18 @@ class CountTokensRequest(Body):
 
 class MessagesRequest(CountTokensRequest, Sampling):
     max_tokens: MaxTokens
-    top_k: Annotated[int, Field(ge=0)] | None = Field(None, description="0: no top-k cut")
+    top_k: integer(ge=0) | None = Field(None, description="0: no top-k cut")
     stop_sequences: Stop | None = None
     stream: bool | None = None
 
 
 # ---- control --------------------------------------------------------------------------------
 class RebuildRequest(Body):
-    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["experts"]}, {"required": ["kv_tokens"]}]})
-    experts: Annotated[int, Field(ge=1)] | None = Field(None, description="expert cache slots (at most the model's rows)")
-    kv_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="KV budget in tokens")
+    model_config = ConfigDict(json_schema_extra={"anyOf": [  # one of them, not null
+        {"required": [name], "properties": {name: {"type": "integer"}}} for name in ("experts", "kv_tokens")]})
+    experts: integer(ge=1, json_schema_extra=served("expert_rows")) | None = Field(None, description="expert cache slots")
+    kv_tokens: integer(ge=1) | None = Field(None, description="KV budget in tokens (one that does not fit the "
+                                                               "memory budget is a 409)")
 
     @model_validator(mode="after")
     def _either(self) -> RebuildRequest:
