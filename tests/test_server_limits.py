@@ -118,6 +118,8 @@ def test_fields_out_of_their_schema_are_400s_naming_the_field(server, oai, ant):
     with pytest.raises(anthropic.BadRequestError, match="messages.0.content.0"):
         ant.messages.create(model=MODEL, max_tokens=1, messages=[  # a tool call is the assistant's, not the user's
             {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="no text, tool call or tool result"):
+        ant.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": []}])  # renders to nothing
     for body in ({}, {"experts": 0}, {"kv_tokens": True}):
         r = httpx.post(server.url + "/v1/cache/rebuild", json=body, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["message"], r.text

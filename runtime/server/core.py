@@ -52,6 +52,8 @@ class ServerState:
         tok = self.rt.tokenizer
         if tok is None or tok.template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
+        if not messages:  # Anthropic user turns of thinking blocks or empty content render to nothing
+            raise ApiError(400, "the messages hold no text, tool call or tool result to render")
         try:
             text = tok.chat(quirks.normalise(messages), tools=tools or None)
         except Exception as e:  # a template's raise_exception() or a message it cannot render

@@ -1,11 +1,14 @@
 """Request bodies as pydantic models. A route validates its body against one before reading it
 (types, numeric bounds, roles, content kinds), and /openapi.json publishes the same models, so
 the schema a client reads is the rule the server applies. Fields the server does not read are
-let through (clients send many); types are strict ("2" is no integer, true no token id).
+let through (clients send many); types are strict ("2" is no integer, true no token id; 2.0 is
+2, as in JSON Schema).
 
-What a schema cannot say is checked where it is used: the served model's name (404), a prompt
-against the context, `max_tokens` against the context, token ids against the vocabulary,
-whether the chat template accepts the messages."""
+The served model's facts (its name, context, vocabulary, expert rows) are published in
+/openapi.json too (openapi_doc.py) and checked where they are used: an unknown model is a 404,
+`max_tokens` past the context or a token id past the vocabulary a 400. No schema can say how
+many tokens a prompt is, or whether the chat template accepts the messages: those are 400s
+from the routes."""
 
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ class Sampling(Body):
     ignore_eos: bool | None = Field(None, description="vLLM extension: decode through end-of-sequence tokens")
 
 
-def _kind(default: str | None, known: tuple[str, ...]):
+def _kind(default: str | None, known: tuple[str, ...]) -> Discriminator:
     """A discriminator over `type` (`default` when absent): a known kind, else 'other'."""
 
     def tag(value: Any) -> str:
@@ -313,7 +316,8 @@ def parse(model: type[B], body: dict[str, Any]) -> B:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        errors = list(dict.fromkeys((_where(body, err["loc"]), err["msg"]) for err in e.errors(include_url=False)))
+        errors = list(dict.fromkeys((_where(body, err["loc"]), err["msg"].removeprefix("Value error, "))
+                                    for err in e.errors(include_url=False)))
         # A union's members fail at different depths ('stop' is no string, 'stop.1' no string in
         # a list): the deepest failure is the one that tells the client what to fix.
         paths = {where for where, _ in errors}
