@@ -5,7 +5,9 @@ fields' types and bounds as the published schema states them (400 naming the fie
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 
 import anthropic
 import httpx2 as httpx
@@ -62,6 +64,19 @@ def test_the_limit_is_exact_and_holds_for_chunked_bodies(server):  # noqa: F811
     chunked = httpx.post(url, content=chunks(padded(body, DEFAULT_MAX_BODY + 1)), headers=AUTH, timeout=120)
     assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "request_too_large"
     assert httpx.post(url, content=chunks(padded(body, 4096)), headers=AUTH).status_code == 200
+
+
+def test_a_client_that_asks_first_is_refused_before_it_uploads(server):  # noqa: F811
+    """`Expect: 100-continue` (curl's way for bodies over 1 MiB): the 413 comes instead of the
+    go-ahead, and no byte of the body is sent."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {DEFAULT_MAX_BODY + 1}\r\n"
+                  f"Expect: 100-continue\r\n\r\n".encode())
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        assert r.status == 413 and json.loads(r.read())["error"]["code"] == "request_too_large"
 
 
 # ---- nesting --------------------------------------------------------------------------------

@@ -61,8 +61,12 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"")
         over = declared.isdigit() and int(declared) > self.max_bytes
+        if over and headers.get(b"expect", b"").lower() == b"100-continue":
+            await self._refuse(scope, send)  # the client waits for a go-ahead: it never sends the body
+            return
         chunks, size, more = [], 0, True
         while more and size <= DRAIN_FACTOR * self.max_bytes:
             message = await receive()

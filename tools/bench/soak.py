@@ -41,6 +41,7 @@ TASKS = ["Fix the failing test in tests/test_io.py.", "Add a --verbose flag to t
          "Why is the parser slow on long inputs?", "Rename the Config class to Settings everywhere.",
          "Write a docstring for every public function in utils.py."]
 FOLLOW_UPS = ["Go on.", "Now run the tests.", "That did not work; look again.", "Explain what you changed."]
+RSS_EVERY_S = 10
 WORDS = "def class return import self value path line error test file module state index".split()
 
 
@@ -267,14 +268,20 @@ def soak(url: str, key: str | None, plan: Plan, pid: int | None = None, say: Cal
     threads = [threading.Thread(target=s.run, args=(deadline,), daemon=True) for s in sessions]
     for t in threads:
         t.start()
-    warmed = False
+    samples: list[tuple[float, int | None]] = []  # (seconds, server RSS), every RSS_EVERY_S
     while any(t.is_alive() for t in threads):
         time.sleep(1)
-        if not warmed and tally.counts["completed"] >= plan.sessions:  # every path has run about once
-            rss["warm"], warmed = rss_bytes(pid) if pid else None, True
-            say(f"warm after {time.time() - t0:.0f} s: server RSS {_mib(rss['warm'])}")
+        elapsed = time.time() - t0
+        if "warm" not in rss and tally.counts["completed"] >= plan.sessions:  # every path has run about once
+            rss["warm"] = rss_bytes(pid) if pid else None
+            say(f"warm after {elapsed:.0f} s: server RSS {_mib(rss['warm'])}")
+        if not samples or elapsed - samples[-1][0] >= RSS_EVERY_S:
+            samples.append((round(elapsed, 1), rss_bytes(pid) if pid else None))
     seconds = time.time() - t0
     rss["end"] = rss_bytes(pid) if pid else None
+    # Half way through: allocators and caches grow to their working size early and stay there;
+    # a leak goes on growing in the second half too.
+    rss["mid"] = min(samples, key=lambda s: abs(s[0] - seconds / 2))[1]
     say(f"sessions done after {seconds:.0f} s: {dict(tally.counts)}; replaying {plan.replay} alone")
     replayed = replay(clients, tally.samples, plan.replay)
     stats = call(url, "GET", "/v1/stats", key)["requests"]
@@ -283,7 +290,8 @@ def soak(url: str, key: str | None, plan: Plan, pid: int | None = None, say: Cal
             "sent": c["sent"], "completed": c["completed"], "disconnected": c["disconnected"],
             "lost": c["lost"], "4xx": c["4xx"], "5xx": c["5xx"],
             "rebuilds": {"applied": c["rebuilds applied"], "refused": c["rebuilds refused"]},
-            "rss_bytes": rss, "rss_growth": _growth(rss.get("warm"), rss["end"]), "replay": replayed,
+            "rss_bytes": rss, "rss_samples": samples, "rss_growth": _growth(rss.get("warm"), rss["end"]),
+            "rss_growth_second_half": _growth(rss["mid"], rss["end"]), "replay": replayed,
             "server": {k: stats[k] for k in ("completed", "cancelled", "failed")}, "errors": tally.errors}
 
 
@@ -306,6 +314,10 @@ def _growth(before: int | None, after: int | None) -> float | None:
     return round(after / before - 1, 4) if before and after else None
 
 
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
 def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
@@ -323,14 +335,15 @@ def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], plan: Plan
 def rows(result: dict) -> list[tuple[str, str]]:
     """(what, figure) lines of the report."""
     rss, rep = result["rss_bytes"], result["replay"]
-    growth = result["rss_growth"]
     return [("duration", f"{result['seconds']:.0f} s, {result['plan']['sessions']} sessions"),
             ("requests sent", str(result["sent"])), ("completed", str(result["completed"])),
             ("dropped by the client (by design)", str(result["disconnected"])), ("lost", str(result["lost"])),
             ("4xx", str(result["4xx"])), ("5xx", str(result["5xx"])),
             ("cache rebuilds: applied / refused", f"{result['rebuilds']['applied']} / {result['rebuilds']['refused']}"),
-            ("server RSS: start / warm / end", " / ".join(_mib(rss.get(k)) for k in ("start", "warm", "end"))),
-            ("RSS growth since warm (target within 5%)", "n/a" if growth is None else f"{growth:+.1%}"),
+            ("server RSS: start / warm / half way / end",
+             " / ".join(_mib(rss.get(k)) for k in ("start", "warm", "mid", "end"))),
+            ("RSS growth since warm (target within 5%)", _pct(result["rss_growth"])),
+            ("RSS growth over the second half", _pct(result["rss_growth_second_half"])),
             ("greedy replies equal alone", f"{rep['equal']} of {rep['sent']}"),
             ("server: completed / cancelled / failed", " / ".join(str(result["server"][k])
                                                                   for k in ("completed", "cancelled", "failed")))]
