@@ -20,6 +20,7 @@ from .console import guarded, parse_bytes
 from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
+from .server.limits import DEFAULT_MAX_BODY
 
 console = Console()
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Run an FTW model.")
@@ -291,6 +292,7 @@ def serve_cmd(
     max_running: Annotated[int, typer.Option(help="requests decoded concurrently; more wait in a queue")] = 4,
     kv_tokens: Annotated[int | None, typer.Option(help="KV budget in tokens over all running requests (default: max-running x context)")] = None,
     device_memory: Annotated[str | None, typer.Option(help="device memory budget, e.g. 20G (default: free VRAM, or available RAM on cpu)")] = None,
+    max_body: Annotated[str, typer.Option(help="largest request body, e.g. 64M (a larger one gets a 413)")] = f"{DEFAULT_MAX_BODY >> 20}M",
     opts: RuntimeOptions = None,
 ) -> None:
     """Serve the model over OpenAI- and Anthropic-compatible HTTP APIs (default 127.0.0.1:8741)."""
@@ -299,7 +301,7 @@ def serve_cmd(
     def run() -> None:
         serve(model, opts, host=host, port=port, api_key=api_key, max_running=max_running, kv_tokens=kv_tokens,
               device_memory=parse_bytes(device_memory) if device_memory else None, served_name=served_model_name,
-              say=lambda line: console.print(line, markup=False, highlight=False))
+              max_body=parse_bytes(max_body), say=lambda line: console.print(line, markup=False, highlight=False))
 
     guarded(run)
 

@@ -10,7 +10,6 @@ The same hook records the token ids a seed produced, to compare runs exactly.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -21,18 +20,12 @@ import anthropic
 import httpx2 as httpx  # the HTTP client the installed openai and anthropic SDKs use
 import openai
 import pytest
-import uvicorn
 
 from ftkit.runtime.engine import generate as generate_mod
-from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler as RealSampler
-from ftkit.runtime.engine.scheduler import Scheduler
-from ftkit.runtime.ftw.reader import FTWModel
-from ftkit.runtime.random_model import demo_spec, write_random_ftw
-from ftkit.runtime.server.app import create_app
-from ftkit.runtime.server.core import ServerState
-from ftkit.runtime.server.launch import resolve_serve
-from ftkit.runtime.synthetic import EOS_TOKEN, write_tokenizer
+from ftkit.runtime.random_model import demo_spec
+from ftkit.runtime.synthetic import EOS_TOKEN
+from serving import served, write_model
 
 KEY = "test-key"
 MODEL = "demo"
@@ -66,31 +59,11 @@ SERVER = SimpleNamespace()
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = tmp_path_factory.mktemp("serve") / "demo.ftw"
-    write_random_ftw(model, demo_spec(512), side_files=lambda d: write_tokenizer(d, 512))
-    opts = RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.5, threads=1)
-    ftw = FTWModel(model)
-    resolved = resolve_serve(ftw, opts, max_running=4, kv_tokens=None, device_memory=256 << 20)
-    rt = Runtime(ftw, resolved)
-    scheduler = Scheduler(rt, resolved.memory, max_running=4)
-    state = ServerState(rt, scheduler, MODEL, KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    with pytest.MonkeyPatch.context() as mp:
+    model = write_model(tmp_path_factory.mktemp("serve") / "demo.ftw", demo_spec(512))
+    with pytest.MonkeyPatch.context() as mp, served(model, MODEL, KEY) as srv:
         mp.setattr(generate_mod, "Sampler", ScriptedSampler)
-        thread.start()
-        while not srv.started:
-            time.sleep(0.02)
-        url = f"http://127.0.0.1:{port}"
-        SERVER.__dict__.update(url=url, state=state, model=model)
+        SERVER.__dict__.update(vars(srv))
         yield SERVER
-        srv.should_exit = True
-        thread.join(10)
-    scheduler.close()
-    rt.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,66 +11,54 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from . import fields
 from .core import Job, Reply, ServerState, read_json, sampling, sse, text_of
 from .errors import ApiError, anthropic_body
+from .schemas import (
+    ClientTool,
+    CountTokensRequest,
+    MessagesRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    request_body,
+)
 from .toolcalls import ToolCall
 
-IGNORED_BLOCKS = {"thinking", "redacted_thinking"}  # earlier reasoning: not re-rendered
 
-
-def _system(body: dict[str, Any]) -> str:
-    system = fields.get(body, "system", (str, list), "")
-    return text_of(system, "system")
-
-
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     """Anthropic messages -> the chat template's messages: tool_use blocks become the assistant's
-    tool calls, tool_result blocks become tool messages ahead of the user's text."""
-    raw = fields.get(body, "messages", list)
-    if not raw:
-        raise ApiError(400, "messages: at least one message is required")
-    out = [{"role": "system", "content": s}] if (s := _system(body)) else []
-    for i, m in enumerate(raw):
-        where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise ApiError(400, f"{where}: role must be 'user' or 'assistant'")
-        content = m.get("content")
-        if isinstance(content, str):
-            out.append({"role": m["role"], "content": content})
+    tool calls, tool_result blocks become tool messages ahead of the user's text (thinking
+    blocks, earlier reasoning, are not re-rendered)."""
+    system = text_of(req.system)
+    out = [{"role": "system", "content": system}] if system else []
+    for m in req.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
             continue
-        if not isinstance(content, list):
-            raise ApiError(400, f"{where}.content: must be a string or an array of blocks")
         text, calls = [], []
-        for j, block in enumerate(content):
-            kind = block.get("type") if isinstance(block, dict) else None
-            kind = kind if isinstance(kind, str) else None  # an object is no type name
-            if kind == "text" and isinstance(block.get("text"), str):
-                text.append(block["text"])
-            elif kind == "tool_use" and m["role"] == "assistant":
-                calls.append({"id": block.get("id"), "type": "function",
-                              "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
-            elif kind == "tool_result" and m["role"] == "user":
-                out.append({"role": "tool", "content": text_of(block.get("content"), f"{where}.content.{j}")})
-            elif kind not in IGNORED_BLOCKS:
-                raise ApiError(400, f"{where}.content.{j}: block type {kind!r} is not supported here")
-        if text or calls or m["role"] == "assistant":
-            msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
+        for block in m.content:
+            if isinstance(block, TextBlock):
+                text.append(block.text)
+            elif isinstance(block, ToolUseBlock):
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": json.dumps(block.input)}})
+            elif isinstance(block, ToolResultBlock):
+                out.append({"role": "tool", "content": text_of(block.content)})
+        if text or calls or m.role == "assistant":
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
     return out
 
 
-def chat_tools(body: dict[str, Any]) -> list[dict] | None:
+def chat_tools(req: CountTokensRequest) -> list[dict] | None:
     """Client tools in the template's shape; server tools (with a versioned `type`) are ignored."""
-    tools = fields.get(body, "tools", list, [])
-    choice = fields.get(body, "tool_choice", dict, {})
-    if choice.get("type") == "none":
+    if req.tool_choice is not None and req.tool_choice.type == "none":
         return None
-    out = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                             "parameters": t.get("input_schema") or {}}}
-           for t in tools if isinstance(t, dict) and t.get("type") in (None, "custom") and isinstance(t.get("name"), str)]
+    out = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                             "parameters": t.input_schema or {}}}
+           for t in req.tools or [] if isinstance(t, ClientTool)]
     return out or None
 
 
@@ -96,25 +84,25 @@ def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, int]:
 def router(state: ServerState) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/v1/messages/count_tokens")
+    @r.post("/v1/messages/count_tokens", openapi_extra=request_body(CountTokensRequest))
     async def count_tokens(request: Request) -> dict:
-        body = await read_json(request)
-        state.check_model(body)
-        ids = await asyncio.to_thread(state.encode_chat, chat_messages(body), chat_tools(body), False)
+        req = await read_json(request, CountTokensRequest)
+        state.check_model(req.model)
+        ids = await asyncio.to_thread(state.encode_chat, chat_messages(req), chat_tools(req), False)
         return {"input_tokens": len(ids)}
 
-    @r.post("/v1/messages")
+    @r.post("/v1/messages", openapi_extra=request_body(MessagesRequest))
     async def messages(request: Request) -> Any:
-        body = await read_json(request)
-        state.check_model(body)
-        tools = chat_tools(body)
-        ids = await asyncio.to_thread(state.encode_chat, chat_messages(body), tools)  # off the event loop
-        stops = fields.stop_list(body, "stop_sequences")
-        job = Job(state, ids, sampling(body, state.max_tokens(body, "max_tokens", None), stops, top_k=True))
+        req = await read_json(request, MessagesRequest)
+        state.check_model(req.model)
+        tools = chat_tools(req)
+        ids = await asyncio.to_thread(state.encode_chat, chat_messages(req), tools)  # off the event loop
+        limit = state.max_tokens(req.max_tokens, "max_tokens", state.context)
+        job = Job(state, ids, sampling(req, limit, req.stop_sequences, req.top_k))
         head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
                 "model": state.model_name}
         reply = Reply(state, tools is not None)
-        if fields.get(body, "stream", bool, False):
+        if req.stream:
             return StreamingResponse(_stream(job, reply, head), media_type="text/event-stream")
         text, calls, gen = [], [], None
         async for ev in job.events(request):

@@ -1,18 +1,23 @@
-"""The FastAPI app: routers, API-key check, and errors in the shape of the API that was called."""
+"""The FastAPI app: routers, API-key check, body limits, /openapi.json, and errors in the shape
+of the API that was called."""
 
 from __future__ import annotations
 
 import secrets
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from ... import __version__
 from . import anthropic, control, openai, responses
 from .core import ServerState
 from .errors import ApiError, body_for
+from .limits import BodyLimit
+from .openapi_doc import document
 
-OPEN_PATHS = {"/health"}  # answered without a key, for load balancers and `ft-run ctl`
+# Answered without a key, for load balancers and `ft-run ctl`. /openapi.json is not among them:
+# it names the served model and is read by tools, which can send the key as clients do.
+OPEN_PATHS = {"/health"}
 
 
 def _key_of(request: Request) -> str | None:
@@ -23,11 +28,24 @@ def _key_of(request: Request) -> str | None:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="ftkit", docs_url=None, redoc_url=None, openapi_url=None)
+    # No /docs or /redoc: their pages load scripts from a CDN, which a loopback server should not need.
+    app = FastAPI(title="ftkit", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI- and Anthropic-compatible API of ft-run serve")
     app.state.server = state
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(app, state, OPEN_PATHS)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     def error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(body_for(request.url.path, e), status_code=e.status)
+
+    # Inside the key check (added first, so it runs second): a client without the key never has
+    # its body read.
+    app.add_middleware(BodyLimit, max_bytes=state.max_body)
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
@@ -42,10 +60,6 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return error(request, e)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error(request, ApiError(400, str(e)))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:

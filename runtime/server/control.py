@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..engine.scheduler import RebuildError
-from . import fields
 from .core import ServerState, read_json
 from .errors import ApiError
+from .schemas import RebuildRequest, request_body
 
 
 def memory(state: ServerState) -> dict[str, Any]:
@@ -43,17 +43,13 @@ def router(state: ServerState) -> APIRouter:
                 "memory": memory(state),
                 "prefix_cache": state.rt.prefix_cache.info() if state.rt.prefix_cache else None}
 
-    @r.post("/v1/cache/rebuild")
+    @r.post("/v1/cache/rebuild", openapi_extra=request_body(RebuildRequest))
     async def rebuild(request: Request) -> dict:
         """New expert-cache and/or KV budgets, applied between scheduler steps; refused or rolled
         back (409, the old split in force) when they cannot be allocated."""
-        body = await read_json(request)
-        experts = fields.get(body, "experts", int, None)
-        kv = fields.get(body, "kv_tokens", int, None)
-        if experts is None and kv is None:
-            raise ApiError(400, "give 'experts' and/or 'kv_tokens'")
+        req = await read_json(request, RebuildRequest)
         try:
-            await asyncio.wrap_future(state.scheduler.rebuild(experts, kv))
+            await asyncio.wrap_future(state.scheduler.rebuild(req.experts, req.kv_tokens))
         except RebuildError as e:
             raise ApiError(409, f"rebuild refused, the old split stays: {e}", code="rebuild_failed") from None
         return {"applied": True, "memory": memory(state)}

@@ -12,7 +12,7 @@ from typing import Any
 from ..engine.loader import Runtime
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Event, Request, Scheduler
-from . import fields, quirks
+from . import limits, quirks, schemas
 from .errors import ApiError
 from .toolcalls import Item, parser_for, tag_tokens
 
@@ -26,6 +26,7 @@ class ServerState:
     scheduler: Scheduler
     model_name: str
     api_key: str | None = None
+    max_body: int = limits.DEFAULT_MAX_BODY  # request body bytes (a larger one is a 413)
 
     @property
     def context(self) -> int:
@@ -42,17 +43,17 @@ class ServerState:
         cls = parser_for(self.rt.spec.family)
         return cls() if cls else None
 
-    def check_model(self, body: dict[str, Any]) -> str:
-        model = fields.get(body, "model", str)
+    def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise ApiError(404, f"model '{model}' not found; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
-        return model
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, check: bool = True) -> list[int]:
         tok = self.rt.tokenizer
         if tok is None or tok.template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
+        if not messages:  # Anthropic user turns of thinking blocks or empty content render to nothing
+            raise ApiError(400, "the messages hold no text, tool call or tool result to render")
         try:
             text = tok.chat(quirks.normalise(messages), tools=tools or None)
         except Exception as e:  # a template's raise_exception() or a message it cannot render
@@ -79,28 +80,25 @@ class ServerState:
                                 f"tokens, and at least one must be left to generate", code="context_length_exceeded")
         return ids
 
-    def max_tokens(self, body: dict[str, Any], name: str, default: int | None) -> int:
-        """A `max_tokens` field: 1..context (the reply is also cut where the context ends)."""
-        value = fields.get(body, name, int, fields.REQUIRED if default is None else default)
-        if not 1 <= value <= self.context:
+    def max_tokens(self, value: int | None, name: str, default: int) -> int:
+        """A `max_tokens` field (at least 1 by its schema): at most the context (the reply is
+        also cut where the context ends)."""
+        value = default if value is None else value
+        if value > self.context:
             raise ApiError(400, f"'{name}' must be between 1 and the context length {self.context}, got {value}",
                            param=name)
         return value
 
 
-def sampling(body: dict[str, Any], max_tokens: int, stop: list[str], top_k: bool = False) -> SamplingParams:
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=fields.get_range(body, "temperature", float, 0.0, 2.0, 1.0),
-            top_p=fields.get_range(body, "top_p", float, 0.0, 1.0, 1.0),
-            top_k=fields.get(body, "top_k", int, 0) if top_k else 0,
-            seed=fields.get_range(body, "seed", int, -(2**63), 2**64 - 1, None),  # what a torch generator takes
-            stop=stop,
-            ignore_eos=fields.get(body, "ignore_eos", bool, False),  # a vLLM extension; benchmarks use it
-        )
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+def sampling(req: schemas.Sampling, max_tokens: int, stop: schemas.Stop | None, top_k: int | None = None
+             ) -> SamplingParams:
+    """The engine's parameters; the bounds were the schema's (`temperature` 0..2, `top_p` in (0, 1],
+    `seed` what a torch generator takes)."""
+    stops = [stop] if isinstance(stop, str) else stop or []
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k or 0, seed=req.seed,
+        stop=[s for s in stops if s], ignore_eos=bool(req.ignore_eos))
 
 
 class Job:
@@ -180,13 +178,13 @@ class Reply:
         return out
 
 
-async def read_json(request: Any) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400."""
+async def read_json(request: Any, model: type[schemas.B]) -> schemas.B:
+    """The request body as `model`, or a 400 (its size was checked on the way in: limits.BodyLimit)."""
     raw = await request.body()
+    if limits.too_deep(raw):
+        raise ApiError(400, f"the request body nests arrays and objects deeper than {limits.MAX_DEPTH} levels")
     try:
         body = json.loads(raw)
-    except RecursionError:
-        raise ApiError(400, "the request body nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:  # bad JSON, or an integer of more digits than Python parses
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -196,24 +194,11 @@ async def read_json(request: Any) -> dict[str, Any]:
             json.dumps(body, ensure_ascii=False).encode()
         except UnicodeEncodeError:
             raise ApiError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
-    return body
+    return schemas.parse(model, body)
 
 
-def text_of(content: Any, where: str) -> str:
-    """Message content as text: a string, or an array of text parts (other kinds are refused)."""
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if not isinstance(part, dict):
-                raise ApiError(400, f"{where}: content parts must be objects")
-            if part.get("type") in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
-                out.append(part["text"])
-            else:
-                raise ApiError(400, f"{where}: content part type {part.get('type')!r} is not supported "
-                                    f"(text only)")
-        return "".join(out)
-    raise ApiError(400, f"{where}: content must be a string or an array of parts")
+def text_of(content: str | list[schemas.TextPart] | list[schemas.TextBlock] | None) -> str:
+    """Message content as text: a string, or its text parts joined (the schema admits no others)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.text for part in content)

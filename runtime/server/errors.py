@@ -27,6 +27,11 @@ def anthropic_body(e: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": e.message}}
 
 
+def is_anthropic(path: str) -> bool:
+    """Whether `path` is Anthropic's API (its error shape); every other path uses OpenAI's."""
+    return path.startswith("/v1/messages")
+
+
 def body_for(path: str, e: ApiError) -> dict[str, Any]:
     """The error shape the API at `path` uses."""
-    return anthropic_body(e) if path.startswith("/v1/messages") else openai_body(e)
+    return anthropic_body(e) if is_anthropic(path) else openai_body(e)

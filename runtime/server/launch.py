@@ -12,6 +12,7 @@ from ..engine.loader import Runtime, RuntimeOptions
 from ..engine.resolve import Resolved, resolve
 from ..engine.warmup import warm_up
 from ..ftw.reader import FTWModel
+from .limits import DEFAULT_MAX_BODY
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8741
@@ -43,7 +44,7 @@ def resolve_serve(ftw: FTWModel, opts: RuntimeOptions, max_running: int, kv_toke
 
 def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           api_key: str | None = None, max_running: int = 4, kv_tokens: int | None = None,
-          device_memory: int | None = None, served_name: str | None = None,
+          device_memory: int | None = None, served_name: str | None = None, max_body: int = DEFAULT_MAX_BODY,
           say: Callable[[str], None] = print) -> None:
     import uvicorn  # only here: the runtime works without the serve extra
 
@@ -51,6 +52,8 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
     from .app import create_app
     from .core import ServerState
 
+    if max_body < 1:
+        raise ValueError("--max-body must be at least 1 byte")
     ftw = FTWModel(model)
     resolved = resolve_serve(ftw, opts, max_running, kv_tokens, device_memory)
     plan = resolved.memory
@@ -66,7 +69,7 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
     warm = warm_up(rt)
     scheduler = Scheduler(rt, plan, max_running)
     try:
-        state = ServerState(rt, scheduler, served_name or Path(model).name, api_key)
+        state = ServerState(rt, scheduler, served_name or Path(model).name, api_key, max_body)
         say(f"serving {state.model_name} on http://{host}:{port} (OpenAI /v1/chat/completions, Anthropic "
             f"/v1/messages, control /v1/stats)" + (f"; warm-up took {warm:.1f} s" if warm is not None else ""))
         uvicorn.run(create_app(state), host=host, port=port, log_level="warning")

@@ -11,12 +11,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from . import fields
 from .core import Job, Reply, ServerState, read_json, sampling, sse, text_of
 from .errors import ApiError
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FunctionTool,
+    OpenAIRequest,
+    request_body,
+)
 from .toolcalls import ToolCall
-
-ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def usage(prompt: int, gen: Any) -> dict[str, Any]:
@@ -25,37 +29,22 @@ def usage(prompt: int, gen: Any) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """OpenAI messages -> the chat template's messages (developer is system; text parts joined)."""
-    raw = fields.get(body, "messages", list)
-    if not raw:
-        raise ApiError(400, "'messages' must not be empty", param="messages")
     out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
-            raise ApiError(400, f"{where} must be an object with a role in {sorted(ROLES)}", param=where)
-        msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
-                               "content": text_of(m.get("content"), where)}
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = m["tool_calls"]
-            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                      for c in calls):
-                raise ApiError(400, f"{where}.tool_calls must be an array of function calls", param=where)
-            msg["tool_calls"] = calls
+    for m in req.messages:
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
+        if m.role == "assistant" and m.tool_calls:
+            msg["tool_calls"] = [c.model_dump(exclude_unset=True) for c in m.tool_calls]
         out.append(msg)
     return out
 
 
-def chat_tools(body: dict[str, Any]) -> list[dict] | None:
+def chat_tools(req: ChatCompletionRequest) -> list[dict] | None:
     """Function tools for the template, or None when there are none or tool_choice is 'none'."""
-    tools = fields.get(body, "tools", list, [])
-    if fields.get(body, "tool_choice", (str, dict), "auto") == "none":
+    if req.tool_choice == "none":
         return None
-    funcs = [t for t in tools if isinstance(t, dict) and t.get("type") == "function"]
-    for t in funcs:
-        if not isinstance(t.get("function"), dict) or not isinstance(t["function"].get("name"), str):
-            raise ApiError(400, "each function tool needs function.name", param="tools")
+    funcs = [t.model_dump(exclude_unset=True) for t in req.tools or [] if isinstance(t, FunctionTool)]
     return funcs or None
 
 
@@ -64,13 +53,9 @@ def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return out if index is None else {"index": index, **out}
 
 
-def _common(state: ServerState, body: dict[str, Any]) -> tuple[bool, bool]:
-    state.check_model(body)
-    if fields.get(body, "n", int, 1) != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
-    stream = fields.get(body, "stream", bool, False)
-    opts = fields.get(body, "stream_options", dict, {})
-    return stream, bool(opts.get("include_usage"))
+def _common(state: ServerState, req: OpenAIRequest) -> tuple[bool, bool]:
+    state.check_model(req.model)
+    return bool(req.stream), bool(req.stream_options and req.stream_options.include_usage)
 
 
 def router(state: ServerState) -> APIRouter:
@@ -81,15 +66,17 @@ def router(state: ServerState) -> APIRouter:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "ftkit"}]}
 
-    @r.post("/v1/chat/completions")
+    @r.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Any:
-        body = await read_json(request)
-        stream, include_usage = _common(state, body)
-        messages, tools = chat_messages(body), chat_tools(body)
+        req = await read_json(request, ChatCompletionRequest)
+        stream, include_usage = _common(state, req)
+        messages, tools = chat_messages(req), chat_tools(req)
         ids = await asyncio.to_thread(state.encode_chat, messages, tools)  # off the event loop
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        limit = state.max_tokens(body, name, state.context)
-        job = Job(state, ids, sampling(body, limit, fields.stop_list(body, "stop")))
+        if req.max_completion_tokens is not None:
+            limit = state.max_tokens(req.max_completion_tokens, "max_completion_tokens", state.context)
+        else:
+            limit = state.max_tokens(req.max_tokens, "max_tokens", state.context)
+        job = Job(state, ids, sampling(req, limit, req.stop))
         head = {"id": "chatcmpl-" + secrets.token_hex(12), "created": int(time.time()), "model": state.model_name}
         reply = Reply(state, tools is not None)
         if stream:
@@ -111,18 +98,16 @@ def router(state: ServerState) -> APIRouter:
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": usage(job.prompt_tokens, gen)}
 
-    @r.post("/v1/completions")
+    @r.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Any:
-        body = await read_json(request)
-        stream, include_usage = _common(state, body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        req = await read_json(request, CompletionRequest)
+        stream, include_usage = _common(state, req)
+        prompt = req.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
-        if not isinstance(prompt, (str, list)):
-            raise ApiError(400, "'prompt' must be a string or an array of token ids", param="prompt")
         ids = await asyncio.to_thread(state.encode_text, prompt)
-        limit = state.max_tokens(body, "max_tokens", 16)
-        job = Job(state, ids, sampling(body, limit, fields.stop_list(body, "stop")))
+        limit = state.max_tokens(req.max_tokens, "max_tokens", 16)
+        job = Job(state, ids, sampling(req, limit, req.stop))
         head = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
                 "model": state.model_name}
         if stream:

@@ -13,53 +13,47 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from . import fields
 from .core import Job, Reply, ServerState, read_json, sampling, sse, text_of
 from .errors import ApiError
+from .schemas import (
+    FunctionCallItem,
+    FunctionCallOutput,
+    InputMessage,
+    ResponsesFunctionTool,
+    ResponsesRequest,
+    request_body,
+)
 from .toolcalls import Item, ToolCall
 
 
-def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """`instructions` + `input` -> the chat template's messages."""
-    out: list[dict[str, Any]] = []
-    if instructions := fields.get(body, "instructions", str, ""):
-        out.append({"role": "system", "content": instructions})
-    raw = fields.get(body, "input", (str, list))
-    if isinstance(raw, str):
-        return out + ([{"role": "user", "content": raw}] if raw else [])
-    for i, item in enumerate(raw):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise ApiError(400, f"{where} must be an object", param="input")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            role = "system" if role == "developer" else role
-            if role not in ("system", "user", "assistant"):
-                raise ApiError(400, f"{where}.role must be user, assistant, system or developer", param="input")
-            out.append({"role": role, "content": text_of(item.get("content"), where)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+    out: list[dict[str, Any]] = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if isinstance(req.input, str):
+        return out + ([{"role": "user", "content": req.input}] if req.input else [])
+    for item in req.input:
+        if isinstance(item, InputMessage):
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": text_of(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments or "{}"}}
             if out and out[-1]["role"] == "assistant":  # calls after the text belong to the same turn
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            out.append({"role": "tool", "content": output if isinstance(output, str) else text_of(output, where)})
+        elif isinstance(item, FunctionCallOutput):
+            out.append({"role": "tool", "content": text_of(item.output)})
         # reasoning items and outputs of tool kinds we do not run carry nothing the template renders
     return out
 
 
-def function_tools(body: dict[str, Any]) -> list[dict] | None:
+def function_tools(req: ResponsesRequest) -> list[dict] | None:
     """Function tools in the chat template's shape; other kinds (web_search, custom...) ignored."""
-    tools = fields.get(body, "tools", list, [])
-    if fields.get(body, "tool_choice", (str, dict), "auto") == "none":
+    if req.tool_choice == "none":
         return None
-    out = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                             "parameters": t.get("parameters") or {}}}
-           for t in tools if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str)]
+    out = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                             "parameters": t.parameters or {}}}
+           for t in req.tools or [] if isinstance(t, ResponsesFunctionTool)]
     return out or None
 
 
@@ -128,20 +122,21 @@ def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
 def router(state: ServerState) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/v1/responses")
+    @r.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
     async def responses(request: Request) -> Any:
-        body = await read_json(request)
-        state.check_model(body)
-        if body.get("previous_response_id"):
+        req = await read_json(request, ResponsesRequest)
+        state.check_model(req.model)
+        if req.previous_response_id:
             raise ApiError(400, "previous_response_id is not supported: this server does not store responses; "
                                 "send the whole conversation in 'input'", param="previous_response_id")
-        stream = fields.get(body, "stream", bool, False)
-        messages, tools = input_messages(body), function_tools(body)
+        stream = bool(req.stream)
+        messages, tools = input_messages(req), function_tools(req)
+        echo = req.model_dump(include={"tools", "tool_choice", "metadata"}, exclude_unset=True)
         head = {"id": "resp_" + secrets.token_hex(12), "object": "response", "created_at": int(time.time()),
-                "model": state.model_name, "error": None, "instructions": body.get("instructions"),
-                "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
-                "parallel_tool_calls": True, "store": False, "metadata": body.get("metadata") or {},
-                "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                "model": state.model_name, "error": None, "instructions": req.instructions,
+                "tools": echo.get("tools") or [], "tool_choice": echo.get("tool_choice") or "auto",
+                "parallel_tool_calls": True, "store": False, "metadata": echo.get("metadata") or {},
+                "temperature": req.temperature, "top_p": req.top_p,
                 "text": {"format": {"type": "text"}}, "truncation": "disabled"}
         b = Builder(head)
         if not any(m["role"] != "system" for m in messages):  # a probe: nothing to answer
@@ -152,8 +147,8 @@ def router(state: ServerState) -> APIRouter:
                 return StreamingResponse(iter(sse(e, e["type"]) for e in events), media_type="text/event-stream")
             return done
         ids = await asyncio.to_thread(state.encode_chat, messages, tools)  # off the event loop
-        limit = state.max_tokens(body, "max_output_tokens", state.context)
-        job = Job(state, ids, sampling(body, limit, []))
+        limit = state.max_tokens(req.max_output_tokens, "max_output_tokens", state.context)
+        job = Job(state, ids, sampling(req, limit, None))
         reply = Reply(state, tools is not None)
         if stream:
             return StreamingResponse(_stream(job, reply, b), media_type="text/event-stream")

@@ -23,7 +23,7 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.random_model import write_random_ftw
 
-from . import agent_trace, hostmem, run
+from . import agent_trace, hostmem, run, soak
 from . import serve as serve_bench
 from .presets import PRESETS, preset_spec
 from .routing import Recorder, Replayer, RoutingOverride, Synthetic
@@ -242,6 +242,57 @@ def serve_cmd(
             as_json.write_text(json.dumps({"machine": _machine(), "model": str(model), "plan": dataclasses.asdict(plan),
                                            "options": {k: str(v) for k, v in vars(opts).items()},
                                            "serve_args": serve_args, **result}, indent=1, default=str))
+
+    guarded(body)
+
+
+@app.command("soak")
+@runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
+def soak_cmd(
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="start ft-run serve for this FTW")] = None,
+    url: Annotated[str | None, typer.Option(help="or soak a running server (its RSS with --pid)")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="FTKIT_API_KEY", help="with --url: its key")] = None,
+    pid: Annotated[int | None, typer.Option(help="with --url: the server's process, for its RSS")] = None,
+    minutes: Annotated[float, typer.Option(help="how long the sessions run")] = soak.Plan.minutes,
+    sessions: Annotated[int, typer.Option(help="concurrent agent sessions (half OpenAI, half Anthropic)")] = soak.Plan.sessions,
+    turns: Annotated[int | None, typer.Option(help="at most this many turns a session (default: until the time is up)")] = None,
+    max_tokens: Annotated[int, typer.Option(help="tokens a reply decodes at most")] = soak.Plan.max_tokens,
+    disconnect: Annotated[float, typer.Option(help="share of the streamed turns the client drops mid-stream")] = soak.Plan.disconnect,
+    rebuild_every: Annotated[int, typer.Option(help="completed requests between expert-cache rebuilds (0: none)")] = soak.Plan.rebuild_every,
+    replay: Annotated[int, typer.Option(help="completed requests sent again alone at the end and compared")] = soak.Plan.replay,
+    seed: int = soak.Plan.seed,
+    max_running: Annotated[int, typer.Option(help="ft-run serve --max-running")] = 4,
+    log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-soak.log"),
+    as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    opts: RuntimeOptions = None,
+) -> None:
+    """Agent-style sessions against ft-run serve (multi-turn, tools, streaming, clients that drop
+    streams, cache rebuilds) through the openai and anthropic SDKs: requests lost, 5xx, the
+    server's RSS at start and end, greedy replies under load against the same requests alone."""
+
+    def body() -> None:
+        if (model is None) == (url is None):
+            raise ValueError("give --model (a server is started) or --url (a running one)")
+        if min(minutes, sessions, max_tokens) <= 0 or not 0 <= disconnect <= 1 or min(rebuild_every, replay) < 0:
+            raise ValueError("minutes, sessions and max-tokens must be positive, disconnect 0..1, "
+                             "rebuild-every and replay 0 or more")
+        plan = soak.Plan(sessions, minutes, turns, max_tokens, disconnect, rebuild_every, replay, seed)
+        say = lambda line: console.print(line, markup=False, highlight=False)  # noqa: E731
+        if model is not None:
+            result = soak.measure(model, opts, ["--max-running", str(max_running)], plan, log, say)
+        else:
+            result = soak.soak(url.rstrip("/"), api_key, plan, pid, say)
+        table = Table(title=f"ft-bench soak: {model or url}")
+        table.add_column("what")
+        table.add_column("figure", justify="right")
+        for row in soak.rows(result):
+            table.add_row(*row)
+        console.print(table)
+        for d in result["replay"]["differ"]:
+            console.print(f"differs alone ({d['api']}): {d['under_load']!r} under load, {d['alone']!r} alone",
+                          markup=False, highlight=False)
+        if as_json:
+            as_json.write_text(json.dumps({"machine": _machine(), **result}, indent=1, default=str))
 
     guarded(body)
 
