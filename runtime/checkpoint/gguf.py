@@ -66,6 +66,39 @@ _SCALARS: dict[int, tuple[str, int]] = {
 # fmt: on
 _MIN_VALUE_SIZE = {**{t: s for t, (_, s) in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
 
+# Metadata whose type the readers rely on, as llama.cpp's gguf constants declare it: what a
+# value of the wrong type would otherwise break far from here. Model sizes are typed where a
+# family reads them (runtime/models/config.py); these are the rest.
+_UINT, _STR, _BOOL = "an unsigned integer", "a string", "a boolean"
+_STRS, _INTS, _FLOATS = "an array of strings", "an array of integers", "an array of numbers"
+_KEY_TYPES: dict[str, str] = {
+    "general.architecture": _STR, "general.alignment": _UINT,
+    "tokenizer.ggml.model": _STR, "tokenizer.ggml.pre": _STR, "tokenizer.chat_template": _STR,
+    "tokenizer.ggml.tokens": _STRS, "tokenizer.ggml.merges": _STRS,
+    "tokenizer.ggml.token_type": _INTS, "tokenizer.ggml.scores": _FLOATS,
+    **{f"tokenizer.ggml.{t}_token_id": _UINT for t in ("bos", "eos", "unknown", "padding", "seperator")},
+    **{f"tokenizer.ggml.{f}": _BOOL for f in ("add_bos_token", "add_eos_token", "add_space_prefix")},
+}
+_NAMED_TEMPLATE = "tokenizer.chat_template."  # named chat templates: strings too
+_SCALAR_TYPE = {_UINT: int, _STR: str, _BOOL: bool}
+_ELEMENT_TYPES = {_STRS: (str,), _INTS: (int,), _FLOATS: (int, float)}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    if kind in _ELEMENT_TYPES:  # an array holds one element type, so its first element tells
+        return type(value) is list and (not value or type(value[0]) in _ELEMENT_TYPES[kind])
+    return type(value) is _SCALAR_TYPE[kind] and not (kind == _UINT and value < 0)
+
+
+def check_metadata(metadata: dict[str, Any], name: str) -> None:
+    """Refuse metadata whose known keys have the wrong type (a token list of integers, a scalar
+    token_type): CheckpointError naming the key."""
+    for key, value in metadata.items():
+        kind = _KEY_TYPES.get(key) or (_STR if key.startswith(_NAMED_TEMPLATE) else None)
+        if kind is not None and not _has_type(value, kind):
+            shown = f"an array of {type(value[0]).__name__}" if type(value) is list and value else repr(value)[:60]
+            raise CheckpointError(f"{name}: metadata {key} is {shown}, not {kind}")
+
 
 def ggml_type_name(type_id: int) -> str:
     return GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
@@ -211,6 +244,7 @@ class GGUFSource:
             if key in self.metadata:
                 raise r.fail(f"duplicate metadata key {key!r}")
             self.metadata[key] = r.value(r.u32(f"type of {key}"), key)
+        check_metadata(self.metadata, r.name)
         infos = []
         for i in range(n_tensors):
             tname = r.string(f"tensor name #{i}", MAX_KEY_LEN)
