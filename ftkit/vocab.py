@@ -49,6 +49,8 @@ FORMATS: dict[str, Format] = {
 PLAIN_DTYPES = tuple(n for n, f in FORMATS.items() if f.plain)
 # What an expert slot may hold: floats a kernel multiplies directly, or blocks it dequantizes.
 EXPERT_FORMATS = ("float32", "float16", "bfloat16", Q8_0)
+# What FTW stores dense tensors (attention, norms, embeddings, routers) as: the compute dtypes.
+DENSE_FORMATS = ("float32", "float16", "bfloat16")
 
 
 def format_of(name: str) -> Format:

@@ -16,8 +16,8 @@ from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
-from ..models import FAMILIES
 from ..models.kv import KVCache
+from ..models.stored import ftw_family
 from ..prefix_cache.boundaries import Boundaries
 from ..prefix_cache.cache import PrefixCache
 from ..profile import load_profile
@@ -58,7 +58,7 @@ class Runtime:
         if opts.verify and (problems := self.ftw.verify()):
             raise FTWError(f"{self.path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
         self.spec = self.ftw.spec
-        self.family = FAMILIES[self.spec.family]
+        self.family = ftw_family(self.ftw)
         self.device = torch.device(opts.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but no CUDA device is available")

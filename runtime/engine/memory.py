@@ -22,6 +22,7 @@ from ..ftw.reader import FTWModel
 from ..models import FAMILIES
 from ..models.kv import kv_bytes_per_token
 from ..models.layers import flash_behind_cache
+from ..models.stored import ftw_family
 from ..profile import load_profile
 from ..spec import ModelSpec
 
@@ -195,6 +196,7 @@ def plan_memory(model: Path | FTWModel, opts: RuntimeOptions, kv_tokens: int, bu
     `opts.gpu_budget` the expert cache gets what the rest leaves (ValueError below one layer's
     top-k slots); the runtime sizes its cache with this same function, from its open model."""
     ftw = model if isinstance(model, FTWModel) else FTWModel(Path(model))
+    ftw_family(ftw)  # the spec and dense index this plan reads, checked as loading checks them
     spec = ftw.spec
     dense = ftw.manifest.dense["tensors"]
     dtype = storage_dtype(opts.dtype or next(iter(dense.values()))["dtype"])
