@@ -165,9 +165,9 @@ class ModelSpec:
         if type(kinds) is not tuple or len(kinds) != self.num_layers:
             n = len(kinds) if isinstance(kinds, tuple) else kinds
             raise SpecError(f"layer_kinds has {n!r} entries for {self.num_layers} layers")
-        unknown = next((k for k in kinds if type(k) is not str or k not in LAYER_KINDS), None)
-        if unknown is not None:
-            raise SpecError(f"unknown layer kind {unknown!r}")
+        unknown = [k for k in kinds if type(k) is not str or k not in LAYER_KINDS]
+        if unknown:
+            raise SpecError(f"unknown layer kind {unknown[0]!r}")
         if type(moe) is not tuple or not moe:
             raise SpecError(f"{self.architecture}: no routed experts in this config; ftkit serves MoE models")
         for i, layer in enumerate(moe):

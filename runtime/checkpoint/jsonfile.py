@@ -51,18 +51,19 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_json(data: bytes | str, where: str, error: type[InputError], what: str = "JSON") -> Any:
-    """`data` parsed, or `error("{where}: {what} is not valid JSON (...)")`."""
+def parse_json(data: bytes | str, where: str, error: type[InputError], what: str | None = None) -> Any:
+    """`data` parsed, or `error("{where}: [{what} is ]not valid JSON (...)")`."""
+    invalid = f"{what} is not valid JSON" if what else "not valid JSON"
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as e:
-        raise error(f"{where}: {what} is not valid JSON (not UTF-8 at byte {e.start})") from None
+        raise error(f"{where}: {invalid} (not UTF-8 at byte {e.start})") from None
     if nesting_depth(text) > MAX_DEPTH:
-        raise error(f"{where}: {what} nests arrays or objects deeper than {MAX_DEPTH} levels")
+        raise error(f"{where}: {what or 'the file'} nests arrays or objects deeper than {MAX_DEPTH} levels")
     try:
         return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
     except ValueError as e:  # JSONDecodeError, a refused number, an integer of too many digits
-        raise error(f"{where}: {what} is not valid JSON ({e})") from None
+        raise error(f"{where}: {invalid} ({e})") from None
 
 
 def read_json(path: Path, error: type[InputError], limit: int = MAX_JSON_BYTES) -> Any:

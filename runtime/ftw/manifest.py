@@ -82,7 +82,9 @@ class Manifest:
         if d.get("format") != FORMAT:
             raise FTWError(f"{where}: not an FTW manifest (format {d.get('format')!r})")
         version = d.get("version")
-        if type(version) is not int or version > VERSION:
+        if type(version) is not int:
+            raise FTWError(f"{where}: malformed FTW manifest (version {version!r} is not a whole number)")
+        if version > VERSION:
             raise FTWError(
                 f"{where}: FTW version {version!r} was written by a newer ftkit ({d.get('writer')!r}); "
                 f"this ftkit reads version {VERSION}: upgrade ftkit, or reconvert with this one"
@@ -187,7 +189,7 @@ class _Fields:
         for name, t in self.object(dense.get("tensors"), "dense tensors").items():
             t = self.object(t, f"dense tensor {name}")
             if t.get("dtype") not in DENSE_FORMATS:
-                self.fail(f"dense tensor {name} is {t.get('dtype')!r}, not one of {', '.join(DENSE_FORMATS)}")
+                self.fail(f"dense tensor {name} dtype {t.get('dtype')!r} is not one of {', '.join(DENSE_FORMATS)}")
             shape = t.get("shape")
             if type(shape) is not list or len(shape) > 8 or not all(type(n) is int and n >= 0 for n in shape):
                 self.fail(f"dense tensor {name} shape {shape!r} is not a list of sizes")

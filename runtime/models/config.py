@@ -85,9 +85,9 @@ def _list(cfg: Mapping[str, Any], key: str, hi_len: int) -> list[Any]:
 def names(cfg: Mapping[str, Any], key: str, hi_len: int = MAX_LIST) -> list[str]:
     """A list of strings ([] when absent)."""
     v = _list(cfg, key, hi_len)
-    bad = next((x for x in v if type(x) is not str), None)
-    if bad is not None:
-        raise SpecError(f"{key} holds {bad!r}, not a string")
+    bad = [x for x in v if type(x) is not str]
+    if bad:
+        raise SpecError(f"{key} holds {bad[0]!r}, not a string")
     return v
 
 
