@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ftkit.errors import InputError
+from ftkit.errors import InputError, shown
 
 # Layer kinds (per layer, in order).
 FULL_ATTENTION = "full_attention"
@@ -59,18 +59,18 @@ def whole(value: Any, what: str, lo: int, hi: int) -> int:
     if isinstance(value, float) and value.is_integer() and lo <= value <= hi:
         value = int(value)
     if type(value) is not int:
-        raise SpecError(f"{what} is {value!r}, not a whole number")
+        raise SpecError(f"{what} is {shown(value)}, not a whole number")
     if not lo <= value <= hi:
-        raise SpecError(f"{what} is {value}, outside {lo}..{hi}")
+        raise SpecError(f"{what} is {shown(value)}, outside {lo}..{hi}")
     return value
 
 
 def real(value: Any, what: str, lo: float, hi: float, open_lo: bool = False) -> float:
     """`value` as a finite float in lo..hi (`open_lo`: above lo)."""
     if type(value) not in (int, float) or not math.isfinite(value):
-        raise SpecError(f"{what} is {value!r}, not a finite number")
+        raise SpecError(f"{what} is {shown(value)}, not a finite number")
     if value > hi or value < lo or (open_lo and value == lo):
-        raise SpecError(f"{what} is {value}, outside {'(' if open_lo else '['}{lo}, {hi}]")
+        raise SpecError(f"{what} is {shown(value)}, outside {'(' if open_lo else '['}{lo}, {hi}]")
     return float(value)
 
 
@@ -117,7 +117,7 @@ class ModelSpec:
         for name in ("family", "architecture"):
             v = getattr(self, name)
             if type(v) is not str or not 0 < len(v) <= MAX_NAME:
-                raise SpecError(f"{name} is {v!r}, not a name of 1..{MAX_NAME} characters")
+                raise SpecError(f"{name} is {shown(v)}, not a name of 1..{MAX_NAME} characters")
         for name, lo, hi in (("vocab_size", 1, MAX_VOCAB), ("hidden_size", 1, MAX_HIDDEN),
                              ("num_layers", 1, MAX_LAYERS), ("num_heads", 1, MAX_HEADS),
                              ("num_kv_heads", 1, MAX_HEADS), ("head_dim", 1, MAX_HEAD_DIM),
@@ -133,10 +133,10 @@ class ModelSpec:
         for name in ("norm_topk_prob", "shared_expert_gate", "attention_bias", "attention_out_bias",
                      "tie_word_embeddings"):
             if type(getattr(self, name)) is not bool:
-                raise SpecError(f"{name} is {getattr(self, name)!r}, not true or false")
+                raise SpecError(f"{name} is {shown(getattr(self, name))}, not true or false")
         self._check_layers()
         if self.qk_norm not in QK_NORMS:
-            raise SpecError(f"qk_norm is {self.qk_norm!r}, not one of {', '.join(QK_NORMS)}")
+            raise SpecError(f"qk_norm is {shown(self.qk_norm)}, not one of {', '.join(QK_NORMS)}")
         real(self.rms_norm_eps, "rms_norm_eps", 0.0, 1.0, open_lo=True)
         real(self.rope_theta, "rope_theta", 0.0, 1e30, open_lo=True)
         real(self.partial_rotary_factor, "partial_rotary_factor", 0.0, 1.0, open_lo=True)
@@ -153,21 +153,21 @@ class ModelSpec:
             if name == "rope_scaling" and d is None:
                 continue
             if type(d) is not dict or not all(type(k) is str for k in d):
-                raise SpecError(f"{name} is {d!r}, not an object")
+                raise SpecError(f"{name} is {shown(d)}, not an object")
         # rope parameters are numbers, names and short lists of numbers (mrope sections)
         bad = [k for k, v in (self.rope_scaling or {}).items()
                if not (_scalar(v) or (type(v) is list and len(v) <= 16 and all(map(_scalar, v))))]
         if bad:
-            raise SpecError(f"rope_scaling {bad[0]} is {self.rope_scaling[bad[0]]!r}, not a number or a name")
+            raise SpecError(f"rope_scaling {bad[0]} is {shown(self.rope_scaling[bad[0]])}, not a number or a name")
 
     def _check_layers(self) -> None:
         kinds, moe = self.layer_kinds, self.moe_layers
         if type(kinds) is not tuple or len(kinds) != self.num_layers:
             n = len(kinds) if isinstance(kinds, tuple) else kinds
-            raise SpecError(f"layer_kinds has {n!r} entries for {self.num_layers} layers")
+            raise SpecError(f"layer_kinds has {shown(n)} entries for {self.num_layers} layers")
         unknown = [k for k in kinds if type(k) is not str or k not in LAYER_KINDS]
         if unknown:
-            raise SpecError(f"unknown layer kind {unknown[0]!r}")
+            raise SpecError(f"unknown layer kind {shown(unknown[0])}")
         if type(moe) is not tuple or not moe:
             raise SpecError(f"{self.architecture}: no routed experts in this config; ftkit serves MoE models")
         for i, layer in enumerate(moe):
@@ -228,6 +228,6 @@ class ModelSpec:
         for key in ("moe_layers", "layer_kinds", "eos_token_ids"):
             if key in d:
                 if not isinstance(d[key], list):
-                    raise SpecError(f"{key} is {d[key]!r}, not a list")
+                    raise SpecError(f"{key} is {shown(d[key])}, not a list")
                 d[key] = tuple(d[key])
         return cls(**d)

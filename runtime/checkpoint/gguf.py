@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ftkit.errors import shown
 from ftkit.vocab import FORMATS, Q8_0, stored_nbytes
 
 from .base import CheckpointError, TensorRef, read_ref
@@ -96,8 +97,8 @@ def check_metadata(metadata: dict[str, Any], name: str) -> None:
     for key, value in metadata.items():
         kind = _KEY_TYPES.get(key) or (_STR if key.startswith(_NAMED_TEMPLATE) else None)
         if kind is not None and not _has_type(value, kind):
-            shown = f"an array of {type(value[0]).__name__}" if type(value) is list and value else repr(value)[:60]
-            raise CheckpointError(f"{name}: metadata {key} is {shown}, not {kind}")
+            what = f"an array of {type(value[0]).__name__}" if type(value) is list and value else shown(value)
+            raise CheckpointError(f"{name}: metadata {key} is {what}, not {kind}")
 
 
 def ggml_type_name(type_id: int) -> str:
@@ -213,7 +214,7 @@ class GGUFSource:
         self.bytes_read_max = r.bytes_read_max
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise CheckpointError(f"{name}: general.alignment {alignment!r} is not a power of two")
+            raise CheckpointError(f"{name}: general.alignment {shown(alignment)} is not a power of two")
         self.alignment = alignment
         self.data_offset = -(-r.pos // alignment) * alignment
         self.header_only = bool(infos) and file_size <= self.data_offset
@@ -224,7 +225,7 @@ class GGUFSource:
     def _parse_header(self, r: _HeaderReader) -> list[tuple[str, list[int], int, int]]:
         magic = bytes(r.take(4, "magic")) if r.remaining() >= 4 else b""
         if magic != GGUF_MAGIC:
-            raise r.fail(f"not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
+            raise r.fail(f"not a GGUF file (bad magic {shown(magic)}, expected {shown(GGUF_MAGIC)})")
         self.version = r.u32("version")
         if self.version not in SUPPORTED_VERSIONS:
             swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
@@ -242,7 +243,7 @@ class GGUFSource:
         for i in range(n_kv):
             key = r.string(f"metadata key #{i}", MAX_KEY_LEN)
             if key in self.metadata:
-                raise r.fail(f"duplicate metadata key {key!r}")
+                raise r.fail(f"duplicate metadata key {shown(key)}")
             self.metadata[key] = r.value(r.u32(f"type of {key}"), key)
         check_metadata(self.metadata, r.name)
         infos = []

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ftkit.errors import shown
 from ftkit.vocab import stored_nbytes
 
 from .base import CheckpointError, TensorRef, inside, read_ref
@@ -56,7 +57,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
 
 
 def _is_count(v: Any) -> bool:
-    return type(v) is int and v >= 0
+    """A size or offset: an int no larger than a header may place data (so products of sizes
+    stay numbers a message can print)."""
+    return type(v) is int and 0 <= v <= MAX_DATA
 
 
 def _entry(path: Path, name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
@@ -66,13 +69,13 @@ def _entry(path: Path, name: str, info: Any) -> tuple[str, tuple[int, ...], int,
         raise CheckpointError(f"{where}: malformed header entry (needs dtype, shape and data_offsets)")
     st_dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if type(st_dtype) is not str or st_dtype not in ST_DTYPES:
-        raise CheckpointError(f"{where}: unsupported safetensors dtype {st_dtype!r}")
+        raise CheckpointError(f"{where}: unsupported safetensors dtype {shown(st_dtype)}")
     if type(shape) is not list or len(shape) > MAX_DIMS or not all(map(_is_count, shape)):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of at most {MAX_DIMS} sizes")
+        raise CheckpointError(f"{where}: shape {shown(shape)} is not a list of at most {MAX_DIMS} sizes")
     if type(offsets) is not list or len(offsets) != 2 or not all(map(_is_count, offsets)):
-        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of byte offsets")
+        raise CheckpointError(f"{where}: data_offsets {shown(offsets)} is not a pair of byte offsets")
     begin, end = offsets
-    if not begin <= end <= MAX_DATA:
+    if begin > end:
         raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] are not an ascending byte range")
     dtype, shape = ST_DTYPES[st_dtype], tuple(shape)
     want = stored_nbytes(dtype, shape)
@@ -155,7 +158,7 @@ def read_config(root: Path) -> tuple[Path, dict[str, Any]]:
 
 def _shard_name(index: Path, name: Any) -> str:
     if not inside(name):
-        raise CheckpointError(f"{index.name}: weight_map names {name!r}, not a file inside the directory")
+        raise CheckpointError(f"{index.name}: weight_map names {shown(name)}, not a file inside the directory")
     return name
 
 

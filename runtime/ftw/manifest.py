@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ftkit.errors import InputError
+from ftkit.errors import InputError, shown
 from ftkit.vocab import DENSE_FORMATS, FormatError, SlotLayout, slot_layout
 
 from ..checkpoint.base import inside
@@ -80,13 +80,13 @@ class Manifest:
         """Refuse, with advice, anything this version cannot read exactly: every field the
         reader and the runtime use is type-checked here, before any of it is used."""
         if d.get("format") != FORMAT:
-            raise FTWError(f"{where}: not an FTW manifest (format {d.get('format')!r})")
+            raise FTWError(f"{where}: not an FTW manifest (format {shown(d.get('format'))})")
         version = d.get("version")
         if type(version) is not int:
-            raise FTWError(f"{where}: malformed FTW manifest (version {version!r} is not a whole number)")
+            raise FTWError(f"{where}: malformed FTW manifest (version {shown(version)} is not a whole number)")
         if version > VERSION:
             raise FTWError(
-                f"{where}: FTW version {version!r} was written by a newer ftkit ({d.get('writer')!r}); "
+                f"{where}: FTW version {shown(version)} was written by a newer ftkit ({shown(d.get('writer'))}); "
                 f"this ftkit reads version {VERSION}: upgrade ftkit, or reconvert with this one"
             )
         if version < VERSION:
@@ -107,14 +107,14 @@ class Manifest:
         if layout.to_dict() != lay or ex.get("row_order") != ROW_ORDER:
             raise FTWError(
                 f"{where}: expert banks use a slot layout this ftkit does not produce "
-                f"(written by {d.get('writer')!r}); reconvert with ftw-convert"
+                f"(written by {shown(d.get('writer'))}); reconvert with ftw-convert"
             )
         banks = m.banks(ex.get("banks"), spec.num_expert_rows)
         if type(d.get("fingerprint")) is not str or fingerprint(d["spec"], lay, ex["banks"]) != d["fingerprint"]:
             raise FTWError(f"{where}: manifest fingerprint mismatch (edited or corrupt); reconvert")
         m.rows(banks, spec.num_expert_rows)
         if ex.get("rows") != spec.num_expert_rows:
-            m.fail(f"experts.rows is {ex.get('rows')!r}, the spec has {spec.num_expert_rows} expert rows")
+            m.fail(f"experts.rows is {shown(ex.get('rows'))}, the spec has {spec.num_expert_rows} expert rows")
         dense = m.dense(d.get("dense"))
         files = m.files(d.get("files", {}))
         named = [b.file for b in banks] + [dense["file"], MANIFEST, *files]
@@ -145,7 +145,7 @@ class _Fields:
 
     def file(self, value: Any, what: str) -> str:
         if not inside(value):
-            self.fail(f"{what} {value!r} is not a file name inside the directory")
+            self.fail(f"{what} {shown(value)} is not a file name inside the directory")
         return value
 
     def sha(self, value: Any, what: str) -> str:
@@ -189,10 +189,10 @@ class _Fields:
         for name, t in self.object(dense.get("tensors"), "dense tensors").items():
             t = self.object(t, f"dense tensor {name}")
             if t.get("dtype") not in DENSE_FORMATS:
-                self.fail(f"dense tensor {name} dtype {t.get('dtype')!r} is not one of {', '.join(DENSE_FORMATS)}")
+                self.fail(f"dense tensor {name} dtype {shown(t.get('dtype'))} is not one of {', '.join(DENSE_FORMATS)}")
             shape = t.get("shape")
             if type(shape) is not list or len(shape) > 8 or not all(type(n) is int and n >= 0 for n in shape):
-                self.fail(f"dense tensor {name} shape {shape!r} is not a list of sizes")
+                self.fail(f"dense tensor {name} shape {shown(shape)} is not a list of sizes")
         return dense
 
     def files(self, value: Any) -> dict[str, str]:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ftkit.errors import InputError
+from ftkit.errors import InputError, shown
 
 from ..checkpoint.base import CheckpointError, Source
 from ..spec import ModelSpec, SpecError
@@ -35,7 +35,7 @@ def family_for_config(cfg: dict[str, Any]) -> Family:
             return fam
     named = archs[0] if archs else model_type
     raise CheckpointError(
-        f"unknown architecture {named!r}; supported: "
+        f"unknown architecture {shown(named)}; supported: "
         + ", ".join(a for f in FAMILIES.values() for a in f.architectures)
     )
 
@@ -46,7 +46,7 @@ def family_for_gguf(meta: dict[str, Any]) -> Family:
         if arch in fam.gguf_archs:
             return fam
     raise CheckpointError(
-        f"unknown GGUF architecture {arch!r}; supported: "
+        f"unknown GGUF architecture {shown(arch)}; supported: "
         + ", ".join(a for f in FAMILIES.values() for a in f.gguf_archs)
     )
 
@@ -55,7 +55,7 @@ def family_for_spec(spec: ModelSpec) -> Family:
     """The family a stored spec (an FTW manifest's) names, once it has checked the spec."""
     fam = FAMILIES.get(spec.family)
     if fam is None:
-        raise SpecError(f"unknown family {spec.family!r}; supported: {', '.join(FAMILIES)}")
+        raise SpecError(f"unknown family {shown(spec.family)}; supported: {', '.join(FAMILIES)}")
     fam.check_spec(spec)
     return fam
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ftkit.errors import shown
+
 from ..spec import MAX_LAYERS, MAX_TOKEN_ID, SpecError, real, whole
 
 MISSING: Any = object()
@@ -55,14 +57,14 @@ def number(cfg: Mapping[str, Any], key: str, default: float, lo: float, hi: floa
 def flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
     v = _get(cfg, key, default)
     if type(v) is not bool:
-        raise SpecError(f"{key} is {v!r}, not true or false")
+        raise SpecError(f"{key} is {shown(v)}, not true or false")
     return v
 
 
 def text(cfg: Mapping[str, Any], key: str, default: str | None = None) -> str | None:
     v = _get(cfg, key, default)
     if v is not None and type(v) is not str:
-        raise SpecError(f"{key} is {v!r}, not a string")
+        raise SpecError(f"{key} is {shown(v)}, not a string")
     return v
 
 
@@ -70,15 +72,15 @@ def section(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:
     """A nested object (`rope_parameters`, `rope_scaling`), or {} when absent."""
     v = _get(cfg, key, {})
     if type(v) is not dict:
-        raise SpecError(f"{key} is {v!r}, not an object")
+        raise SpecError(f"{key} is {shown(v)}, not an object")
     return v
 
 
 def _list(cfg: Mapping[str, Any], key: str, hi_len: int) -> list[Any]:
     v = _get(cfg, key, [])
     if type(v) is not list or len(v) > hi_len:
-        shown = f"a list of {len(v)}" if type(v) is list else repr(v)
-        raise SpecError(f"{key} is {shown}, not a list of at most {hi_len} entries")
+        what = f"a list of {len(v)}" if type(v) is list else shown(v)
+        raise SpecError(f"{key} is {what}, not a list of at most {hi_len} entries")
     return v
 
 
@@ -87,7 +89,7 @@ def names(cfg: Mapping[str, Any], key: str, hi_len: int = MAX_LIST) -> list[str]
     v = _list(cfg, key, hi_len)
     bad = [x for x in v if type(x) is not str]
     if bad:
-        raise SpecError(f"{key} holds {bad[0]!r}, not a string")
+        raise SpecError(f"{key} holds {shown(bad[0])}, not a string")
     return v
 
 

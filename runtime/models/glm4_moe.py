@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftkit.errors import shown
+
 from ..spec import (
     MAX_EXPERTS,
     MAX_FFN,
@@ -127,7 +129,7 @@ class Glm4Moe(Family):
             return default if value is None else value
 
         if m("expert_gating_func", SIGMOID_GATING) != SIGMOID_GATING:
-            raise SpecError(f"glm4moe GGUF with expert_gating_func {m('expert_gating_func')!r}; GLM-4.5 is sigmoid")
+            raise SpecError(f"glm4moe GGUF with expert_gating_func {shown(m('expert_gating_func'))}; GLM-4.5 is sigmoid")
         nextn = count(meta, f"{arch}.nextn_predict_layers", 0, hi=MAX_LAYERS)
         layers = count(g, "num_hidden_layers", 0, hi=MAX_COUNT) - nextn
         heads = first_count(g, "num_attention_heads", what="attention head count", hi=MAX_HEADS)

@@ -15,6 +15,7 @@ from torch.backends.cuda import SDPAParams
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from ftkit.errors import shown
 from ftkit.kernels.triton import optional
 
 from ..spec import ModelSpec, SpecError, real
@@ -77,7 +78,7 @@ def check_rope(spec: ModelSpec) -> None:
         raise SpecError(f"rotary width {dim} (head_dim x partial_rotary_factor) is not a positive even number")
     kind = s.get("rope_type", "default")
     if kind not in ROPE_TYPES:
-        raise SpecError(f"rope type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+        raise SpecError(f"rope type {shown(kind)} is not supported ({', '.join(ROPE_TYPES)})")
     needed = {"linear": ("factor",), "dynamic": ("factor",),
               "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
     for key in needed.get(kind, ()):
@@ -119,7 +120,7 @@ def rope_frequencies(spec: ModelSpec, seq_len: int | None = None) -> tuple[torch
         return _llama3(1.0 / (base**exponents), s, factor), 1.0
     if kind == "yarn":
         return _yarn(spec, s, dim, base, exponents)
-    raise ValueError(f"rope type {kind!r} is not supported (default, linear, dynamic, yarn, llama3)")
+    raise ValueError(f"rope type {shown(kind)} is not supported (default, linear, dynamic, yarn, llama3)")
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict, factor: float) -> torch.Tensor:

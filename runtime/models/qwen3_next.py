@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftkit.errors import shown
 from ftkit.kernels.triton import optional
 
 from ..checkpoint.base import CheckpointError
@@ -332,7 +333,7 @@ class Qwen3Next(Family):
         if e["linear_num_value_heads"] % e["linear_num_key_heads"]:
             raise SpecError("Qwen3-Next: linear_num_value_heads is not a multiple of linear_num_key_heads")
         if e.get("linear_in_proj", "qkvz") not in IN_PROJ_LAYOUTS:
-            raise SpecError(f"Qwen3-Next: linear_in_proj {e['linear_in_proj']!r} is not one of {', '.join(IN_PROJ_LAYOUTS)}")
+            raise SpecError(f"Qwen3-Next: linear_in_proj {shown(e['linear_in_proj'])} is not one of {', '.join(IN_PROJ_LAYOUTS)}")
 
     def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         meta = g["_meta"]
