@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 DEMO    ?= demo
 
-.PHONY: install install-test test lint demo clean
+.PHONY: install install-test test lint fuzz demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,13 @@ install-test: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
+
+# The reader fuzz targets at length (CI runs a fixed minute of them): FTKIT_FUZZ_EXAMPLES per
+# target, FTKIT_FUZZ_SEED to draw another set.
+FUZZ_EXAMPLES ?= 100000
+fuzz: install-test
+	FTKIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/test_fuzz_headers.py -k test_fuzz_ \
+		-p no:cacheprovider --hypothesis-show-statistics
 
 lint: install-test
 	$(BIN)/ruff check runtime kernels tools tests ftkit

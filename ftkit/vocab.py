@@ -57,6 +57,8 @@ PLAIN_DTYPES = tuple(n for n, f in FORMATS.items() if f.plain)
 BLOCK_FORMATS = tuple(n for n, f in FORMATS.items() if not f.plain)
 # What an expert slot may hold: floats a kernel multiplies directly, or blocks it dequantizes.
 EXPERT_FORMATS = ("float32", "float16", "bfloat16", Q8_0)
+# What FTW stores dense tensors (attention, norms, embeddings, routers) as: the compute dtypes.
+DENSE_FORMATS = ("float32", "float16", "bfloat16")
 
 
 def format_of(name: str) -> Format:

@@ -8,11 +8,11 @@ from typing import NoReturn
 
 from rich.console import Console
 
-from ftkit.runtime.checkpoint.base import CheckpointError
-from ftkit.runtime.ftw.manifest import FTWError
+from ftkit.errors import InputError, one_line
 
 err_console = Console(stderr=True)
-USER_ERRORS = (CheckpointError, FTWError, FileExistsError, FileNotFoundError, ValueError)
+# Bad input files (InputError: every reader's), outputs that exist, and bad option values.
+USER_ERRORS = (InputError, FileExistsError, FileNotFoundError, ValueError)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -25,7 +25,7 @@ def guarded(fn: Callable[[], object]) -> None:
     try:
         fn()
     except USER_ERRORS as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        fail(one_line(str(e).splitlines()[0]) if str(e) else type(e).__name__)
     except KeyboardInterrupt:
         fail("interrupted", 130)
 

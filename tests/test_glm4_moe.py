@@ -203,7 +203,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, tmp_path):
     spec, want = FTWModel(tmp_path / "ftw").spec, FTWModel(ftw).spec
     # The converter writes no expert-group keys: a GGUF routes over one group.
     assert spec.extra == {**want.extra, "n_group": 1, "topk_group": 1}
-    same = ("moe_layers", "num_layers", "router", "norm_topk_prob", "shared_expert_intermediate_size", "qk_norm",
+    same = ("moe_layers", "num_layers", "norm_topk_prob", "shared_expert_intermediate_size", "qk_norm",
             "attention_bias", "partial_rotary_factor", "intermediate_size", "moe_intermediate_size", "head_dim")
     assert [getattr(spec, f) for f in same] == [getattr(want, f) for f in same]
     ref = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", experts_implementation="eager",

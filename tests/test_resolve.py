@@ -5,7 +5,10 @@ values (a GPU's identity, its free memory, the profile folder), so CUDA's cases 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import platform
+import struct
 
 import pytest
 import torch
@@ -45,6 +48,13 @@ def q12(tmp_path_factory) -> FTWModel:
                         {}, "test", {"kind": "stub"})
     write_json_atomic(path / MANIFEST, manifest.to_dict())
     (path / "experts-000.ftwb").touch()
+    header, at = {}, 0  # the dense file's header alone, as a header-only stub has it
+    for name, shape in shapes.items():
+        n = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header).encode()
+    (path / DENSE_FILE).write_bytes(struct.pack("<Q", len(raw)) + raw)
     return FTWModel(path, allow_stub=True)
 
 

@@ -15,8 +15,11 @@ def open_source(path: Path, allow_stub: bool = True, strict_types: bool = True) 
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
         if magic == b"GGUF" or path.suffix == ".gguf":
             from .gguf import GGUFSource
 

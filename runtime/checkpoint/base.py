@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
 
+from ftkit.errors import InputError
 from ftkit.vocab import storage_dtype, stored_shape
 
 
-def one_line(message: str, limit: int = 400) -> str:
-    """A message as one printable line: names read from a corrupt header can hold any bytes."""
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class CheckpointError(Exception):
+class CheckpointError(InputError):
     """A checkpoint cannot be used; the message is one line a user can act on."""
 
-    def __init__(self, message: str):
-        super().__init__(one_line(message))
+
+def inside(name: Any) -> bool:
+    """Whether a file name read from an index or a manifest stays inside its directory: a
+    relative path without `..`, backslashes or NUL (an absolute one would escape it)."""
+    if type(name) is not str or not name or "\\" in name or "\0" in name or name.startswith("/"):
+        return False
+    return ".." not in PurePosixPath(name).parts
 
 
 @dataclass(frozen=True)

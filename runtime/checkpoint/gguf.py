@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ftkit.errors import shown
 from ftkit.vocab import FORMATS, Q8_0, stored_nbytes
 
 from .base import CheckpointError, TensorRef, read_ref
@@ -68,6 +69,39 @@ _SCALARS: dict[int, tuple[str, int]] = {
 }
 # fmt: on
 _MIN_VALUE_SIZE = {**{t: s for t, (_, s) in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
+
+# Metadata whose type the readers rely on, as llama.cpp's gguf constants declare it: what a
+# value of the wrong type would otherwise break far from here. Model sizes are typed where a
+# family reads them (runtime/models/config.py); these are the rest.
+_UINT, _STR, _BOOL = "an unsigned integer", "a string", "a boolean"
+_STRS, _INTS, _FLOATS = "an array of strings", "an array of integers", "an array of numbers"
+_KEY_TYPES: dict[str, str] = {
+    "general.architecture": _STR, "general.alignment": _UINT,
+    "tokenizer.ggml.model": _STR, "tokenizer.ggml.pre": _STR, "tokenizer.chat_template": _STR,
+    "tokenizer.ggml.tokens": _STRS, "tokenizer.ggml.merges": _STRS,
+    "tokenizer.ggml.token_type": _INTS, "tokenizer.ggml.scores": _FLOATS,
+    **{f"tokenizer.ggml.{t}_token_id": _UINT for t in ("bos", "eos", "unknown", "padding", "seperator")},
+    **{f"tokenizer.ggml.{f}": _BOOL for f in ("add_bos_token", "add_eos_token", "add_space_prefix")},
+}
+_NAMED_TEMPLATE = "tokenizer.chat_template."  # named chat templates: strings too
+_SCALAR_TYPE = {_UINT: int, _STR: str, _BOOL: bool}
+_ELEMENT_TYPES = {_STRS: (str,), _INTS: (int,), _FLOATS: (int, float)}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    if kind in _ELEMENT_TYPES:  # an array holds one element type, so its first element tells
+        return type(value) is list and (not value or type(value[0]) in _ELEMENT_TYPES[kind])
+    return type(value) is _SCALAR_TYPE[kind] and not (kind == _UINT and value < 0)
+
+
+def check_metadata(metadata: dict[str, Any], name: str) -> None:
+    """Refuse metadata whose known keys have the wrong type (a token list of integers, a scalar
+    token_type): CheckpointError naming the key."""
+    for key, value in metadata.items():
+        kind = _KEY_TYPES.get(key) or (_STR if key.startswith(_NAMED_TEMPLATE) else None)
+        if kind is not None and not _has_type(value, kind):
+            what = f"an array of {type(value[0]).__name__}" if type(value) is list and value else shown(value)
+            raise CheckpointError(f"{name}: metadata {key} is {what}, not {kind}")
 
 
 def ggml_type_name(type_id: int) -> str:
@@ -183,7 +217,7 @@ class GGUFSource:
         self.bytes_read_max = r.bytes_read_max
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise CheckpointError(f"{name}: general.alignment {alignment!r} is not a power of two")
+            raise CheckpointError(f"{name}: general.alignment {shown(alignment)} is not a power of two")
         self.alignment = alignment
         self.data_offset = -(-r.pos // alignment) * alignment
         self.header_only = bool(infos) and file_size <= self.data_offset
@@ -194,7 +228,7 @@ class GGUFSource:
     def _parse_header(self, r: _HeaderReader) -> list[tuple[str, list[int], int, int]]:
         magic = bytes(r.take(4, "magic")) if r.remaining() >= 4 else b""
         if magic != GGUF_MAGIC:
-            raise r.fail(f"not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
+            raise r.fail(f"not a GGUF file (bad magic {shown(magic)}, expected {shown(GGUF_MAGIC)})")
         self.version = r.u32("version")
         if self.version not in SUPPORTED_VERSIONS:
             swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
@@ -212,8 +246,9 @@ class GGUFSource:
         for i in range(n_kv):
             key = r.string(f"metadata key #{i}", MAX_KEY_LEN)
             if key in self.metadata:
-                raise r.fail(f"duplicate metadata key {key!r}")
+                raise r.fail(f"duplicate metadata key {shown(key)}")
             self.metadata[key] = r.value(r.u32(f"type of {key}"), key)
+        check_metadata(self.metadata, r.name)
         infos = []
         for i in range(n_tensors):
             tname = r.string(f"tensor name #{i}", MAX_KEY_LEN)

@@ -47,6 +47,10 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# Deriving SentencePiece merges tries every split of every piece (quadratic in a piece's length);
+# real pieces are a few characters (SentencePiece's default limit is 16), so a longer one is
+# corruption, not a vocabulary to spend minutes on.
+MAX_PIECE_CHARS = 1024
 
 # Split regexes as the HF tokenizer.json files have them (llama.cpp rewrites `(?i:...)` for
 # std::regex; the tokenizers library takes the original).
@@ -150,6 +154,10 @@ def _write(
         scores = metadata.get("tokenizer.ggml.scores")
         if not scores or len(scores) != len(tokens):
             return _warn("the GGUF SentencePiece vocabulary has no tokenizer.ggml.scores")
+        longest = max(map(len, tokens))
+        if longest > MAX_PIECE_CHARS:
+            return _warn(f"the GGUF SentencePiece vocabulary has a piece of {longest} characters "
+                         f"(at most {MAX_PIECE_CHARS})")
         tok, add_bos = _sentencepiece_bpe(metadata, tokens, types, scores)
     else:
         return _warn(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)")

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ftkit.errors import shown
 from ftkit.vocab import stored_nbytes
 
-from .base import CheckpointError, TensorRef, read_ref
+from .base import CheckpointError, TensorRef, inside, read_ref
+from .jsonfile import parse_json, read_json, read_object, type_name
 
 ST_DTYPES = {
     "F64": "float64",
@@ -26,6 +27,8 @@ ST_DTYPES = {
     "BOOL": "bool",
 }
 MAX_HEADER = 256 << 20  # a 700B model's header is a few MB; anything near this is corrupt
+MAX_DIMS = 8  # tensors here have at most 3; a longer shape is corruption
+MAX_DATA = 1 << 50  # bytes a header may place tensors in (a petabyte): bounds a stub's offsets
 INDEX = "model.safetensors.index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ftwb")
 SKIP_DIRS = {".git", ".cache", "__pycache__"}
@@ -33,57 +36,100 @@ SKIP_DIRS = {".git", ".cache", "__pycache__"}
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors file and the absolute offset where its data starts."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > size:
-            raise CheckpointError(
-                f"{path.name}: safetensors header length {n} points past the file ({size} bytes)"
-            )
-        raw = f.read(n)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path.name}: safetensors header is not valid JSON ({e})") from None
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path.name}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise CheckpointError(
+                    f"{path.name}: safetensors header length {n} points past the file ({size} bytes)"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path.name}: cannot read: {e.strerror or e}") from None
+    header = parse_json(raw, path.name, CheckpointError, "safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path.name}: safetensors header is not a JSON object")
     return header, 8 + n
 
 
+def _is_count(v: Any) -> bool:
+    """A size or offset: an int no larger than a header may place data (so products of sizes
+    stay numbers a message can print)."""
+    return type(v) is int and 0 <= v <= MAX_DATA
+
+
+def _entry(path: Path, name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
+    """(our dtype, shape, begin, end) of one header entry, every field type- and range-checked."""
+    where = f"{path.name}: tensor {name}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(f"{where}: malformed header entry (needs dtype, shape and data_offsets)")
+    st_dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if type(st_dtype) is not str or st_dtype not in ST_DTYPES:
+        raise CheckpointError(f"{where}: unsupported safetensors dtype {shown(st_dtype)}")
+    if type(shape) is not list or len(shape) > MAX_DIMS or not all(map(_is_count, shape)):
+        raise CheckpointError(f"{where}: shape {shown(shape)} is not a list of at most {MAX_DIMS} sizes")
+    if type(offsets) is not list or len(offsets) != 2 or not all(map(_is_count, offsets)):
+        raise CheckpointError(f"{where}: data_offsets {shown(offsets)} is not a pair of byte offsets")
+    begin, end = offsets
+    if begin > end:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] are not an ascending byte range")
+    dtype, shape = ST_DTYPES[st_dtype], tuple(shape)
+    want = stored_nbytes(dtype, shape)
+    if end - begin != want:
+        raise CheckpointError(
+            f"{where} has {end - begin} bytes, but {st_dtype}{list(shape)} needs {want}"
+        )
+    return dtype, shape, begin, end
+
+
+def _check_coverage(path: Path, spans: list[tuple[int, int, str]], data_len: int | None) -> None:
+    """The tensors tile the data region exactly, as the format requires: no gap, no overlap, and
+    (`data_len`, when there is data) no byte before or after them."""
+    at, last = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            how = "overlaps" if begin < at else "leaves a gap before"
+            after = f" {last}" if last is not None else " the start of the data"
+            raise CheckpointError(f"{path.name}: tensor {name} {how}{after} (offset {begin}, expected {at})")
+        at, last = end, name
+    if data_len is not None and at != data_len:
+        raise CheckpointError(
+            f"{path.name}: {data_len - at} bytes after the last tensor (data ends at {at}, the file at "
+            f"{data_len}): appended to or corrupt"
+        )
+
+
 def parse_file(path: Path, allow_stub: bool) -> tuple[dict[str, TensorRef], bool]:
-    """Tensor refs of one safetensors file, validated against its size; and whether it is a stub."""
+    """Tensor refs of one safetensors file, validated against its size; and whether it is a stub.
+
+    The tensors must cover the data region byte for byte, as safetensors itself demands; a stub
+    (the file cut right after its header) is checked the same way on its offsets alone."""
     header, data_start = read_header(path)
     size = path.stat().st_size
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(type(v) is str for v in meta.values()):
+        raise CheckpointError(f"{path.name}: __metadata__ is {type_name(meta)}, not an object of strings")
     stub = size == data_start and any(k != "__metadata__" for k in header)
     if stub and not allow_stub:
         raise CheckpointError(f"{path.name}: header-only stub (no tensor data)")
     refs: dict[str, TensorRef] = {}
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            st_dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{path.name}: malformed header entry for tensor {name}") from None
-        if st_dtype not in ST_DTYPES:
-            raise CheckpointError(f"{path.name}: unsupported safetensors dtype {st_dtype} for tensor {name}")
-        dtype = ST_DTYPES[st_dtype]
-        if not all(isinstance(d, int) and d >= 0 for d in shape) or not 0 <= begin <= end:
-            raise CheckpointError(f"{path.name}: malformed shape or offsets for tensor {name}")
-        if end - begin != stored_nbytes(dtype, shape):
-            raise CheckpointError(
-                f"{path.name}: tensor {name} has {end - begin} bytes, but {st_dtype}{list(shape)} needs "
-                f"{stored_nbytes(dtype, shape)}"
-            )
+        dtype, shape, begin, end = _entry(path, name, info)
         if not stub and data_start + end > size:
             raise CheckpointError(
                 f"{path.name}: tensor {name} ends at byte {data_start + end}, past the end of the "
                 f"file ({size} bytes): truncated or corrupt"
             )
+        spans.append((begin, end, name))
         refs[name] = TensorRef(name, dtype, shape, path, data_start + begin, end - begin)
+    _check_coverage(path, spans, None if stub else size - data_start)
     return refs, stub
 
 
@@ -96,12 +142,24 @@ def find_config(root: Path) -> Path:
         if SKIP_DIRS.intersection(cand.relative_to(root).parts):
             continue
         try:
-            cfg = json.loads(cand.read_text())
-        except (OSError, json.JSONDecodeError):
+            cfg = read_json(cand, CheckpointError)
+        except CheckpointError:
             continue
         if isinstance(cfg, dict) and ("architectures" in cfg or "model_type" in cfg):
             return cand
     raise CheckpointError(f"{root}: no config.json found (looked at the top and in subdirectories)")
+
+
+def read_config(root: Path) -> tuple[Path, dict[str, Any]]:
+    """Where a checkpoint directory's config is and what it says (a JSON object)."""
+    path = find_config(root)
+    return path, read_object(path, CheckpointError)
+
+
+def _shard_name(index: Path, name: Any) -> str:
+    if not inside(name):
+        raise CheckpointError(f"{index.name}: weight_map names {shown(name)}, not a file inside the directory")
+    return name
 
 
 class SafetensorsSource:
@@ -112,11 +170,7 @@ class SafetensorsSource:
     def __init__(self, root: Path, allow_stub: bool = True):
         self.path = root
         self.metadata: dict[str, Any] = {}
-        self.config_path = find_config(root)
-        try:
-            self.config = json.loads(self.config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{self.config_path}: not valid JSON ({e})") from None
+        self.config_path, self.config = read_config(root)
         self.files = self._weight_files(root)
         self.tensors: dict[str, TensorRef] = {}
         stubs = []
@@ -132,11 +186,11 @@ class SafetensorsSource:
     def _weight_files(root: Path) -> list[Path]:
         index = root / INDEX
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index.name}: not a valid safetensors index") from None
-            files = [root / f for f in sorted(set(weight_map.values()))]
+            weight_map = read_object(index, CheckpointError).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index.name}: not a valid safetensors index (weight_map is "
+                                      f"{type_name(weight_map)}, not an object)")
+            files = [root / f for f in sorted({_shard_name(index, v) for v in weight_map.values()})]
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise CheckpointError(f"missing shard(s) named in {INDEX}: {', '.join(missing)}")

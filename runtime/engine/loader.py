@@ -13,8 +13,8 @@ from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
-from ..models import FAMILIES
 from ..models.kv import KVCache
+from ..models.stored import ftw_family
 from ..prefix_cache.boundaries import Boundaries
 from ..prefix_cache.cache import PrefixCache
 from .graphs import GraphDecode, unsupported
@@ -60,7 +60,7 @@ class Runtime:
         if opts.verify and (problems := self.ftw.verify()):
             raise FTWError(f"{self.path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
         self.spec = self.ftw.spec
-        self.family = FAMILIES[self.spec.family]
+        self.family = ftw_family(self.ftw)
         self.device, self.dtype = r.device, r.dtype
         weights = self.ftw.dense_state()
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype

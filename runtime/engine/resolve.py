@@ -22,6 +22,7 @@ from ftkit.vocab import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES, human_byt
 
 from ..experts.cpu import CPUExecutor
 from ..ftw.reader import FTWModel
+from ..models.stored import stored_family
 from ..profile import GPU, Profile, default_path, gpu_identity, load_profile, profiles_dir
 from .memory import MemoryPlan, base_plan, dense_device_bytes
 
@@ -212,6 +213,7 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
         raise ValueError("give one of --cache-experts, --cache-bytes and --gpu-budget")
     if opts.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be at least 1 token, got {opts.prefill_chunk}")
+    stored_family(ftw)  # the spec read below, checked by its family as loading checks it
     machine = machine or Machine.detect(opts.device)
     device, spec, slot_bytes = machine.device, ftw.spec, ftw.layout.slot_bytes
     rows = spec.num_expert_rows

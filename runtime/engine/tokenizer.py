@@ -1,4 +1,10 @@
-"""Tokenizer from `tokenizer.json` and the chat template from `tokenizer_config.json`."""
+"""Tokenizer from `tokenizer.json` and the chat template from `tokenizer_config.json`.
+
+Both files come with the model, so they are read as untrusted input: a file the tokenizers
+library cannot read, a config whose special tokens or templates have the wrong type, a template
+that does not compile: each is a TokenizerError naming the file, raised when the model loads
+(ft-diagnose and ftw-convert load the same files the same way first).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from ftkit.errors import InputError
+
+from ..checkpoint.jsonfile import read_object, type_name
+
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+MAX_TOKENIZER_BYTES = 512 << 20  # a 256k-token vocabulary with its merges is about 30 MB
+MAX_TEMPLATE = 1 << 20  # chat templates are a few KB, the longest about 100 KB
+SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class TokenizerError(InputError):
+    """A tokenizer file that cannot be used as it is."""
 
 
 def _raise(message: str) -> None:
@@ -18,24 +38,68 @@ def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def compile_template(source: str, where: str) -> Template:
+    """A chat template compiled as the runtime renders it; TokenizerError when it cannot be."""
+    if len(source) > MAX_TEMPLATE:
+        raise TokenizerError(f"{where}: chat template of {len(source)} characters (at most {MAX_TEMPLATE})")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = _tojson
+    try:
+        return env.from_string(source)
+    except (TemplateError, RecursionError) as e:  # jinja's parser recurses once per nesting level
+        raise TokenizerError(f"{where}: chat template does not compile ({type(e).__name__}: {e})") from None
+
+
+def default_template(config: dict[str, Any], where: str) -> str | None:
+    """The chat template a tokenizer config names: a string, or the "default" of HF's list of
+    {"name", "template"} (None when there is none)."""
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+            raise TokenizerError(f"{where}: chat_template is a list, but not of {{name, template}} objects")
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{where}: chat_template is {type_name(template)}, not a string")
+    return template
+
+
+def _check_special(config: dict[str, Any], where: str) -> None:
+    for key in SPECIAL_KEYS:
+        v = config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if v is not None and not isinstance(v, str):
+            raise TokenizerError(f"{where}: {key} is {type_name(v)}, not a token (a string or {{content}})")
+
+
+def _load(path: Path) -> HFTokenizer:
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
+    if size > MAX_TOKENIZER_BYTES:
+        raise TokenizerError(f"{path}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} a tokenizer may have")
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception for every file it refuses
+        raise TokenizerError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from None
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path):
-        path = Path(model_dir) / "tokenizer.json"
+        path = Path(model_dir) / TOKENIZER_JSON
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir}: no tokenizer.json (use --prompt-ids)")
-        self.tok = HFTokenizer.from_file(str(path))
+        self.tok = _load(path)
         added = self.tok.get_added_tokens_decoder()
         self.added_ids = frozenset(added)
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
-        cfg_path = Path(model_dir) / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        template = self.config.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = _tojson
-        self.template = env.from_string(template) if template else None
+        cfg_path = Path(model_dir) / TOKENIZER_CONFIG
+        self.config: dict[str, Any] = read_object(cfg_path, TokenizerError) if cfg_path.is_file() else {}
+        _check_special(self.config, str(cfg_path))
+        template = default_template(self.config, str(cfg_path))
+        self.template = compile_template(template, str(cfg_path)) if template else None
 
     @property
     def vocab_size(self) -> int:

@@ -6,14 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from ftkit.vocab import SlotLayout, slot_layout
+from ftkit.errors import InputError, shown
+from ftkit.vocab import DENSE_FORMATS, FormatError, SlotLayout, slot_layout
 
-from ..checkpoint.base import one_line
-from ..spec import ModelSpec
+from ..checkpoint.base import inside
+from ..checkpoint.jsonfile import type_name
+from ..spec import ModelSpec, SpecError
 
 FORMAT = "ftw"
 VERSION = 1
@@ -22,11 +25,8 @@ DENSE_FILE = "dense.safetensors"
 ROW_ORDER = "moe_layer * num_experts + expert"
 
 
-class FTWError(Exception):
+class FTWError(InputError):
     """An FTW directory cannot be read exactly; the message says what to do."""
-
-    def __init__(self, message: str):
-        super().__init__(one_line(message))
 
 
 @dataclass(frozen=True)
@@ -77,41 +77,130 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> Manifest:
-        """Refuse, with advice, anything this version cannot read exactly."""
+        """Refuse, with advice, anything this version cannot read exactly: every field the
+        reader and the runtime use is type-checked here, before any of it is used."""
         if d.get("format") != FORMAT:
-            raise FTWError(f"{where}: not an FTW manifest (format {d.get('format')!r})")
+            raise FTWError(f"{where}: not an FTW manifest (format {shown(d.get('format'))})")
         version = d.get("version")
-        if not isinstance(version, int) or version > VERSION:
+        if type(version) is not int:
+            raise FTWError(f"{where}: malformed FTW manifest (version {shown(version)} is not a whole number)")
+        if version > VERSION:
             raise FTWError(
-                f"{where}: FTW version {version} was written by a newer ftkit ({d.get('writer')}); "
+                f"{where}: FTW version {shown(version)} was written by a newer ftkit ({shown(d.get('writer'))}); "
                 f"this ftkit reads version {VERSION}: upgrade ftkit, or reconvert with this one"
             )
         if version < VERSION:
             raise FTWError(f"{where}: FTW version {version} is no longer read; reconvert with ftw-convert")
+        m = _Fields(where)
+        if "spec" not in d:
+            m.fail("no spec")
         try:
             spec = ModelSpec.from_dict(d["spec"])
-            ex = d["experts"]
-            layout = slot_layout(spec, ex["layout"]["dtype"])
-            banks = [Bank(**b) for b in ex["banks"]]
-            stored_fp = d["fingerprint"]
-            dense, files = d["dense"], d.get("files", {})
-        except (KeyError, TypeError, ValueError) as e:
-            raise FTWError(f"{where}: malformed FTW manifest ({type(e).__name__}: {e})") from None
-        if layout.to_dict() != ex["layout"] or ex.get("row_order") != ROW_ORDER:
+        except SpecError as e:
+            raise FTWError(f"{where}: spec: {e}") from None
+        ex = m.object(d.get("experts"), "experts")
+        lay = m.object(ex.get("layout"), "experts.layout")
+        try:
+            layout = slot_layout(spec, lay.get("dtype"))
+        except FormatError as e:
+            raise FTWError(f"{where}: expert layout: {e}") from None
+        if layout.to_dict() != lay or ex.get("row_order") != ROW_ORDER:
             raise FTWError(
                 f"{where}: expert banks use a slot layout this ftkit does not produce "
-                f"(written by {d.get('writer')}); reconvert with ftw-convert"
+                f"(written by {shown(d.get('writer'))}); reconvert with ftw-convert"
             )
-        if fingerprint(d["spec"], ex["layout"], ex["banks"]) != stored_fp:
+        banks = m.banks(ex.get("banks"), spec.num_expert_rows)
+        if type(d.get("fingerprint")) is not str or fingerprint(d["spec"], lay, ex["banks"]) != d["fingerprint"]:
             raise FTWError(f"{where}: manifest fingerprint mismatch (edited or corrupt); reconvert")
-        rows = 0
-        for b in banks:
-            if b.first_row != rows:
-                raise FTWError(f"{where}: bank {b.file} starts at row {b.first_row}, expected {rows}")
-            rows += b.rows
-        if rows != spec.num_expert_rows:
-            raise FTWError(f"{where}: banks hold {rows} expert rows, the model needs {spec.num_expert_rows}")
-        return cls(spec, layout, banks, dense, files, d.get("writer", "?"), d.get("source", {}))
+        m.rows(banks, spec.num_expert_rows)
+        if ex.get("rows") != spec.num_expert_rows:
+            m.fail(f"experts.rows is {shown(ex.get('rows'))}, the spec has {spec.num_expert_rows} expert rows")
+        dense = m.dense(d.get("dense"))
+        files = m.files(d.get("files", {}))
+        named = [b.file for b in banks] + [dense["file"], MANIFEST, *files]
+        if len(set(named)) != len(named):
+            m.fail(f"{next(n for n in named if named.count(n) > 1)} is named twice")
+        writer, source = d.get("writer", "?"), d.get("source", {})
+        if type(writer) is not str or type(source) is not dict:
+            m.fail("writer is not a string or source not an object")
+        return cls(spec, layout, banks, dense, files, writer, source)
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class _Fields:
+    """Type checks of a manifest's parts, each failure one FTWError naming the field."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, what: str) -> NoReturn:
+        raise FTWError(f"{self.where}: malformed FTW manifest ({what})")
+
+    def object(self, value: Any, what: str) -> dict[str, Any]:
+        if type(value) is not dict:
+            self.fail(f"{what} is {type_name(value)}, not an object")
+        return value
+
+    def file(self, value: Any, what: str) -> str:
+        if not inside(value):
+            self.fail(f"{what} {shown(value)} is not a file name inside the directory")
+        return value
+
+    def sha(self, value: Any, what: str) -> str:
+        if type(value) is not str or not _HEX64.fullmatch(value):
+            self.fail(f"{what} is not a SHA-256 in hex")
+        return value
+
+    def banks(self, value: Any, rows: int) -> list[Bank]:
+        """The bank list, each entry's fields typed (at most one bank per row)."""
+        if type(value) is not list or not 0 < len(value) <= rows:
+            self.fail(f"experts.banks is not a list of 1..{rows} banks")
+        banks = []
+        for i, b in enumerate(value):
+            b = self.object(b, f"bank #{i}")
+            if set(b) != {"file", "first_row", "rows", "sha256"}:
+                self.fail(f"bank #{i} has fields {sorted(b)}, expected file, first_row, rows, sha256")
+            if type(b["first_row"]) is not int or type(b["rows"]) is not int or b["rows"] < 1:
+                self.fail(f"bank #{i} first_row or rows is not a positive whole number")
+            banks.append(Bank(self.file(b["file"], f"bank #{i} file"), b["first_row"], b["rows"],
+                              self.sha(b["sha256"], f"bank #{i} sha256")))
+        return banks
+
+    def rows(self, banks: list[Bank], rows: int) -> None:
+        """The banks hold rows 0..rows-1 in order, each but the last the same number of rows
+        (HostBanks.slot finds a row's bank by one division)."""
+        at = 0
+        for i, b in enumerate(banks):
+            if b.first_row != at:
+                raise FTWError(f"{self.where}: bank {b.file} starts at row {b.first_row}, expected {at}")
+            if (i < len(banks) - 1 and b.rows != banks[0].rows) or b.rows > banks[0].rows:
+                self.fail(f"bank {b.file} holds {b.rows} rows, the first bank {banks[0].rows}")
+            at += b.rows
+        if at != rows:
+            raise FTWError(f"{self.where}: banks hold {at} expert rows, the model needs {rows}")
+
+    def dense(self, value: Any) -> dict[str, Any]:
+        """{"file", "sha256", "tensors": {name: {"dtype", "shape"}}} with floating dtypes."""
+        dense = self.object(value, "dense")
+        self.file(dense.get("file"), "dense file")
+        self.sha(dense.get("sha256"), "dense sha256")
+        for name, t in self.object(dense.get("tensors"), "dense tensors").items():
+            t = self.object(t, f"dense tensor {name}")
+            if t.get("dtype") not in DENSE_FORMATS:
+                self.fail(f"dense tensor {name} dtype {shown(t.get('dtype'))} is not one of {', '.join(DENSE_FORMATS)}")
+            shape = t.get("shape")
+            if type(shape) is not list or len(shape) > 8 or not all(type(n) is int and n >= 0 for n in shape):
+                self.fail(f"dense tensor {name} shape {shown(shape)} is not a list of sizes")
+        return dense
+
+    def files(self, value: Any) -> dict[str, str]:
+        files = self.object(value, "files")
+        for rel, sha in files.items():
+            self.file(rel, "carried file")
+            self.sha(sha, f"checksum of {rel}")
+        return files
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -8,7 +8,6 @@ lazily-mapped buffer first would fault and zero every page, only to overwrite it
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import threading
@@ -24,7 +23,10 @@ import torch
 
 from ftkit.vocab import SLOT_ALIGN, SlotLayout
 
-from .manifest import DENSE_FILE, MANIFEST, Bank, FTWError, Manifest
+from ..checkpoint.base import CheckpointError, TensorRef, read_ref
+from ..checkpoint.jsonfile import read_object
+from ..checkpoint.safetensors import parse_file
+from .manifest import MANIFEST, Bank, FTWError, Manifest
 from .writer import sha256_file
 
 CHUNK = 16 << 20  # bytes per positional read
@@ -84,33 +86,54 @@ class FTWModel:
     """An opened FTW directory; checks happen here, bytes move only when asked."""
 
     def __init__(self, path: Path, allow_stub: bool = False):
-        """`allow_stub` accepts a header-only stub, every bank file present and empty (banks have
-        no header, so that is what fetching each file's header gives); `header_only` says so."""
+        """`allow_stub` accepts a header-only stub: every bank file present and empty (banks have
+        no header, so that is what fetching each file's header gives) and the dense file cut
+        after its header; `header_only` says so. Everything loading relies on is checked here:
+        the manifest, every bank's exact size, and the dense file's header, which must match the
+        manifest's dense index and cover its data region byte for byte."""
         self.path = Path(path)
         mpath = self.path / MANIFEST
         if not mpath.is_file():
             raise FTWError(f"{self.path}: no {MANIFEST}; not an FTW directory (convert it with ftw-convert)")
-        try:
-            raw = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
-            raise FTWError(f"{mpath}: not valid JSON ({e})") from None
-        self.manifest = Manifest.from_dict(raw, str(mpath))
+        self.manifest = Manifest.from_dict(read_object(mpath, FTWError), str(mpath))
         self.spec = self.manifest.spec
         self.layout = self.manifest.layout
         banks = [self.path / b.file for b in self.manifest.banks]
-        self.header_only = allow_stub and all(f.is_file() and f.stat().st_size == 0 for f in banks)
+        empty_banks = allow_stub and all(f.is_file() and f.stat().st_size == 0 for f in banks)
         for b in self.manifest.banks:
             f = self.path / b.file
             want = b.rows * self.layout.slot_bytes
-            if not self.header_only and (not f.is_file() or f.stat().st_size != want):
+            if not empty_banks and (not f.is_file() or f.stat().st_size != want):
                 have = f.stat().st_size if f.is_file() else "missing"
                 raise FTWError(f"{f}: expected {want} bytes, found {have}; the FTW directory is incomplete")
+        self.dense_refs, dense_stub = self._dense_index(allow_stub)
+        self.header_only = empty_banks or dense_stub
+
+    def _dense_index(self, allow_stub: bool) -> tuple[dict[str, TensorRef], bool]:
+        """The dense file's tensors from its header, as the manifest lists them."""
+        dense = self.manifest.dense
+        try:
+            refs, stub = parse_file(self.path / dense["file"], allow_stub)
+        except CheckpointError as e:
+            raise FTWError(f"{self.path}: {e}") from None
+        listed = dense["tensors"]
+        for name in sorted(listed.keys() - refs.keys()):
+            raise FTWError(f"{self.path}: missing tensor: {name} (in {MANIFEST}, not in {dense['file']})")
+        for name in sorted(refs.keys() - listed.keys()):
+            raise FTWError(f"{self.path}: tensor {name} of {dense['file']} is not in {MANIFEST}")
+        for name, ref in refs.items():
+            if (ref.dtype, list(ref.shape)) != (listed[name]["dtype"], listed[name]["shape"]):
+                raise FTWError(f"{self.path}: dense tensor {name} is {ref.dtype}{list(ref.shape)} in "
+                               f"{dense['file']}, {listed[name]['dtype']}{listed[name]['shape']} in the manifest")
+        return refs, stub
 
     # ---- dense ----------------------------------------------------------------------------
     def dense_state(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        return load_file(str(self.path / DENSE_FILE), device=str(device))
+        """Every dense tensor, read through the index checked at open (the dense file is read by
+        the same reader that checked it, so what opened loads)."""
+        if self.header_only:
+            raise FTWError(f"{self.path}: header-only stub: no dense tensor data")
+        return {name: read_ref(ref).to(device) for name, ref in self.dense_refs.items()}
 
     # ---- experts --------------------------------------------------------------------------
     def read_banks(

@@ -20,9 +20,25 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.base import CheckpointError
-from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, ModelSpec
+from ..spec import (
+    FULL_ATTENTION,
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_TOKEN_ID,
+    MAX_VOCAB,
+    QK_NORM_FULL,
+    QK_NORM_HEAD,
+    ModelSpec,
+    SpecError,
+)
+from .config import count, first_count, flag, layer_indices, names, number, section, token_ids
 from .decoder import Experts, MoEDecoder
+from .layers import check_rope
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,13 @@ class Family:
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
         raise NotImplementedError
 
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Refuse (SpecError) a spec this family's forward pass cannot run: every spec from a
+        config passes here, and every FTW manifest's before it loads. A subclass adds the
+        checks of its own fields (`spec.extra`)."""
+        self.decoder_class.check_kinds(spec)
+        check_rope(spec)
+
     def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
         """llama.cpp metadata -> the HF config keys this family reads -> spec_from_config."""
         g = gguf_common(meta, tensor_shapes)
@@ -179,21 +202,14 @@ def llama_dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def need(cfg: dict[str, Any], *keys: str, what: str) -> Any:
-    """The first present key's value; a clear error naming what is missing otherwise."""
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    raise CheckpointError(f"config has no {what} (looked for {', '.join(keys)})")
-
-
 def rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
     """(theta, scaling, partial_rotary_factor) from old (`rope_theta`/`rope_scaling`) or
     transformers-5 (`rope_parameters`) configs."""
-    params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    scaling = cfg.get("rope_scaling") or {
+    params = section(cfg, "rope_parameters")
+    theta = number(params, "rope_theta", number(cfg, "rope_theta", 10000.0, 0.0, 1e30, True), 0.0, 1e30, True)
+    partial = number(params, "partial_rotary_factor",
+                     number(cfg, "partial_rotary_factor", 1.0, 0.0, 1.0, True), 0.0, 1.0, True)
+    scaling = section(cfg, "rope_scaling") or {
         k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")
     }
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
@@ -202,18 +218,10 @@ def rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None,
     return theta, {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": kind}, partial
 
 
-def eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-def moe_layers_from(cfg: dict[str, Any], num_layers: int, num_experts: int) -> tuple[int, ...]:
+def moe_layers_from(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """Qwen-style sparse-step and dense-layer lists; every layer is MoE when they are absent."""
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    dense = set(cfg.get("mlp_only_layers") or [])
-    if num_experts <= 0:
-        return ()
+    step = count(cfg, "decoder_sparse_step", 0, hi=MAX_LAYERS) or 1
+    dense = set(layer_indices(cfg, "mlp_only_layers"))
     return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
@@ -223,55 +231,62 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, **inner} if isinstance(inner, dict) else cfg
 
 
+def layer_count(cfg: dict[str, Any]) -> int:
+    return first_count(cfg, "num_hidden_layers", what="layer count", hi=MAX_LAYERS)
+
+
 def base_spec_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     """The ModelSpec fields every Llama-style config spells the same way."""
-    num_layers = int(need(cfg, "num_hidden_layers", what="layer count"))
-    num_heads = int(need(cfg, "num_attention_heads", what="attention head count"))
-    hidden = int(need(cfg, "hidden_size", what="hidden size"))
+    num_layers = layer_count(cfg)
+    num_heads = first_count(cfg, "num_attention_heads", what="attention head count", hi=MAX_HEADS)
+    hidden = first_count(cfg, "hidden_size", what="hidden size", hi=MAX_HIDDEN)
     theta, scaling, partial = rope_from_config(cfg)
-    archs = cfg.get("architectures") or [family]
+    archs = names(cfg, "architectures") or [family]
+    kinds = names(cfg, "layer_types", MAX_LAYERS) or [FULL_ATTENTION] * num_layers
+    bos = count(cfg, "bos_token_id", None, hi=MAX_TOKEN_ID)
     return dict(
         family=family,
         architecture=archs[0],
-        vocab_size=int(need(cfg, "vocab_size", what="vocabulary size")),
+        vocab_size=first_count(cfg, "vocab_size", what="vocabulary size", hi=MAX_VOCAB),
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=count(cfg, "num_key_value_heads", 0, hi=MAX_HEADS) or num_heads,
+        head_dim=count(cfg, "head_dim", 0, hi=MAX_HEAD_DIM) or hidden // num_heads,
+        rms_norm_eps=number(cfg, "rms_norm_eps", 1e-6, 0.0, 1.0, open_lo=True),
         rope_theta=theta,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids(cfg.get("eos_token_id")),
-        layer_kinds=tuple(cfg.get("layer_types") or [FULL_ATTENTION] * num_layers),
+        max_position_embeddings=count(cfg, "max_position_embeddings", 4096, lo=1, hi=MAX_POSITIONS),
+        tie_word_embeddings=flag(cfg, "tie_word_embeddings", False),
+        bos_token_id=bos,
+        eos_token_ids=token_ids(cfg, "eos_token_id"),
+        layer_kinds=tuple(kinds),
     )
 
 
-def moe_spec(family: str, cfg: dict[str, Any], expert_ffn: str, dense_ffn: bool, **fields: Any) -> ModelSpec:
-    """A MoE ModelSpec from a Llama-style config; `fields` override or add family specifics."""
+def sliding_window(cfg: dict[str, Any]) -> int | None:
+    """Qwen's window, which applies only when `use_sliding_window` is set."""
+    if not flag(cfg, "use_sliding_window", False):
+        return None
+    return count(cfg, "sliding_window", None, lo=1, hi=MAX_POSITIONS)
+
+
+def moe_spec(family: Family, cfg: dict[str, Any], expert_ffn: str, dense_ffn: bool, **fields: Any) -> ModelSpec:
+    """A MoE ModelSpec from a Llama-style config, checked by `family`; `fields` override or add
+    family specifics."""
     cfg = text_config(cfg)
-    f = base_spec_fields(cfg, family)
-    experts = int(need(cfg, "num_experts", "num_local_experts", what="expert count"))
+    f = base_spec_fields(cfg, family.name)
     f.update(
-        intermediate_size=int(cfg.get("intermediate_size") or 0) if dense_ffn else 0,
-        moe_intermediate_size=int(need(cfg, expert_ffn, what="expert FFN width")),
-        num_experts=experts,
-        top_k=int(need(cfg, "num_experts_per_tok", what="experts per token")),
-        moe_layers=moe_layers_from(cfg, f["num_layers"], experts),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        intermediate_size=count(cfg, "intermediate_size", 0, hi=MAX_FFN) if dense_ffn else 0,
+        moe_intermediate_size=first_count(cfg, expert_ffn, what="expert FFN width", hi=MAX_FFN),
+        num_experts=first_count(cfg, "num_experts", "num_local_experts", what="expert count", hi=MAX_EXPERTS),
+        top_k=first_count(cfg, "num_experts_per_tok", what="experts per token", hi=MAX_EXPERTS),
+        moe_layers=moe_layers_from(cfg, f["num_layers"]),
+        norm_topk_prob=flag(cfg, "norm_topk_prob", False),
     )
-    return check_moe(ModelSpec(**{**f, **fields}))
-
-
-def check_moe(spec: ModelSpec) -> ModelSpec:
-    if spec.num_experts <= 0 or not spec.moe_layers:
-        raise CheckpointError(f"{spec.architecture}: no routed experts in this config; ftkit serves MoE models")
-    if not 0 < spec.top_k <= spec.num_experts:
-        raise CheckpointError(f"{spec.architecture}: top-k {spec.top_k} is not within 1..{spec.num_experts}")
+    spec = ModelSpec(**{**f, **fields})
+    family.check_spec(spec)
     return spec
 
 
@@ -287,8 +302,8 @@ def gguf_common(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dic
         v = meta.get(f"{arch}.{key}", default)
         return v[0] if isinstance(v, list) and v else v  # some keys may be per-layer arrays
 
-    if "token_embd.weight" not in shapes:
-        raise CheckpointError("GGUF has no token_embd.weight tensor")
+    if not shapes.get("token_embd.weight"):
+        raise SpecError("GGUF has no token_embd.weight tensor (or it has no dimensions)")
     cfg: dict[str, Any] = {
         "architectures": None,
         "num_hidden_layers": g("block_count"),

@@ -13,7 +13,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ..spec import FULL_ATTENTION, QK_NORM_FULL, QK_NORM_HEAD, SLIDING_ATTENTION, ModelSpec
+from ..spec import (
+    FULL_ATTENTION,
+    QK_NORM_FULL,
+    QK_NORM_HEAD,
+    SLIDING_ATTENTION,
+    ModelSpec,
+    SpecError,
+)
 from .kv import CacheSnapshot, KVCache
 from .layers import Rope, apply_rope, attention, linear, rms_norm, softmax_topk, swiglu
 
@@ -52,10 +59,14 @@ class MoEDecoder:
     supported_kinds: frozenset[str] = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})
     norm_offset = False  # RMSNorms multiply by (1 + weight) in float32 (Qwen3-Next); layers.rms_norm
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts):
-        kinds = set(spec.layer_kinds) - self.supported_kinds
+    @classmethod
+    def check_kinds(cls, spec: ModelSpec) -> None:
+        kinds = set(spec.layer_kinds) - cls.supported_kinds
         if kinds:
-            raise ValueError(f"{spec.architecture}: layer kind(s) {', '.join(sorted(kinds))} not supported")
+            raise SpecError(f"{spec.architecture}: layer kind(s) {', '.join(sorted(kinds))} not supported")
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts):
+        self.check_kinds(spec)
         self.spec, self.w, self.experts = spec, weights, experts
         self.device = weights["embed.weight"].device
         self.rope = Rope(spec, self.device)

@@ -20,18 +20,33 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint.base import CheckpointError
-from ..spec import QK_NORM_HEAD, QK_NORM_NONE, ModelSpec
+from ftkit.errors import shown
+
+from ..spec import (
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    QK_NORM_HEAD,
+    QK_NORM_NONE,
+    ModelSpec,
+    SpecError,
+    real,
+    whole,
+)
 from .base import (
     GGUF_RULES,
     HF_RULES,
     Family,
     gguf_common,
+    layer_count,
     llama_dense_shapes,
     moe_spec,
     rules,
     text_config,
 )
+from .config import MAX_COUNT, count, first_count, flag, number, section
 from .decoder import MoEDecoder
 
 SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
@@ -76,25 +91,34 @@ class Glm4Moe(Family):
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
         cfg = dict(text_config(cfg))
         cfg["num_experts"] = cfg.get("n_routed_experts") or cfg.get("num_experts")  # HF names it n_routed_experts
-        params = cfg.get("rope_parameters") or {}
+        params = section(cfg, "rope_parameters")
         if "partial_rotary_factor" not in params and cfg.get("partial_rotary_factor") is None:
             cfg["partial_rotary_factor"] = 0.5  # transformers' default for this family
-        layers, first = int(cfg.get("num_hidden_layers") or 0), int(cfg.get("first_k_dense_replace") or 0)
-        extra = dict(n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-                     routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
-        experts = int(cfg.get("num_experts") or 0)
-        if experts % extra["n_group"] or experts // extra["n_group"] < 2 or extra["topk_group"] > extra["n_group"]:
-            raise CheckpointError(f"GLM-4.5 MoE: {experts} experts cannot form {extra['n_group']} groups of 2 or more "
-                                  f"with {extra['topk_group']} kept")
+        layers, first = layer_count(cfg), count(cfg, "first_k_dense_replace", 0, hi=MAX_LAYERS)
+        extra = dict(n_group=count(cfg, "n_group", 0, hi=MAX_EXPERTS) or 1,
+                     topk_group=count(cfg, "topk_group", 0, hi=MAX_EXPERTS) or 1,
+                     routed_scaling_factor=number(cfg, "routed_scaling_factor", 1.0, 0.0, 1e30) or 1.0)
+        width = first_count(cfg, "moe_intermediate_size", what="expert FFN width", hi=MAX_FFN)
         return moe_spec(
-            self.name, cfg, "moe_intermediate_size", dense_ffn=True,
+            self, cfg, "moe_intermediate_size", dense_ffn=True,
             moe_layers=tuple(range(first, layers)),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"]),
-            qk_norm=QK_NORM_HEAD if cfg.get("use_qk_norm") else QK_NORM_NONE,
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            norm_topk_prob=flag(cfg, "norm_topk_prob", True),
+            shared_expert_intermediate_size=count(cfg, "n_shared_experts", 0, hi=MAX_EXPERTS) * width,
+            qk_norm=QK_NORM_HEAD if flag(cfg, "use_qk_norm", False) else QK_NORM_NONE,
+            attention_bias=flag(cfg, "attention_bias", False),
             extra=extra,
         )
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Grouped routing needs its group counts (the router takes each group's two best)."""
+        super().check_spec(spec)
+        e = spec.extra
+        groups = whole(e.get("n_group"), "n_group", 1, MAX_EXPERTS)
+        keep = whole(e.get("topk_group"), "topk_group", 1, MAX_EXPERTS)
+        real(e.get("routed_scaling_factor"), "routed_scaling_factor", 0.0, 1e30, open_lo=True)
+        if spec.num_experts % groups or spec.num_experts // groups < 2 or keep > groups:
+            raise SpecError(f"GLM-4.5 MoE: {spec.num_experts} experts cannot form {groups} groups of 2 or more "
+                            f"with {keep} kept")
 
     def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
         g = gguf_common(meta, tensor_shapes)
@@ -105,16 +129,19 @@ class Glm4Moe(Family):
             return default if value is None else value
 
         if m("expert_gating_func", SIGMOID_GATING) != SIGMOID_GATING:
-            raise CheckpointError(f"glm4moe GGUF with expert_gating_func {m('expert_gating_func')}; GLM-4.5 is sigmoid")
-        layers = int(g["num_hidden_layers"] or 0) - int(m("nextn_predict_layers", 0))
-        head_dim = int(g["head_dim"] or g["hidden_size"] // g["num_attention_heads"])
+            raise SpecError(f"glm4moe GGUF with expert_gating_func {shown(m('expert_gating_func'))}; GLM-4.5 is sigmoid")
+        nextn = count(meta, f"{arch}.nextn_predict_layers", 0, hi=MAX_LAYERS)
+        layers = count(g, "num_hidden_layers", 0, hi=MAX_COUNT) - nextn
+        heads = first_count(g, "num_attention_heads", what="attention head count", hi=MAX_HEADS)
+        head_dim = count(g, "head_dim", 0, hi=MAX_HEAD_DIM) or first_count(g, "hidden_size", what="hidden size") // heads
+        rotary = count(meta, f"{arch}.rope.dimension_count", head_dim, hi=MAX_HEAD_DIM)
         g.update(
             architectures=list(self.architectures), num_hidden_layers=layers, num_experts=g["experts"],
             num_experts_per_tok=g["experts_used"], intermediate_size=g["ffn"], moe_intermediate_size=g["expert_ffn"],
             n_shared_experts=m("expert_shared_count", 0), first_k_dense_replace=m("leading_dense_block_count", 0),
             routed_scaling_factor=m("expert_weights_scale", 1.0), norm_topk_prob=m("expert_weights_norm", False),
             n_group=m("expert_group_count", 1), topk_group=m("expert_group_used_count", 1),
-            partial_rotary_factor=int(m("rope.dimension_count", head_dim)) / head_dim,
+            partial_rotary_factor=rotary / whole(head_dim, "head_dim", 1, MAX_HEAD_DIM),
             attention_bias="blk.0.attn_q.bias" in tensor_shapes, use_qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
         )
         return self.spec_from_config(g)

@@ -7,17 +7,20 @@ reports them all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 
-from ftkit.vocab import BLOCK_FORMATS, EXPERT_FORMATS
+from ftkit.vocab import BLOCK_FORMATS, DENSE_FORMATS, EXPERT_FORMATS
 
-from ..checkpoint.base import Source
+from ..checkpoint.base import CheckpointError, Source
 from ..spec import ModelSpec
-from . import Family, Mapped, resolve
+from . import Family, Mapped, config_name, resolve
 
 PER_EXPERT, STACKED = "per-expert", "stacked"
 # What experts stored in blocks a slot cannot hold become without --dtype: FTW does not keep
 # those blocks yet, so they are dequantized, to the dtype a float checkpoint's experts would be.
 DEQUANTIZED_EXPERTS = "bfloat16"
+# Dense tensors convert from these: cast as they are, and GGUF's blocks dequantized exactly.
+GGUF_DENSE_FORMATS = (*DENSE_FORMATS, *BLOCK_FORMATS)
 
 
 @dataclass
@@ -46,11 +49,31 @@ class Inventory:
 
     @property
     def problems(self) -> list[str]:
+        """Everything that keeps this checkpoint from converting: ftw-convert refuses on the
+        first, ft-diagnose lists them all."""
         out = [f"unsupported: {u}" for u in self.unsupported]
         out += [f"missing tensor: {m}" for m in self.missing]
         out += [f"wrong shape: {m}" for m in self.mismatched]
+        out += self._dtype_problems()
         if len(self.expert_dtypes) > 1 and not self.dequantized_experts:
             out.append(f"experts mix dtypes {sorted(self.expert_dtypes)}; convert with --dtype to unify them")
+        return out
+
+    def _dtype_problems(self) -> list[str]:
+        """Stored dtypes the runtime cannot take: dense ones it cannot cast from, expert ones it
+        cannot put in a slot."""
+        tensors = self.source.tensors
+        dense_ok = GGUF_DENSE_FORMATS if self.gguf else DENSE_FORMATS
+        out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {', '.join(dense_ok)}"
+               for name, _ in self.dense.values() if tensors[name].dtype not in dense_ok]
+        # GGUF experts in a block format a slot cannot hold are dequantized at conversion
+        bad = self.expert_dtypes - set(EXPERT_FORMATS) - (set(BLOCK_FORMATS) if self.gguf else set())
+        for le in self.experts.values():
+            for name in (*le.stacked.values(), *le.per.values()):
+                if tensors[name].dtype in bad:
+                    bad.discard(tensors[name].dtype)
+                    out.append(f"wrong dtype: experts stored as {tensors[name].dtype} (e.g. {name}), "
+                               f"expected one of {', '.join(EXPERT_FORMATS)}")
         return out
 
     @property
@@ -78,6 +101,10 @@ def _same_shape(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
 
 def take_inventory(source: Source) -> Inventory:
     family, spec = resolve(source)
+    stored = len(source.tensors) + len(getattr(source, "unsupported", {}))
+    if spec.num_layers > stored:  # every layer has tensors of its own: the count is corrupt
+        raise CheckpointError(f"{config_name(source)}: {spec.num_layers} layers, but the weights hold only "
+                              f"{stored} tensors")
     inv = Inventory(source, family, spec)
     unsupported = getattr(source, "unsupported", {})  # GGUF tensors of types we cannot read
     inv.unsupported = [f"GGUF type {t} for tensor {n}" for n, t in unsupported.items()]
@@ -133,9 +160,11 @@ def _check_layer(inv: Inventory, layer: int, unreadable: set[str]) -> None:
     for part in ("gate", "up", "down"):
         if part in have or (part != "down" and "gate_up" in have):
             continue
-        missing = [e for e in range(inv.spec.num_experts) if (e, part) not in le.per]
-        if len(missing) == inv.spec.num_experts:
+        present = sum((e, part) in le.per for e in {e for e, _ in le.per})
+        if present == 0:
             inv.missing.append(f"layer {layer} experts' {part} projection")
-        elif missing:
-            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-            inv.missing.append(f"layer {layer} {part} projection of expert(s) {shown}")
+        elif present < inv.spec.num_experts:
+            # The first few missing ones: a scan that stops there, however many experts there are.
+            shown = list(islice((e for e in range(inv.spec.num_experts) if (e, part) not in le.per), 9))
+            inv.missing.append(f"layer {layer} {part} projection of expert(s) "
+                               + ", ".join(map(str, shown[:8])) + (" ..." if len(shown) > 8 else ""))

@@ -11,14 +11,17 @@ from typing import Any
 
 import torch
 
-from ..spec import SLIDING_ATTENTION, ModelSpec
+from ..spec import MAX_POSITIONS, SLIDING_ATTENTION, ModelSpec
 from .base import (
     HF_RULES,
     Family,
     Mapped,
+    layer_count,
     moe_spec,
     rules,
+    text_config,
 )
+from .config import count
 from .decoder import MoEDecoder
 
 MIXTRAL_RULES = rules(
@@ -48,10 +51,11 @@ class Mixtral(Family):
     decoder_class = MixtralDecoder
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
-        fields: dict[str, Any] = {"norm_topk_prob": True, "sliding_window": cfg.get("sliding_window")}
-        if cfg.get("sliding_window"):  # transformers applies Mixtral's window to every layer
-            fields["layer_kinds"] = (SLIDING_ATTENTION,) * int(cfg.get("num_hidden_layers") or 0)
-        return moe_spec(self.name, cfg, "intermediate_size", dense_ffn=False, **fields)
+        window = count(cfg, "sliding_window", 0, hi=MAX_POSITIONS) or None
+        fields: dict[str, Any] = {"norm_topk_prob": True, "sliding_window": window}
+        if window:  # transformers applies Mixtral's window to every layer
+            fields["layer_kinds"] = (SLIDING_ATTENTION,) * layer_count(text_config(cfg))
+        return moe_spec(self, cfg, "intermediate_size", dense_ffn=False, **fields)
 
     def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         return dict(intermediate_size=g["expert_ffn"] or g["ffn"])

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from ..spec import ModelSpec
-from .base import Family, Mapped, moe_spec
+from ..spec import MAX_FFN, ModelSpec
+from .base import Family, Mapped, moe_spec, sliding_window
+from .config import count, flag
 
 
 class Qwen2Moe(Family):
@@ -16,13 +17,13 @@ class Qwen2Moe(Family):
     gguf_archs = ("qwen2moe",)
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
-        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        shared = count(cfg, "shared_expert_intermediate_size", 0, hi=MAX_FFN)
         return moe_spec(
-            self.name, cfg, "moe_intermediate_size", dense_ffn=True,
+            self, cfg, "moe_intermediate_size", dense_ffn=True,
             shared_expert_intermediate_size=shared,
             shared_expert_gate=bool(shared),
-            attention_bias=bool(cfg.get("qkv_bias", True)),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            attention_bias=flag(cfg, "qkv_bias", True),
+            sliding_window=sliding_window(cfg),
         )
 
     def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:

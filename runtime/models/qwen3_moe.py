@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import QK_NORM_HEAD, ModelSpec
-from .base import Family, moe_spec
+from .base import Family, moe_spec, sliding_window
+from .config import flag
 
 
 class Qwen3Moe(Family):
@@ -14,12 +15,11 @@ class Qwen3Moe(Family):
     gguf_archs = ("qwen3moe",)
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
+        bias = flag(cfg, "attention_bias", False)
         return moe_spec(
-            self.name, cfg, "moe_intermediate_size", dense_ffn=True,
-            qk_norm=QK_NORM_HEAD,
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            attention_out_bias=bool(cfg.get("attention_bias", False)),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            self, cfg, "moe_intermediate_size", dense_ffn=True,
+            qk_norm=QK_NORM_HEAD, attention_bias=bias, attention_out_bias=bias,
+            sliding_window=sliding_window(cfg),
         )
 
     def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:

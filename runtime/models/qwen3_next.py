@@ -37,11 +37,34 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftkit.errors import shown
 from ftkit.kernels.triton import optional
 
 from ..checkpoint.base import CheckpointError
-from ..spec import FULL_ATTENTION, LINEAR_ATTENTION, QK_NORM_HEAD, ModelSpec
-from .base import GGUF_RULES, HF_RULES, Family, Mapped, llama_dense_shapes, moe_spec, rules
+from ..spec import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    QK_NORM_HEAD,
+    ModelSpec,
+    SpecError,
+    whole,
+)
+from .base import (
+    GGUF_RULES,
+    HF_RULES,
+    Family,
+    Mapped,
+    gguf_common,
+    layer_count,
+    llama_dense_shapes,
+    moe_spec,
+    rules,
+)
+from .config import MAX_COUNT, count, flag, names, section, text
 from .decoder import Experts, KVAttend, MoEDecoder
 from .kv import KVCache
 from .layers import apply_rope, rms_norm
@@ -71,6 +94,8 @@ GGUF_NEXT_RULES = rules(
 
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                "linear_value_head_dim", "linear_conv_kernel_dim")
+LINEAR_BOUNDS = dict(zip(LINEAR_KEYS, (MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_HEAD_DIM, MAX_HEAD_DIM), strict=True))
+IN_PROJ_LAYOUTS = ("qkvz", "qkv_z")
 # RMSNorms with the (1 + weight) form: llama.cpp stores them with the 1 added.
 OFFSET_NORMS = ("attn_norm.weight", "mlp_norm.weight", "attn.q_norm.weight", "attn.k_norm.weight")
 
@@ -176,10 +201,10 @@ class Qwen3NextDecoder(MoEDecoder):
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts):
         super().__init__(spec, weights, experts)
-        e = spec.extra
-        self.hk, self.hv = e["linear_num_key_heads"], e["linear_num_value_heads"]
-        self.dk, self.dv = e["linear_key_head_dim"], e["linear_value_head_dim"]
-        self.kernel = e["linear_conv_kernel_dim"]
+        e = spec.extra  # the linear-attention dims; absent when no layer is linear (check_spec)
+        self.hk, self.hv = e.get("linear_num_key_heads"), e.get("linear_num_value_heads")
+        self.dk, self.dv = e.get("linear_key_head_dim"), e.get("linear_value_head_dim")
+        self.kernel = e.get("linear_conv_kernel_dim")
         self.fused_qkvz = e.get("linear_in_proj", "qkvz") == "qkvz"
 
     def mixer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -272,32 +297,43 @@ class Qwen3Next(Family):
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
         cfg = dict(cfg)
-        layers = int(cfg.get("num_hidden_layers") or 0)
-        if not cfg.get("layer_types"):  # older configs: every full_attention_interval-th layer is full
-            interval = int(cfg.get("full_attention_interval") or 4)
+        if not names(cfg, "layer_types", MAX_LAYERS):  # older configs: every full_attention_interval-th layer is full
+            layers = count(cfg, "num_hidden_layers", 0, hi=MAX_LAYERS)
+            interval = count(cfg, "full_attention_interval", 0, hi=MAX_LAYERS) or 4
             cfg["layer_types"] = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
         kinds = set(cfg["layer_types"]) - {FULL_ATTENTION, LINEAR_ATTENTION}
         if kinds:
-            raise CheckpointError(f"Qwen3-Next: unknown layer type(s) {', '.join(sorted(kinds))}")
-        params = cfg.get("rope_parameters") or {}
+            raise SpecError(f"Qwen3-Next: unknown layer type(s) {', '.join(sorted(kinds))}")
+        params = section(cfg, "rope_parameters")
         if "partial_rotary_factor" not in params and cfg.get("partial_rotary_factor") is None:
             cfg["partial_rotary_factor"] = 0.25  # transformers' default for this family
         extra: dict[str, Any] = {}
         if LINEAR_ATTENTION in cfg["layer_types"]:
             missing = [k for k in LINEAR_KEYS if cfg.get(k) is None]
             if missing:
-                raise CheckpointError(f"Qwen3-Next config has no {', '.join(missing)}")
-            extra = {k: int(cfg[k]) for k in LINEAR_KEYS}
-            if extra["linear_num_value_heads"] % extra["linear_num_key_heads"]:
-                raise CheckpointError("Qwen3-Next: linear_num_value_heads is not a multiple of linear_num_key_heads")
-            extra["linear_in_proj"] = cfg.get("linear_in_proj", "qkvz")
-        bias = bool(cfg.get("attention_bias", False))
+                raise SpecError(f"Qwen3-Next config has no {', '.join(missing)}")
+            extra = {k: count(cfg, k, lo=1, hi=LINEAR_BOUNDS[k]) for k in LINEAR_KEYS}
+            extra["linear_in_proj"] = text(cfg, "linear_in_proj", "qkvz")
+        bias = flag(cfg, "attention_bias", False)
+        shared = count(cfg, "shared_expert_intermediate_size", 0, hi=MAX_FFN)
         return moe_spec(
-            self.name, cfg, "moe_intermediate_size", dense_ffn=True,
-            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
-            shared_expert_gate=bool(cfg.get("shared_expert_intermediate_size")),
+            self, cfg, "moe_intermediate_size", dense_ffn=True,
+            shared_expert_intermediate_size=shared, shared_expert_gate=bool(shared),
             qk_norm=QK_NORM_HEAD, attention_bias=bias, attention_out_bias=bias, extra=extra,
         )
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Linear-attention layers need their dims in `spec.extra`, value heads grouped per key head."""
+        super().check_spec(spec)
+        if LINEAR_ATTENTION not in spec.layer_kinds:
+            return
+        e = spec.extra
+        for k in LINEAR_KEYS:
+            whole(e.get(k), k, 1, LINEAR_BOUNDS[k])
+        if e["linear_num_value_heads"] % e["linear_num_key_heads"]:
+            raise SpecError("Qwen3-Next: linear_num_value_heads is not a multiple of linear_num_key_heads")
+        if e.get("linear_in_proj", "qkvz") not in IN_PROJ_LAYOUTS:
+            raise SpecError(f"Qwen3-Next: linear_in_proj {shown(e['linear_in_proj'])} is not one of {', '.join(IN_PROJ_LAYOUTS)}")
 
     def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         meta = g["_meta"]
@@ -306,37 +342,36 @@ class Qwen3Next(Family):
         def m(key: str) -> Any:
             return meta.get(f"{arch}.{key}")
 
-        layers = int(g["num_hidden_layers"])
+        layers = layer_count(g)
         # A layer is linear iff it has a DeltaNet tensor; fall back on the interval key.
         kinds = [LINEAR_ATTENTION if f"blk.{i}.ssm_a" in tensor_shapes else FULL_ATTENTION for i in range(layers)]
         if not any(f"blk.{i}.ssm_a" in tensor_shapes or f"blk.{i}.attn_q.weight" in tensor_shapes for i in range(layers)):
-            interval = int(m("full_attention_interval") or 4)
+            interval = count(meta, f"{arch}.full_attention_interval", 0, hi=MAX_LAYERS) or 4
             kinds = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
         out: dict[str, Any] = dict(
             intermediate_size=g["ffn"], moe_intermediate_size=g["expert_ffn"],
             shared_expert_intermediate_size=g["shared_ffn"], norm_topk_prob=True, layer_types=kinds,
             linear_in_proj="qkv_z",
         )
-        if m("rope.dimension_count") and g.get("head_dim"):
-            out["partial_rotary_factor"] = int(m("rope.dimension_count")) / int(g["head_dim"])
+        rotary, head_dim = count(meta, f"{arch}.rope.dimension_count", 0, hi=MAX_HEAD_DIM), count(g, "head_dim", 0, hi=MAX_HEAD_DIM)
+        if rotary and head_dim:
+            out["partial_rotary_factor"] = rotary / head_dim
         if LINEAR_ATTENTION in kinds:
-            k_heads, k_dim = m("ssm.group_count"), m("ssm.state_size")
-            v_heads, inner = m("ssm.time_step_rank"), m("ssm.inner_size")
-            if None in (k_heads, k_dim, v_heads, inner, m("ssm.conv_kernel")):
-                raise CheckpointError("qwen3next GGUF lacks ssm.* metadata (conv_kernel, state_size, group_count, "
-                                      "time_step_rank, inner_size)")
+            ssm = ("group_count", "state_size", "time_step_rank", "inner_size", "conv_kernel")
+            if any(m(f"ssm.{k}") is None for k in ssm):
+                raise SpecError("qwen3next GGUF lacks ssm.* metadata (conv_kernel, state_size, group_count, "
+                                "time_step_rank, inner_size)")
+            k_heads, k_dim, v_heads, inner, kernel = (count(meta, f"{arch}.ssm.{k}", lo=1, hi=MAX_COUNT) for k in ssm)
             out.update(linear_num_key_heads=k_heads, linear_key_head_dim=k_dim, linear_num_value_heads=v_heads,
-                       linear_value_head_dim=int(inner) // int(v_heads), linear_conv_kernel_dim=m("ssm.conv_kernel"))
+                       linear_value_head_dim=inner // v_heads, linear_conv_kernel_dim=kernel)
         return out
 
     def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
-        from .base import gguf_common
-
         g = gguf_common(meta, tensor_shapes)
         # Newer converters append the multi-token-prediction block(s) as extra blk.N layers and
         # count them in block_count; we serve the main layers only (the rest map as unexpected).
-        nextn = meta.get(f"{meta.get('general.architecture')}.nextn_predict_layers") or 0
-        g["num_hidden_layers"] = int(g["num_hidden_layers"] or 0) - int(nextn)
+        nextn = count(meta, f"{meta.get('general.architecture')}.nextn_predict_layers", 0, hi=MAX_LAYERS)
+        g["num_hidden_layers"] = count(g, "num_hidden_layers", 0, hi=MAX_COUNT) - nextn
         g["_meta"] = meta
         fields = self.gguf_config(g, tensor_shapes)
         del g["_meta"]

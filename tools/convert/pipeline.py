@@ -12,6 +12,7 @@ import torch
 from ftkit import __version__
 from ftkit.kernels.dequant import dequantize
 from ftkit.runtime.checkpoint import CheckpointError, open_source
+from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer
 from ftkit.runtime.ftw.manifest import (
     DENSE_FILE,
     MANIFEST,
@@ -74,13 +75,17 @@ def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BAN
         dense.append((canonical, _out_dtype(source.tensors[name].dtype, None if keep else dtype), shape))
     expert_dtype = dtype or (DEQUANTIZED_EXPERTS if inv.dequantized_experts else next(iter(inv.expert_dtypes)))
     layout = slot_layout(inv.spec, expert_dtype)
+    side_files = source.side_files()
+    for path, rel in side_files:  # the tokenizer ft-run will load, loaded now (a bad one refused)
+        if rel == TOKENIZER_JSON:
+            Tokenizer(path.parent)
     return Plan(
         inventory=inv,
         dense=dense,
         dense_bytes=sum(stored_nbytes(d, s) for _, d, s in dense),
         layout=layout,
         rows_per_bank=rows_per_bank(layout.slot_bytes, inv.spec.num_experts, bank_bytes),
-        side_files=source.side_files(),
+        side_files=side_files,
     )
 
 

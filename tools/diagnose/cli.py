@@ -77,7 +77,7 @@ def run(
     def body() -> None:
         result.update(diagnose(src))
         if as_json:
-            sys.stdout.write(json.dumps(result, indent=2) + "\n")
+            sys.stdout.write(json.dumps(result, indent=2, allow_nan=False) + "\n")  # strict JSON
         else:
             console.print(render(result))
 

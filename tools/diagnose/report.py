@@ -9,7 +9,6 @@ The schema of `diagnose`'s result is documented in docs/diagnose.md.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,20 +16,22 @@ from typing import Any, TypeVar
 
 import torch
 
-from ftkit.runtime.checkpoint import CheckpointError, open_source
-from ftkit.runtime.checkpoint.safetensors import find_config, parse_file
+from ftkit.errors import InputError
+from ftkit.runtime.checkpoint import open_source
+from ftkit.runtime.checkpoint.safetensors import read_config
 from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
-from ftkit.runtime.ftw.manifest import MANIFEST, FTWError
+from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer, compile_template
+from ftkit.runtime.ftw.manifest import MANIFEST
 from ftkit.runtime.ftw.reader import FTWModel
-from ftkit.runtime.models import FAMILIES, Family, family_for_config
-from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, Inventory, take_inventory
+from ftkit.runtime.models import Family, family_for_config, located
+from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, take_inventory
 from ftkit.runtime.models.kv import kv_bytes_per_token
+from ftkit.runtime.models.stored import dense_problems, stored_family
 from ftkit.runtime.spec import ModelSpec
-from ftkit.vocab import BLOCK_FORMATS, EXPERT_FORMATS, slot_layout
+from ftkit.vocab import EXPERT_FORMATS, FormatError, slot_layout
 
 PLAN_DTYPE = torch.bfloat16  # the memory plan's compute dtype: dense weights and KV cache
 KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
-DENSE_DTYPES = ("float32", "float16", "bfloat16")  # dense dtypes the runtime casts from
 FTW_LAYOUT = "ftw slots"
 
 T = TypeVar("T")
@@ -56,13 +57,12 @@ class Diagnosis:
     memory: dict[str, Any] | None = None
 
     def attempt(self, step: Callable[[], T]) -> T | None:
-        """Run one check step; a failure becomes a listed problem (once), never a traceback."""
+        """Run one check step; the readers' one-line error becomes a listed problem (once). Any
+        other exception is a bug in a reader, not a verdict, and is not caught."""
         try:
             return step()
-        except (CheckpointError, FTWError) as e:
-            problem = str(e).splitlines()[0] if str(e) else type(e).__name__
-        except Exception as e:  # corrupt input can break a parser in ways no message anticipates
-            problem = f"unreadable input ({type(e).__name__}: {e})"
+        except (InputError, FormatError) as e:
+            problem = str(e)
         if problem not in self.problems:
             self.problems.append(problem)
         return None
@@ -157,18 +157,20 @@ def _check_checkpoint(d: Diagnosis) -> None:
     d.kind, d.header_only, d.tensors = source.kind, source.header_only, len(source.tensors)
     if source.kind == "gguf":
         d.config, d.files = "GGUF metadata", 1
+        d.attempt(lambda: _check_gguf_templates(source.metadata, source.path.name))
     else:
         d.config, d.files = str(source.config_path.relative_to(source.path)), len(source.files)
+        d.attempt(lambda: _check_tokenizer(source.path))
     unsupported = getattr(source, "unsupported", {})
     inv = d.attempt(lambda: take_inventory(source))
     if inv is None:
         # The inventory lists unsupported types itself; without one, list them here.
         d.problems[:0] = [f"unsupported: GGUF type {t} for tensor {n}" for n, t in unsupported.items()]
         if source.kind == "safetensors":
-            _resolve(d, source.config)  # name the family even when its config is incomplete
+            _resolve(d, source.config, d.config)  # name the family even when its config is incomplete
         return
     d.family, d.spec = inv.family, inv.spec
-    d.problems += inv.problems + _dtype_problems(inv)
+    d.problems += inv.problems
     d.unexpected = inv.unexpected
     d.expert_layout = inv.expert_layout
     d.expert_dtype = "/".join(sorted(inv.expert_dtypes)) or None
@@ -178,38 +180,37 @@ def _check_checkpoint(d: Diagnosis) -> None:
 
 def _read_config(d: Diagnosis, root: Path) -> None:
     try:
-        cfg_path = find_config(root)
-        cfg = json.loads(cfg_path.read_text())
-    except (CheckpointError, OSError, ValueError):
+        cfg_path, cfg = read_config(root)
+    except InputError:
         return  # the source already reported the config problem
     d.config = str(cfg_path.relative_to(root))
-    _resolve(d, cfg)
+    _resolve(d, cfg, d.config)
 
 
-def _resolve(d: Diagnosis, cfg: dict[str, Any]) -> None:
-    """Family and spec from an HF config, as far as they go."""
-    d.family = d.attempt(lambda: family_for_config(cfg))
+def _resolve(d: Diagnosis, cfg: dict[str, Any], where: str) -> None:
+    """Family and spec from an HF config, as far as they go (problems worded as `resolve`'s)."""
+    d.family = d.attempt(lambda: _at(where, lambda: family_for_config(cfg)))
     if d.family:
-        d.spec = d.attempt(lambda: d.family.spec_from_config(cfg))
+        d.spec = d.attempt(lambda: _at(where, lambda: d.family.spec_from_config(cfg)))
 
 
-def _dtype_problems(inv: Inventory) -> list[str]:
-    """Stored dtypes the runtime cannot take: dense ones it cannot cast from, expert ones it
-    cannot put in a slot."""
-    tensors = inv.source.tensors
-    # GGUF block formats (dense or expert) are dequantized exactly at conversion
-    blocks = BLOCK_FORMATS if inv.gguf else ()
-    expected = ", ".join(DENSE_DTYPES) + (" or a GGUF block format" if inv.gguf else "")
-    out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {expected}"
-           for name, _ in inv.dense.values() if tensors[name].dtype not in (*DENSE_DTYPES, *blocks)]
-    bad = inv.expert_dtypes - set(EXPERT_FORMATS) - set(blocks)
-    for le in inv.experts.values():
-        for name in (*le.stacked.values(), *le.per.values()):
-            if tensors[name].dtype in bad:
-                bad.discard(tensors[name].dtype)
-                out.append(f"wrong dtype: experts stored as {tensors[name].dtype} (e.g. {name}), "
-                           f"expected one of {', '.join(EXPERT_FORMATS)}")
-    return out
+def _at(where: str, step: Callable[[], T]) -> T:
+    with located(where):
+        return step()
+
+
+def _check_tokenizer(root: Path) -> None:
+    """The tokenizer files ftw-convert carries and ft-run loads, loaded the same way."""
+    if (root / TOKENIZER_JSON).is_file():
+        Tokenizer(root)
+
+
+def _check_gguf_templates(metadata: dict[str, Any], name: str) -> None:
+    """The chat templates ftw-convert writes into tokenizer_config.json compile, as ft-run will
+    compile them (the tokenizer itself is rebuilt or skipped with a note; see gguf_tokenizer)."""
+    for key, value in metadata.items():
+        if key == "tokenizer.chat_template" or key.startswith("tokenizer.chat_template."):
+            compile_template(value, f"{name}: {key}")
 
 
 # ---- FTW directories -------------------------------------------------------------------------
@@ -219,26 +220,10 @@ def _check_ftw(d: Diagnosis) -> None:
     if model is None:
         return
     d.spec, d.header_only, d.expert_dtype = model.spec, model.header_only, model.layout.dtype
-    d.files = len(model.manifest.banks) + 1
-    d.family = FAMILIES.get(model.spec.family)
+    d.files, d.tensors = len(model.manifest.banks) + 1, len(model.dense_refs)
+    d.family = d.attempt(lambda: stored_family(model))
     if d.family is None:
-        d.problems.append(f"unknown family {model.spec.family!r} in {MANIFEST}; supported: {', '.join(FAMILIES)}")
         return
-    d.attempt(lambda: _check_ftw_dense(d, d.path / model.manifest.dense["file"]))
-
-
-def _check_ftw_dense(d: Diagnosis, dense_file: Path) -> None:
-    """The dense file's header against the expected dense tensors (FTW stores canonical names)."""
-    refs, stub = parse_file(dense_file, allow_stub=True)
-    d.header_only = d.header_only or stub
-    d.tensors = len(refs)
-    want = expected_dense(d.family, d.spec)
-    d.unexpected = [n for n in refs if n not in want]
-    for name, meta in want.items():
-        ref = refs.get(name)
-        if ref is None:
-            d.problems.append(f"missing tensor: {name}")
-        elif ref.shape != tuple(meta.shape):
-            d.problems.append(f"wrong shape: {name} is {list(ref.shape)}, expected {list(meta.shape)}")
-        elif ref.dtype not in DENSE_DTYPES:
-            d.problems.append(f"wrong dtype: {name} is {ref.dtype}, expected one of {', '.join(DENSE_DTYPES)}")
+    problems, d.unexpected = dense_problems(d.family, d.spec, model.dense_refs)
+    d.problems += problems
+    d.attempt(lambda: _check_tokenizer(d.path))
