@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +25,16 @@ MAX_JSON_BYTES = 64 << 20  # config, index, manifest and tokenizer config files 
 _STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string literal, escapes included
 _STRINGS = re.compile(_STRING)
 _NOT_BRACKET = re.compile(r"[^][{}]+")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
-def nesting_depth(text: str) -> int:
-    """The deepest nesting of arrays and objects in `text`, brackets inside strings skipped."""
-    if text.count("[") + text.count("{") <= 1:
-        return text.count("[") + text.count("{")
-    depth = deepest = 0
-    for c in _NOT_BRACKET.sub("", _STRINGS.sub("", text)):
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest
+def too_deep(text: str, limit: int) -> bool:
+    """Whether arrays and objects in `text` nest deeper than `limit` (brackets inside strings
+    skipped): the running count of open brackets, without parsing anything."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    brackets = _NOT_BRACKET.sub("", _STRINGS.sub("", text))
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0) > limit
 
 
 def _finite(text: str) -> float:
@@ -58,7 +55,7 @@ def parse_json(data: bytes | str, where: str, error: type[InputError], what: str
         text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as e:
         raise error(f"{where}: {invalid} (not UTF-8 at byte {e.start})") from None
-    if nesting_depth(text) > MAX_DEPTH:
+    if too_deep(text, MAX_DEPTH):
         raise error(f"{where}: {what or 'the file'} nests arrays or objects deeper than {MAX_DEPTH} levels")
     try:
         return json.loads(text, parse_float=_finite, parse_constant=_no_constant)

@@ -190,7 +190,11 @@ class SafetensorsSource:
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index.name}: not a valid safetensors index (weight_map is "
                                       f"{type_name(weight_map)}, not an object)")
-            files = [root / f for f in sorted({_shard_name(index, v) for v in weight_map.values()})]
+            names: set[str] = set()
+            for v in weight_map.values():  # one check per file, not per tensor
+                if not (type(v) is str and v in names):
+                    names.add(_shard_name(index, v))
+            files = [root / f for f in sorted(names)]
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise CheckpointError(f"missing shard(s) named in {INDEX}: {', '.join(missing)}")
