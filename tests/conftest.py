@@ -8,11 +8,18 @@ the device-side decode path is tested on CPU too.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+# `python -m pytest` puts the repository root on sys.path, where the source folder `kernels/`
+# shadows the hub's `kernels` package that transformers >= 5.25 imports (an ImportError in every
+# reference check). The code runs installed as `ftkit.*`, so the root is never needed on the path.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
