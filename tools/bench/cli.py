@@ -171,7 +171,7 @@ def decode(
                 r = run.decode(rt, tokens, prompt, override, figs, trace, sampler=sampler)
                 if record:
                     override.save(record)
-                together = run.decode_batch(rt, tokens, prompt, batch) if batch > 1 else None
+                together = run.decode_batch(rt, tokens, prompt, batch, figs) if batch > 1 else None
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
                                    if trace_dir else None, extend, answer, repeat, anchors_every)
                        for c in chunks.split(",") if c]
@@ -356,8 +356,10 @@ def _prefill_cell(p: dict) -> str:
 
 
 def _batch_cell(b: dict) -> str:
-    """tok/s over the batch and ms a step, marked where the steps ran eagerly, not captured."""
-    return f"{b['tok_s']:.1f} ({b['ms_per_step']:.1f})" + ("" if b["graphs"] else " eager")
+    """tok/s over the batch, ms a step and the share of the bound, marked where the steps ran
+    eagerly, not captured."""
+    bound = f", {b['of_bound']:.0%} of {b['bound_tok_s']:.0f}" if b["bound_tok_s"] else ""
+    return f"{b['tok_s']:.1f} ({b['ms_per_step']:.1f}{bound})" + ("" if b["graphs"] else " eager")
 
 
 def _fmt(x: float | None) -> str:
