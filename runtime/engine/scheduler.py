@@ -213,8 +213,9 @@ class Scheduler:
             return
         mode = self.mode.pick(all(r.decoding.pipelined() for r in live))
         t0 = time.perf_counter()
-        tokens = sum(self._burst(req, SLICE) for req in live) if mode == TURNS else self._step(live)
-        self.mode.observe(mode, tokens, time.perf_counter() - t0)
+        tokens = sum(self._burst(req, SLICE) for req in live) if mode == TURNS else self._batched(live)
+        if not new:  # a pass that prefilled also waited for the prefill's GPU work: no rate of a mode
+            self.mode.observe(mode, tokens, time.perf_counter() - t0)
 
     def _prefill(self, new: list[Request]) -> None:
         """Resume each new request from the prefix cache, then compute the rest of the prompts,
@@ -232,6 +233,20 @@ class Scheduler:
                 for req in reqs:
                     req.prefilled = True
                     self._emit(req)
+
+    def _batched(self, live: list[Request]) -> int:
+        """Batched steps of the live requests, up to SLICE (a burst's length, so both modes are
+        measured over as many tokens), until one of them ends or the safe point is needed; the
+        tokens made. (One step a pass measured a batch by its first step after a prefill, which
+        waits for that prefill's queued GPU work: batching lost to turns on one slow sample.)"""
+        made = 0
+        for _ in range(SLICE):
+            step = self._step(live)
+            made += step
+            if (not step or any(r.decoding.done or r.cancelled.is_set() for r in live)
+                    or self.rebuilds or self._admissible()):
+                break
+        return made
 
     def _step(self, live: list[Request]) -> int:
         """One batched decode step of the live requests; the tokens it made."""
