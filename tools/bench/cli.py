@@ -25,6 +25,7 @@ from ftkit.runtime.random_model import write_random_ftw
 
 from . import agent_trace, hostmem, run, soak
 from . import serve as serve_bench
+from . import sweep as sweep_bench
 from .presets import PRESETS, preset_spec
 from .routing import Recorder, Replayer, RoutingOverride, Synthetic
 
@@ -319,6 +320,72 @@ def agent_trace_cmd(
             return
         print(agent_trace.table(rows))
         print(json.dumps(agent_trace.summary(rows), indent=1))
+
+    guarded(body)
+
+
+@app.command()
+@runtime_flags(without=("strategy", "cache_experts", "cache_bytes", "gpu_budget"))
+def sweep(
+    model: Annotated[Path, typer.Option("--model", "-m")],
+    strategies: Annotated[str, typer.Option(help="comma-separated strategies")] = "offload,hybrid,cpu",
+    fractions: Annotated[str, typer.Option(help="cacheable shares of the expert pool")] = "0.1,0.2,0.35,0.5,0.6",
+    threads_sweep: Annotated[str, typer.Option("--thread-counts", help="CPU threads for the CPU-side sweep ('' = none)")] = "",
+    thread_strategy: Annotated[str, typer.Option(help="the strategy the thread sweep runs")] = "cpu",
+    tokens: int = 32,
+    prompt: int = 16,
+    chunk: Annotated[int, typer.Option(help="also time a prefill of this many tokens at each point (0: none)")] = 0,
+    routing: Annotated[str, typer.Option(help="real | reuse:P (uniform: reuse:0, the headline)")] = "reuse:0",
+    pcie_gbps: float | None = None,
+    cpu_gbps: float | None = None,
+    out: Annotated[Path, typer.Option(help="directory for sweep.json and the SVG charts")] = Path("ft-bench-sweep"),
+    opts: RuntimeOptions = None,
+) -> None:
+    """Decode (and prefill with --chunk) for each strategy at each expert-cache fraction, and the
+    CPU side at each thread count, beside their bounds: sweep.json and SVG charts of tok/s
+    against the cache's device bytes and against threads."""
+
+    def body() -> None:
+        shares = [float(f) for f in fractions.split(",") if f]
+        counts = [int(t) for t in threads_sweep.split(",") if t]
+        if not shares or not all(0 < f <= 1 for f in shares) or any(t < 1 for t in counts):
+            raise ValueError("--fractions must be shares in (0, 1], --thread-counts 1 or more")
+        if min(tokens, prompt) < 1 or chunk < 0:
+            raise ValueError("--tokens and --prompt must be 1 or more, --chunk 0 or more")
+        out.mkdir(parents=True, exist_ok=True)
+        longest = max(run.decode_length(prompt, tokens), run.prefill_length(chunk, 32, 0) if chunk else 0)
+        base = dataclasses.replace(opts, kv_tokens=longest)
+
+        def figures(rt: Runtime) -> run.Figures:
+            return _figures(rt, pcie_gbps, cpu_gbps)
+
+        def routed(rt: Runtime, n: int):
+            return _routing(rt, routing, n)
+
+        def ratio(s: str) -> RuntimeOptions:
+            return dataclasses.replace(base, bandwidth_ratio=base.bandwidth_ratio or _ratio(pcie_gbps, cpu_gbps, base.profile, s))
+
+        say = lambda line: console.print(line, markup=False, highlight=False)  # noqa: E731
+        cache = [p for s in strategies.split(",") if s
+                 for p in sweep_bench.cache_sweep(model, ratio(s), [s], shares, figures, routed, tokens, prompt, chunk, say)]
+        cpu = (sweep_bench.thread_sweep(model, ratio(thread_strategy), thread_strategy, counts, figures, routed,
+                                        tokens, prompt, say) if counts else [])
+        title = f"{model.name}, routing {routing}"
+        (out / "cache.svg").write_text(sweep_bench.cache_chart(cache, title))
+        if cpu:
+            (out / "threads.svg").write_text(sweep_bench.thread_chart(cpu, title))
+        (out / "sweep.json").write_text(json.dumps({"machine": _machine(), "model": str(model), "routing": routing,
+                                                    "cache": cache, "threads": cpu}, indent=1))
+        table = Table(title=f"ft-bench sweep: {model}")
+        for col in ("strategy", "cache", "threads", "tok/s", "bound tok/s", *(["prefill tok/s"] if chunk else [])):
+            table.add_column(col, justify="right")
+        for p in cache + cpu:
+            table.add_row(p["strategy"], f"{p['cache_slots']} ({p['cache_bytes'] / 1e9:.2f} GB)", str(p["threads"]),
+                          f"{p['tok_s']:.1f}", _fmt(p["bound_tok_s"]),
+                          *([_fmt(p.get("prefill_tok_s"))] if chunk else []))
+        console.print(table)
+        console.print(f"wrote {out / 'sweep.json'} and its charts ({out / 'cache.svg'}"
+                      + (f", {out / 'threads.svg'})" if cpu else ")"), markup=False, highlight=False)
 
     guarded(body)
 
