@@ -37,7 +37,7 @@ class Experts(Protocol):
 
     def expect(self, layer: int, topk_ids: list[torch.Tensor]) -> None:
         """The routing of each piece `run` gets next for `layer`, in order: a layer-by-layer
-        forward routes all its pieces before their experts run (the runner may read it back
+        forward routes all its pieces before their experts run (a GPU store may read it back
         once, not once a piece)."""
         ...
 
@@ -129,8 +129,8 @@ class MoEDecoder:
             for i in range(self.spec.num_layers):
                 p, moe = f"layers.{i}.", self.spec.is_moe(i)
                 # Every piece's token mixer (and routing) first: a piece's mixer needs only the keys
-                # (or state) the pieces before it left, not their experts; so the experts runner
-                # sees the layer's whole routing before its first piece's experts.
+                # (or state) the pieces before it left, not their experts; so `experts` sees the
+                # layer's whole routing before its first piece's experts.
                 routes, normed = [], {}
                 for n, (s, a, b) in enumerate(pieces):
                     cache = caches[s]
@@ -192,7 +192,7 @@ class MoEDecoder:
         the stream after the layer and its norm by the next layer's attn_norm (the final norm
         after the last). `mix(i, h)`: the token mixer's output. The one layer body the batched
         forward and the graph paths share; a fast path passes a fused `add_norm` (only where
-        this family's own is the default: engine/graphs.py) and its `experts` runner."""
+        this family's own is the default: engine/graphs.py) and its own `experts`."""
         add_norm = add_norm or self.add_norm
         p = f"layers.{i}."
         x, h = add_norm(x, mix(i, h), p + "mlp_norm.weight")
