@@ -46,7 +46,7 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
           api_key: str | None = None, max_running: int = 4, kv_tokens: int | None = None,
           device_memory: int | None = None, served_name: str | None = None, max_body: int = DEFAULT_MAX_BODY,
           say: Callable[[str], None] = print) -> None:
-    import uvicorn  # only here: the runtime works without the serve extra
+    import uvicorn
 
     from ..engine.scheduler import Scheduler
     from .app import create_app
