@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
+import typer
 from rich.console import Console
 
+from ftkit import __version__
 from ftkit.errors import InputError, one_line
 
 err_console = Console(stderr=True)
@@ -28,6 +30,17 @@ def guarded(fn: Callable[[], object]) -> None:
         fail(one_line(str(e).splitlines()[0]) if str(e) else type(e).__name__)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+
+
+def _print_version(ctx: typer.Context, value: bool) -> None:
+    if value:
+        print(f"{ctx.find_root().info_name} {__version__}")
+        raise typer.Exit()
+
+
+# `--version` for every command: printed before any other option is read (or any module loaded).
+Version = Annotated[bool, typer.Option("--version", is_eager=True, expose_value=False, callback=_print_version,
+                                       help="print the version and exit")]
 
 
 def parse_bytes(text: str) -> int:

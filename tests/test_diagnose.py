@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import fixtures as fx
+from ftkit import __version__
 from ftkit.runtime.checkpoint.gguf import READ_CHUNK
 from ftkit.runtime.engine.loader import RuntimeOptions
 from ftkit.runtime.engine.resolve import Machine, resolve
@@ -306,7 +307,12 @@ def test_console_script_exit_codes(model_path, tmp_path: Path) -> None:
     assert "bad magic" in bad.stdout
     usage = run(str(tmp_path / "no-such-model"))
     assert usage.returncode == 2 and "Traceback" not in usage.stdout + usage.stderr
-    assert "does not exist" in usage.stderr
+    assert usage.stderr.strip() == f"error: {tmp_path / 'no-such-model'}: no such file or directory"
+    as_json = run(str(tmp_path / "no-such-model"), "--json")  # a CI step still gets a verdict
+    assert as_json.returncode == 2 and json.loads(as_json.stdout)["verdict"] == "FAIL"
+    assert json.loads(as_json.stdout)["problems"] == [f"{tmp_path / 'no-such-model'}: no such file or directory"]
+    version = run("--version")
+    assert (version.returncode, version.stdout) == (0, f"ft-diagnose {__version__}\n")
 
 
 # ---- no weight bytes ---------------------------------------------------------------------------
