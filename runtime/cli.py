@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import shlex
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from rich.table import Table
 
 from ftkit.vocab import human_bytes
 
-from .console import guarded, parse_bytes
+from .console import err_console, guarded, parse_bytes
 from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
@@ -304,6 +305,61 @@ def serve_cmd(
               max_body=parse_bytes(max_body), say=lambda line: console.print(line, markup=False, highlight=False))
 
     guarded(run)
+
+
+@app.command("launch")
+@runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
+def launch_cmd(
+    agent: Annotated[str, typer.Argument(metavar="AGENT", help="claude | codex | opencode", show_default=False)],
+    agent_args: Annotated[list[str] | None, typer.Argument(metavar="[-- ARGS]", show_default=False,
+                                                          help="passed to the agent")] = None,
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="FTW directory to serve when no server "
+                                                                    "answers on the port")] = None,
+    host: Annotated[str, typer.Option(help="the server's address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="the server's TCP port")] = 8741,
+    api_key: Annotated[str | None, typer.Option(envvar="FTKIT_API_KEY", help="the server's key (given to "
+                                                                            "the agent, and to a server it starts)")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model id of a server it starts (default: the "
+                                                               "directory name)")] = None,
+    print_only: Annotated[bool, typer.Option("--print", help="print what the agent would be given; start "
+                                                             "nothing")] = False,
+    opts: RuntimeOptions = None,
+) -> None:
+    """Run a coding agent against ft-run serve: the server on --port if one answers, else one
+    started from -m (stopped when the agent exits); the agent's settings go to a temporary
+    place (environment, command-line overrides, a config file), never over the user's own."""
+    import os
+    import tempfile
+
+    from .server import agents
+
+    def say(line: str) -> None:
+        err_console.print(f"ftkit: {line}", markup=False, highlight=False, soft_wrap=True)
+
+    def run() -> int:
+        url = f"http://{agents.client_host(host)}:{port}"
+        name = agents.served_model(url)
+        argv = ["-m", str(model), "--host", host, "--port", str(port), *runtime_argv(opts),
+                *(["--served-model-name", served_model_name] if served_model_name else [])]
+        if name is None and model is None:
+            raise ValueError(f"no ft-run serve answers on {url}; give -m MODEL to start one")
+        with tempfile.TemporaryDirectory(prefix="ft-run-launch-") as tmp:
+            if print_only:
+                setup = agents.setup_for(agent, url, name or served_model_name or model.name, api_key, Path(tmp))
+                print(f"# the ft-run serve on {url}" if name else f"# ft-run serve {shlex.join(argv)}")
+                print(setup.describe(agent, api_key))
+                return 0
+            exe = agents.executable(agent)
+            if name is not None:
+                say(f"using the ft-run serve on {url} ({name})")
+                return agents.run(exe, agents.setup_for(agent, url, name, api_key, Path(tmp)), agent_args or [])
+            env = {**os.environ, **({"FTKIT_API_KEY": api_key} if api_key else {})}  # not in argv: ps shows it
+            with agents.server(argv, url, Path(tmp) / "serve.log", env, say) as name:
+                return agents.run(exe, agents.setup_for(agent, url, name, api_key, Path(tmp)), agent_args or [])
+
+    code: list[int] = []
+    guarded(lambda: code.append(run()))
+    raise typer.Exit(code[0])
 
 
 ctl = typer.Typer(no_args_is_help=True, help="Talk to a running `ft-run serve`.")
