@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,9 +17,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ftkit.vocab import human_bytes
+from ftkit.vocab import DENSE_FORMATS, STRATEGIES, human_bytes
 
-from .console import err_console, guarded, parse_bytes
+from .console import USAGE, Version, err_console, fail, guarded, parse_bytes, printable
 from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
@@ -25,6 +27,11 @@ from .server.limits import DEFAULT_MAX_BODY
 
 console = Console()
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Run an FTW model.")
+
+@app.callback()
+def _root(version: Version = False) -> None:
+    pass
+
 
 Model = Annotated[Path, typer.Option("--model", "-m", help="FTW directory (from ftw-convert)")]
 Strategy = Annotated[str, typer.Option(help="fused | offload | cpu | hybrid | auto (fused when every expert fits "
@@ -51,6 +58,7 @@ AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hy
 PrefillChunk = Annotated[int, typer.Option(help="GPU: prompt tokens a prefill runs through a layer at once (their "
                                                 "activations are reserved; each layer's experts cross PCIe once a "
                                                 "prompt whatever the size)")]
+MaxTokens = Annotated[int, typer.Option(help="tokens to generate at most (at least 1)")]
 KvTokens = Annotated[int, typer.Option(help="KV tokens a request may reach (prompt + max tokens); reserved by "
                                             "--gpu-budget; on CUDA the graph decode capacity (longer: eager)")]
 
@@ -70,12 +78,35 @@ SERVE_FLAGS: list[tuple[str, object, object]] = [("prefix_cache_tokens", PrefixT
 DEFAULTS = {name: default for name, _, default in RUNTIME_FLAGS + PREFIX_FLAGS + KV_FLAGS + SERVE_FLAGS}
 
 
+def _at_least(f: dict, name: str, low: int) -> None:
+    if f[name] is not None and f[name] < low:
+        raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {f[name]}")
+
+
+def check_flags(f: dict) -> None:
+    """Refuse, in one line naming the accepted values, a runtime flag no command could run with."""
+    if f["strategy"] not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {f['strategy']!r}")
+    if f["dtype"] is not None and f["dtype"] not in DENSE_FORMATS:
+        raise ValueError(f"--dtype must be one of {', '.join(DENSE_FORMATS)}, got {f['dtype']!r}")
+    if f["device"] is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", f["device"]):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {f['device']!r}")
+    for name, low in (("cache_experts", 0), ("threads", 1), ("prefill_chunk", 1), ("kv_tokens", 1),
+                      ("prefix_cache_tokens", 0), ("anchor_slots", 0)):
+        _at_least(f, name, low)
+    ratio = f["bandwidth_ratio"]
+    if ratio is not None and not (math.isfinite(ratio) and ratio > 0):
+        raise ValueError(f"--bandwidth-ratio must be a positive number (B_P / B_H), got {ratio}")
+
+
 def _to_options(f: dict) -> RuntimeOptions:
-    """`f`: a value for every flag of DEFAULTS (a command's own, or the default of one it lacks)."""
+    """`f`: a value for every flag of DEFAULTS (a command's own, or the default of one it lacks);
+    a bad value is a ValueError of one line."""
+    check_flags(f)
     return RuntimeOptions(
         strategy=f["strategy"], cache_experts=f["cache_experts"],
-        cache_bytes=parse_bytes(f["cache_bytes"]) if f["cache_bytes"] else None,
-        gpu_budget=parse_bytes(f["gpu_budget"]) if f["gpu_budget"] else None,
+        cache_bytes=parse_bytes(f["cache_bytes"], "--cache-bytes") if f["cache_bytes"] else None,
+        gpu_budget=parse_bytes(f["gpu_budget"], "--gpu-budget") if f["gpu_budget"] else None,
         device=f["device"], threads=f["threads"], profile=f["profile"], find_profile=not f["no_profile"],
         bandwidth_ratio=f["bandwidth_ratio"], dtype=f["dtype"], verify=f["verify"],
         prefix_cache=not f["no_prefix_cache"], anchors=not f["no_anchors"],
@@ -115,7 +146,11 @@ def runtime_flags(*groups: list[tuple[str, object, object]], without: tuple[str,
         @functools.wraps(command)
         def run(**kwargs: object) -> None:
             given = {n: kwargs.pop(n) for n, _, _ in flags}
-            command(opts=_to_options({**DEFAULTS, **given}), **kwargs)
+            try:
+                opts = _to_options({**DEFAULTS, **given})
+            except ValueError as e:  # parsed outside the command's own one-line handler
+                fail(str(e), USAGE)
+            command(opts=opts, **kwargs)
 
         run.__signature__ = sig.replace(parameters=own + added)  # what typer reads
         return run
@@ -123,8 +158,13 @@ def runtime_flags(*groups: list[tuple[str, object, object]], without: tuple[str,
     return wrap
 
 
+def check_max_tokens(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {n}")
+
+
 def _echo(delta: str) -> None:
-    console.print(delta, end="", markup=False, highlight=False)
+    console.print(printable(delta), end="", markup=False, highlight=False)
 
 
 def _prompt_ids(rt: Runtime, prompt: str | None, prompt_ids: str | None, chat: bool) -> list[int]:
@@ -164,8 +204,13 @@ def _report(rt: Runtime, gen: Generation, as_json: bool, show_stats: bool) -> No
         console.print(stats_table(rt))
     st = gen.stats()
     console.print(f"[dim]{st['prompt_tokens']} prompt + {st['completion_tokens']} generated tokens; "
-                  f"prefill {st['prefill_tok_s']} tok/s, decode {st['decode_tok_s']} tok/s; "
+                  f"prefill {_rate(st['prefill_tok_s'])}, decode {_rate(st['decode_tok_s'])}; "
                   f"strategy {rt.store.strategy}[/]")
+
+
+def _rate(tok_s: float | None) -> str:
+    """A rate, or '-' where there was nothing to time (all cached, or a single token)."""
+    return "-" if tok_s is None else f"{tok_s} tok/s"
 
 
 @app.command("generate")
@@ -175,13 +220,13 @@ def generate_cmd(
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
     prompt_ids: Annotated[str | None, typer.Option(help="prompt token ids, e.g. 1,2,3")] = None,
     chat: Annotated[bool, typer.Option(help="wrap --prompt in the chat template")] = False,
-    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 64,
+    max_tokens: MaxTokens = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling: keep the likeliest tokens up to this mass")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="sample among the k likeliest tokens (0 = all)")] = 0,
+    seed: Annotated[int | None, typer.Option(help="seed of the sampler (same seed, same device: same tokens)")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
-    ignore_eos: bool = False,
+    ignore_eos: Annotated[bool, typer.Option(help="go on past the end-of-sequence token")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="per-layer expert hits/misses/fills/CPU")] = False,
     opts: RuntimeOptions = None,
@@ -189,6 +234,7 @@ def generate_cmd(
     """Generate a completion for one prompt."""
 
     def run() -> None:
+        check_max_tokens(max_tokens)
         rt = Runtime(model, replace(opts, prefix_cache=False))  # one prompt: nothing to reuse
         try:
             ids = _prompt_ids(rt, prompt, prompt_ids, chat)
@@ -208,16 +254,17 @@ def generate_cmd(
 @runtime_flags(PREFIX_FLAGS, KV_FLAGS)
 def chat_cmd(
     model: Model,
-    max_tokens: int = 256,
-    temperature: float = 0.7,
+    max_tokens: MaxTokens = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.7,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
-    stats: Annotated[bool, typer.Option("--stats")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="per-layer expert hits/misses/fills/CPU after each reply")] = False,
     opts: RuntimeOptions = None,
 ) -> None:
     """Chat interactively (empty line or Ctrl-D to quit); tokens stream as they come. Each turn
     reuses the previous turns' K/V through the prefix cache."""
 
     def run() -> None:
+        check_max_tokens(max_tokens)
         rt = Runtime(model, opts)
         if rt.tokenizer is None or rt.tokenizer.template is None:
             raise ValueError(f"{model} has no tokenizer or chat template; use ft-run generate --prompt-ids")
@@ -246,8 +293,8 @@ def chat_cmd(
 @app.command("demo")
 def demo_cmd(
     out: Annotated[Path, typer.Option(help="where to write the built-in model")] = Path("demo"),
-    prompt: str = "Write a haiku about experts.",
-    max_tokens: int = 32,
+    prompt: Annotated[str, typer.Option(help="what the built-in model is asked")] = "Write a haiku about experts.",
+    max_tokens: MaxTokens = 32,
     threads: Threads = None,
 ) -> None:
     """Write the built-in small random-weight MoE (once) and generate from it with `hybrid`
@@ -256,6 +303,7 @@ def demo_cmd(
     from .synthetic import write_tokenizer
 
     def run() -> None:
+        check_max_tokens(max_tokens)
         model = out / "demo.ftw"
         if not (model / "manifest.json").is_file():
             vocab = 512
@@ -301,8 +349,8 @@ def serve_cmd(
 
     def run() -> None:
         serve(model, opts, host=host, port=port, api_key=api_key, max_running=max_running, kv_tokens=kv_tokens,
-              device_memory=parse_bytes(device_memory) if device_memory else None, served_name=served_model_name,
-              max_body=parse_bytes(max_body), say=lambda line: console.print(line, markup=False, highlight=False))
+              device_memory=parse_bytes(device_memory, "--device-memory") if device_memory else None, served_name=served_model_name,
+              max_body=parse_bytes(max_body, "--max-body"), say=lambda line: console.print(line, markup=False, highlight=False))
 
     guarded(run)
 

@@ -15,6 +15,13 @@ from ftkit.errors import InputError, one_line
 err_console = Console(stderr=True)
 # Bad input files (InputError: every reader's), outputs that exist, and bad option values.
 USER_ERRORS = (InputError, FileExistsError, FileNotFoundError, ValueError)
+USAGE = 2  # the exit code of a bad command line (click's too)
+
+
+def printable(text: str) -> str:
+    """Generated text as a terminal should get it: control characters (an escape sequence, a
+    carriage return, a bell) written as escapes; newlines and tabs kept."""
+    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -43,10 +50,10 @@ Version = Annotated[bool, typer.Option("--version", is_eager=True, expose_value=
                                        help="print the version and exit")]
 
 
-def parse_bytes(text: str) -> int:
-    """'8G', '512M', '1.5GiB', '4096' -> bytes (binary multiples)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+def parse_bytes(text: str, flag: str = "a size") -> int:
+    """'8G', '512M', '1.5GiB', '4096' -> bytes (binary multiples); `flag` names the option."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
     if not m:
-        raise ValueError(f"not a byte size: {text!r} (try 8G, 512M)")
+        raise ValueError(f"{flag} takes a byte size such as 8G, 512M or 4096, got {text!r}")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
     return int(float(m.group(1)) * scale)

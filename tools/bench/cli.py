@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ftkit import __version__
 from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
-from ftkit.runtime.console import guarded
+from ftkit.runtime.console import Version, guarded
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.random_model import write_random_ftw
@@ -33,14 +33,19 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Reproducible benchmarks of ftkit's runtime.")
 
 
+@app.callback()
+def _root(version: Version = False) -> None:
+    pass
+
+
 @app.command()
 def write(
     out: Annotated[Path, typer.Option("--out", "-o", help="FTW directory to write")],
     preset: Annotated[str, typer.Option(help=f"one of {', '.join(PRESETS)}")] = "qwen3-30b-a3b",
     layers: Annotated[int | None, typer.Option(help="keep the first N layers (fit the disk)")] = None,
-    dtype: str = "bfloat16",
+    dtype: Annotated[str, typer.Option(help="expert and dense dtype: bfloat16, float16, float32 (q8_0: experts only)")] = "bfloat16",
     distinct_experts: Annotated[int, typer.Option(help="random experts drawn, then cycled")] = 64,
-    force: bool = False,
+    force: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
 ) -> None:
     """Write a random-weight FTW at a preset's shapes."""
 
@@ -98,16 +103,16 @@ def _machine() -> dict:
 @app.command()
 @runtime_flags(without=("strategy", "no_graphs"))
 def decode(
-    model: Annotated[Path, typer.Option("--model", "-m")],
+    model: Annotated[Path, typer.Option("--model", "-m", help="FTW directory (e.g. from ft-bench write)")],
     strategies: Annotated[str, typer.Option(help="comma-separated strategies")] = "offload,cpu,hybrid",
     cache_fraction: Annotated[float | None, typer.Option(help="cacheable share of the expert pool")] = None,
-    tokens: int = 64,
-    prompt: int = 16,
+    tokens: Annotated[int, typer.Option(help="decode steps timed per strategy")] = 64,
+    prompt: Annotated[int, typer.Option(help="prompt tokens prefilled before the timed decode")] = 16,
     chunks: Annotated[str, typer.Option(help="prompts to prefill and time, in tokens, e.g. 4096,8192 ('' = none)")] = "",
     routing: Annotated[str, typer.Option(help="real | reuse:P | trace:FILE")] = "real",
     record: Annotated[Path | None, typer.Option(help="save the real routing of the run")] = None,
-    pcie_gbps: float | None = None,
-    cpu_gbps: float | None = None,
+    pcie_gbps: Annotated[float | None, typer.Option(help="B_P for the bounds, GB/s (default: the profile's)")] = None,
+    cpu_gbps: Annotated[float | None, typer.Option(help="B_H for the bounds, GB/s (default: the profile's)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="write a torch.profiler table per strategy")] = None,
     graphs: Annotated[str, typer.Option(help="CUDA graph decode: on | off | both (A/B rows)")] = "on",
@@ -195,7 +200,7 @@ def decode(
 @app.command("serve")
 @runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
 def serve_cmd(
-    model: Annotated[Path, typer.Option("--model", "-m")],
+    model: Annotated[Path, typer.Option("--model", "-m", help="FTW directory to serve")],
     lengths: Annotated[str, typer.Option(help="single-stream prompt lengths in tokens")] = "1024,3000,8000",
     tokens: Annotated[int, typer.Option(help="tokens each reply decodes")] = 64,
     turns: Annotated[int, typer.Option(help="turns of the agent session")] = 4,
@@ -210,8 +215,8 @@ def serve_cmd(
     max_running: Annotated[int, typer.Option(help="ft-run serve --max-running")] = 4,
     kv_tokens: Annotated[int | None, typer.Option(help="ft-run serve --kv-tokens (default: its own)")] = None,
     engine: Annotated[bool, typer.Option(help="also measure the engine's own figures for the same work")] = True,
-    pcie_gbps: float | None = None,
-    cpu_gbps: float | None = None,
+    pcie_gbps: Annotated[float | None, typer.Option(help="B_P for the bounds, GB/s (default: the profile's)")] = None,
+    cpu_gbps: Annotated[float | None, typer.Option(help="B_H for the bounds, GB/s (default: the profile's)")] = None,
     log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-serve.log"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     opts: RuntimeOptions = None,
@@ -260,7 +265,7 @@ def soak_cmd(
     disconnect: Annotated[float, typer.Option(help="share of the streamed turns the client drops mid-stream")] = soak.Plan.disconnect,
     rebuild_every: Annotated[int, typer.Option(help="completed requests between expert-cache rebuilds (0: none)")] = soak.Plan.rebuild_every,
     replay: Annotated[int, typer.Option(help="completed requests sent again alone at the end and compared")] = soak.Plan.replay,
-    seed: int = soak.Plan.seed,
+    seed: Annotated[int, typer.Option(help="seed of the sessions' scripts")] = soak.Plan.seed,
     max_running: Annotated[int, typer.Option(help="ft-run serve --max-running")] = 4,
     log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-soak.log"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
@@ -301,7 +306,7 @@ def soak_cmd(
 def agent_trace_cmd(
     model: Annotated[str, typer.Option(help="next (a tiny Qwen3-Next: hybrid attention) or demo (the built-in Qwen3-MoE)")] = "next",
     out: Annotated[Path, typer.Option(help="where the random-weight model is written (reused if there)")] = Path("agent-trace.ftw"),
-    turns: int = 8,
+    turns: Annotated[int, typer.Option(help="turns of each scripted session")] = 8,
     harness: Annotated[list[str] | None, typer.Option(help="openclaw, opencode, sweagent (repeatable; default all)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the rows and summary as JSON")] = False,
 ) -> None:

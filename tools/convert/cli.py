@@ -62,7 +62,7 @@ def main(
     def run() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = make_plan(local_path(src), dtype, parse_bytes(bank_size))
+            plan = make_plan(local_path(src), dtype, parse_bytes(bank_size, "--bank-size"))
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from ftkit.errors import InputError
 from ftkit.runtime.checkpoint.hub import local_path
-from ftkit.runtime.console import Version, err_console, fail, guarded
+from ftkit.runtime.console import USAGE, Version, err_console, fail, guarded
 from ftkit.vocab import human_bytes
 
 SHOWN = 20  # problems and unexpected tensors listed in the readable report; --json lists all
@@ -66,9 +66,6 @@ def render(r: dict[str, Any]) -> Group:
     else:
         parts.append(Text(f"FAIL: {len(r['problems'])} problem(s)", style="bold red"))
     return Group(*parts)
-
-
-USAGE = 2  # exit code of a source that names nothing
 
 
 def unusable(src: str, problem: str) -> dict[str, Any]:
