@@ -480,3 +480,26 @@ def test_unsupported_gguf_types_are_each_named_and_still_plan(hf_checkpoint, tmp
     assert report["problems"] == [f"unsupported: GGUF type IQ2_XXS for tensor {n}" for n in retyped]
     assert len(retyped) == 1 + 3 * 2  # embedding + 3 parts x 2 layers
     assert report["memory"]["host_expert_pool_bytes"] > 0
+
+
+# ---- no torch on the header path -------------------------------------------------------------------
+TORCH_FREE = """
+import sys
+from ftkit.tools.diagnose.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as e:
+    print("exit", e.code, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("variant", ["sharded", "gguf_q8_0"])
+def test_the_header_path_loads_no_torch(model_path, variant: str, tmp_path: Path) -> None:
+    """An HF directory's or a GGUF file's verdict (stub or full), --help and --version import no
+    torch: what makes a header-only check start in well under a second (README, docs/diagnose.md)."""
+    runs = [([str(model_path("qwen3_moe", variant, stub=True)), "--json"], 0), ([str(model_path("olmoe", variant))], 0),
+            (["--help"], 0), (["--version"], 0), ([str(tmp_path / "none"), "--json"], 2)]
+    for args, code in runs:
+        r = subprocess.run([sys.executable, "-c", TORCH_FREE, *args], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)
+        assert r.stderr.strip().splitlines()[-1] == f"exit {code} False", (args, r.stderr)

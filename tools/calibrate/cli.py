@@ -102,6 +102,7 @@ def calibrate(
         counts = sorted({int(v) for v in threads.split(",")}) if threads else [CPUExecutor.default_threads()]
         if not counts or min(counts) < 1:
             raise ValueError("--threads takes positive integers, e.g. 4,8,15")
+        warnings = [w for w in [measure.load_warning(os.getloadavg()[0], os.cpu_count() or 1)] if w]
         gpu_info, kernel = gpu_identity(), load_cpu_kernel()
         slots = measure.working_set(layout, parse_bytes(working_set, "--working-set"), pin=gpu_info is not None)
         cycle = measure.ExpertCycle(layout, slots, tokens=1, per_call=8, bytes_per_expert=layout.slot_bytes)
@@ -123,11 +124,16 @@ def calibrate(
                 pcie = step("B_P: pinned host-to-device slot copies", measure.h2d_gbps, copier, seconds)
             for t in counts:
                 dram = po = co = None
+                windows: list[float] = []
                 if kernel:
                     dram = step(f"DRAM read, {t} thread(s)", measure.dram_read_gbps, kernel, slots, t, seconds)
-                    cpu = step(f"B_H: CPU experts, {t} thread(s)", measure.cpu_experts_gbps, kernel, cycle, t, seconds)
+                    cpu = step(f"B_H: CPU experts, {t} thread(s)", measure.cpu_experts_gbps, kernel, cycle, t,
+                               seconds, windows)
                 else:
-                    cpu = step(f"B_H: torch experts, {t} thread(s)", measure.torch_experts_gbps, cycle, t, seconds)
+                    cpu = step(f"B_H: torch experts, {t} thread(s)", measure.torch_experts_gbps, cycle, t, seconds,
+                               windows)
+                if w := measure.spread_warning(f"B_H at {t} thread(s)", windows):
+                    warnings.append(w)
                 if kernel and copier:
                     po, co = step(f"B_P and B_H at once, {t} thread(s)", measure.overlapped_gbps, copier, kernel,
                                   cycle, t, seconds)
@@ -142,6 +148,8 @@ def calibrate(
         path = out or default_path(gpu_info)
         profile.save(path)
         console.print(summary(profile))
+        for w in warnings:
+            console.print(f"[bold yellow]warning:[/] {w}", highlight=False)
         console.print(f"[green]wrote[/] {path}")
         if as_json:
             print(json.dumps(profile.to_dict(), indent=1))
