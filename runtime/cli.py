@@ -296,17 +296,33 @@ def demo_cmd(
     prompt: Annotated[str, typer.Option(help="what the built-in model is asked")] = "Write a haiku about experts.",
     max_tokens: MaxTokens = 32,
     threads: Threads = None,
+    hf: Annotated[bool, typer.Option("--hf", help="also write it as an HF safetensors directory, OUT/demo-hf "
+                                                  "(an input for ftw-convert and ft-diagnose)")] = False,
+    gguf: Annotated[bool, typer.Option("--gguf", help="also write it as a GGUF file, OUT/demo.gguf")] = False,
 ) -> None:
     """Write the built-in small random-weight MoE (once) and generate from it with `hybrid`
     and an expert cache smaller than the pool."""
-    from .random_model import demo_spec, write_random_ftw
+    from .random_model import demo_spec, write_random_ftw, write_random_gguf, write_random_hf
     from .synthetic import write_tokenizer
+
+    def sources(vocab: int) -> None:
+        """The first pipeline step's inputs, without a download."""
+        if hf and not (out / "demo-hf" / "config.json").is_file():
+            write_random_hf(out / "demo-hf", demo_spec(vocab), side_files=lambda d: write_tokenizer(d, vocab))
+        if gguf and not (out / "demo.gguf").is_file():
+            write_random_gguf(out / "demo.gguf", demo_spec(vocab))
+        for path in [out / "demo-hf"] * hf + [out / "demo.gguf"] * gguf:
+            console.print(f"wrote {path}: try `ft-diagnose {path}` and `ftw-convert {path} -o "
+                          f"{path.with_name(path.stem + '-converted.ftw')}`", markup=False, highlight=False,
+                          soft_wrap=True)
 
     def run() -> None:
         check_max_tokens(max_tokens)
+        out.mkdir(parents=True, exist_ok=True)
+        vocab = 512  # the built-in model's vocabulary (its generated tokenizer's)
+        sources(vocab)
         model = out / "demo.ftw"
         if not (model / "manifest.json").is_file():
-            vocab = 512
             console.print(f"writing the built-in model to {model} ...")
             write_random_ftw(model, demo_spec(vocab), side_files=lambda d: write_tokenizer(d, vocab))
         rt = Runtime(model, RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.5,
