@@ -18,9 +18,10 @@ from rich.table import Table
 
 from ftkit import __version__
 from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
-from ftkit.runtime.console import Version, guarded
+from ftkit.runtime.console import Version, err_console, guarded
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
+from ftkit.runtime.profile import cache_dir
 from ftkit.runtime.random_model import write_random_ftw
 
 from . import agent_trace, hostmem, run, soak
@@ -36,6 +37,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 @app.callback()
 def _root(version: Version = False) -> None:
     pass
+
+
+PIPE_WIDTH = 1000  # columns a table may take when printed to a pipe or a file
+
+
+def show(table: Table) -> None:
+    """A table at its natural width where stdout is not a terminal (rich would fold it to 80
+    columns there), so a log keeps every column whole."""
+    (console if console.is_terminal else Console(width=PIPE_WIDTH)).print(table)
 
 
 @app.command()
@@ -163,6 +173,15 @@ def decode(
         longest = max([run.decode_length(prompt, tokens)]
                       + [run.prefill_length(int(c), answer, extend) for c in chunks.split(",") if c])
         sized = _sized(opts, model, cache_fraction, longest)
+        try:
+            each_run(results, table, sized, strategies, modes)
+        finally:  # a strategy that cannot run (hybrid without a ratio) still shows the ones that ran
+            if results["runs"]:
+                show(table)
+                if as_json:
+                    as_json.write_text(json.dumps(results, indent=1))
+
+    def each_run(results: dict, table: Table, sized: RuntimeOptions, strategies: str, modes: list[bool]) -> None:
         for strategy, graphs_on in ((s, g) for s in strategies.split(",") for g in modes):
             rt = Runtime(model, dataclasses.replace(
                 sized, strategy=strategy, graphs=graphs_on, stream_prefill={"on": True, "off": False}.get(stream_prefill),
@@ -190,9 +209,6 @@ def decode(
                               *([_batch_cell(together)] if together else []), " ".join(_prefill_cell(p) for p in pre))
             finally:
                 rt.close()
-        console.print(table)
-        if as_json:
-            as_json.write_text(json.dumps(results, indent=1))
 
     guarded(body)
 
@@ -242,7 +258,7 @@ def serve_cmd(
             table.add_column(col, justify="right")
         for row in serve_bench.rows(result, plan):
             table.add_row(*row)
-        console.print(table)
+        show(table)
         if as_json:
             as_json.write_text(json.dumps({"machine": _machine(), "model": str(model), "plan": dataclasses.asdict(plan),
                                            "options": {k: str(v) for k, v in vars(opts).items()},
@@ -292,7 +308,7 @@ def soak_cmd(
         table.add_column("figure", justify="right")
         for row in soak.rows(result):
             table.add_row(*row)
-        console.print(table)
+        show(table)
         for d in result["replay"]["differ"]:
             console.print(f"differs alone ({d['api']}): {d['under_load']!r} under load, {d['alone']!r} alone",
                           markup=False, highlight=False)
@@ -305,7 +321,8 @@ def soak_cmd(
 @app.command("agent-trace")
 def agent_trace_cmd(
     model: Annotated[str, typer.Option(help="next (a tiny Qwen3-Next: hybrid attention) or demo (the built-in Qwen3-MoE)")] = "next",
-    out: Annotated[Path, typer.Option(help="where the random-weight model is written (reused if there)")] = Path("agent-trace.ftw"),
+    out: Annotated[Path | None, typer.Option(help="where the random-weight model is written (reused if there; "
+                                                 "default: ~/.cache/ftkit/agent-trace/MODEL.ftw)")] = None,
     turns: Annotated[int, typer.Option(help="turns of each scripted session")] = 8,
     harness: Annotated[list[str] | None, typer.Option(help="openclaw, opencode, sweagent (repeatable; default all)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the rows and summary as JSON")] = False,
@@ -316,8 +333,9 @@ def agent_trace_cmd(
     def body() -> None:
         if model not in ("next", "demo"):
             raise ValueError("--model must be next or demo")
-        path = agent_trace.write_model(model, out)
-        rows = agent_trace.run(path, tuple(harness or agent_trace.HARNESSES), turns)
+        path = agent_trace.write_model(model, out or cache_dir() / "agent-trace" / f"{model}.ftw")
+        rows = agent_trace.run(path, tuple(harness or agent_trace.HARNESSES), turns,
+                               progress=lambda line: err_console.print(f"ft-bench: {line}", highlight=False))
         if as_json:
             print(json.dumps({"machine": _machine(), "model": model, "rows": agent_trace.as_dicts(rows),
                               "summary": agent_trace.summary(rows)}, indent=1))
