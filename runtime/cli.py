@@ -6,8 +6,10 @@ import functools
 import inspect
 import json
 import math
+import os
 import re
 import shlex
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +21,7 @@ from rich.table import Table
 
 from ftkit.vocab import DENSE_FORMATS, STRATEGIES, human_bytes
 
-from .console import USAGE, Version, err_console, fail, guarded, parse_bytes, printable
+from .console import Version, err_console, fail, guarded, parse_bytes, printable
 from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
@@ -148,8 +150,8 @@ def runtime_flags(*groups: list[tuple[str, object, object]], without: tuple[str,
             given = {n: kwargs.pop(n) for n, _, _ in flags}
             try:
                 opts = _to_options({**DEFAULTS, **given})
-            except ValueError as e:  # parsed outside the command's own one-line handler
-                fail(str(e), USAGE)
+            except ValueError as e:  # parsed outside the command's own one-line handler: the same line
+                fail(str(e))
             command(opts=opts, **kwargs)
 
         run.__signature__ = sig.replace(parameters=own + added)  # what typer reads
@@ -392,9 +394,6 @@ def launch_cmd(
     """Run a coding agent against ft-run serve: the server on --port if one answers, else one
     started from -m (stopped when the agent exits); the agent's settings go to a temporary
     place (environment, command-line overrides, a config file), never over the user's own."""
-    import os
-    import tempfile
-
     from .server import agents
 
     def say(line: str) -> None:

@@ -57,7 +57,7 @@ def test_every_option_and_command_has_help() -> None:
 ])
 def test_a_bad_option_value_is_one_line(tmp_path, args: list[str], message: str) -> None:
     result = CliRunner().invoke(ft_run, ["generate", "-m", str(tmp_path / "none.ftw"), "--prompt", "hi", *args])
-    assert result.exit_code in (1, 2) and result.stderr == f"error: {message}\n", result.output
+    assert result.exit_code == 1 and result.stderr == f"error: {message}\n", result.output
 
 
 def test_serve_sizes_name_their_option(tmp_path) -> None:
@@ -68,3 +68,17 @@ def test_serve_sizes_name_their_option(tmp_path) -> None:
 
 def test_generated_text_is_printed_without_control_bytes() -> None:
     assert printable("ok\n\tline\x1b[2J\r\x07 ü 漢") == "ok\n\tline\\x1b[2J\\r\\x07 ü 漢"
+
+
+def test_serve_checks_its_port_before_reading_the_model(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(ft_run, ["serve", "-m", str(tmp_path / "not-read.ftw"), "--port", str(port)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another "
+                                    f"ft-run serve? `ft-run ctl stats --url http://127.0.0.1:{port}` asks it")
+    assert result.stderr.count("\n") == 1
