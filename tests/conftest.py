@@ -24,7 +24,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fixtures import make_hf_checkpoint
+from fixtures import make_hf_checkpoint  # noqa: E402 (after the path fix above)
 
 
 @pytest.fixture(scope="session")

@@ -353,3 +353,25 @@ def test_serve_drives_the_real_server_beside_the_engine(tiny, tmp_path):
     assert len(c["streams"]) == 2 and c["aggregate_tok_s"] > 0 and all(s["tokens"] == 6 for s in c["streams"])
     eng = res["engine"]
     assert set(eng["extend_s"]) == {"8", "40"} and eng["80"]["prefill_s"] > 0 and eng["40"]["decode_tok_s"] > 0
+
+
+def test_sweep_writes_points_and_charts(tiny, tmp_path):
+    """ft-bench sweep: a point per strategy and cache fraction (cpu once), one per thread count,
+    each beside its bound, and SVG charts that parse, a line per figure and per bound."""
+    import xml.etree.ElementTree as ET
+
+    out = tmp_path / "sweep"
+    r = subprocess.run([*BENCH, "sweep", "-m", str(tiny), "--device", "cpu", "--strategies", "offload,hybrid,cpu",
+                        "--fractions", "0.25,0.5", "--thread-counts", "1,2", "--tokens", "4", "--chunk", "32",
+                        "--pcie-gbps", "50", "--cpu-gbps", "80", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr + r.stdout
+    data = json.loads((out / "sweep.json").read_text())
+    assert [(p["strategy"], p["fraction"]) for p in data["cache"]] == [
+        ("offload", 0.25), ("offload", 0.5), ("hybrid", 0.25), ("hybrid", 0.5), ("cpu", 0.25)]
+    assert data["cache"][0]["cache_slots"] < data["cache"][1]["cache_slots"]
+    assert all(p["tok_s"] > 0 and p["bound_tok_s"] and p["prefill_tok_s"] > 0 for p in data["cache"])
+    assert [p["threads"] for p in data["threads"]] == [1, 2] and data["routing"] == "reuse:0"
+    ns = "{http://www.w3.org/2000/svg}"
+    cache = ET.parse(out / "cache.svg").getroot()
+    assert len(cache.findall(f"{ns}polyline")) == 6  # three strategies and their bounds
+    assert len(ET.parse(out / "threads.svg").getroot().findall(f"{ns}polyline")) == 2

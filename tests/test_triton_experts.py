@@ -4,6 +4,7 @@ TRITON_INTERPRET=1 (set before triton is imported). Skipped where neither is ava
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,8 +22,7 @@ DEV = "cuda" if CUDA else "cpu"
 
 
 def _layout(dtype: str, hidden: int, inter: int):
-    spec = demo_spec(64).__class__(**{**demo_spec(64).to_dict(), "hidden_size": hidden,
-                                      "moe_intermediate_size": inter, "moe_layers": (0, 1, 2, 3)})
+    spec = replace(demo_spec(64), hidden_size=hidden, moe_intermediate_size=inter, moe_layers=(0, 1, 2, 3))
     return slot_layout(spec, dtype)
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from ..prefix_cache.prefill import prefill
+from ..prefix_cache.prefill import CPU_EXPERT_BATCH, prefill_many
 from .loader import Runtime
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
@@ -29,6 +29,7 @@ class Generation:
     resume_seconds: float = 0.0
     insert_seconds: float = 0.0
     queue_seconds: float = 0.0
+    ttft_seconds: float | None = None  # the scheduler's: submitted to the first token handed out
 
     def stats(self) -> dict:
         n = len(self.token_ids)
@@ -41,6 +42,7 @@ class Generation:
             "queue_seconds": round(self.queue_seconds, 4),
             "resume_seconds": round(self.resume_seconds, 4),
             "insert_seconds": round(self.insert_seconds, 4),
+            "ttft_seconds": None if self.ttft_seconds is None else round(self.ttft_seconds, 4),
             "prefill_tok_s": round((self.prompt_tokens - self.cached_tokens) / self.prefill_seconds, 2) if self.prefill_seconds else None,
             "decode_tok_s": round((n - 1) / self.decode_seconds, 2) if n > 1 and self.decode_seconds else None,
         }
@@ -68,25 +70,38 @@ class Decoding:
         self.detok = StreamDecoder(rt.tokenizer, keep=keep_special) if rt.tokenizer else None
         self.kv = rt.new_kv(len(prompt_ids) + self.max_new)
         self.logits: torch.Tensor | None = None
+        self.cuts: list[int] = []  # set by `resume`: the prompt's cuts and those to snapshot at
+        self.points: Collection[int] = ()
+        self.started = 0.0
         self.done = self.max_new <= 0
         self.decode_started = 0.0
 
     def prefill(self) -> None:
-        rt, ids, gen = self.rt, self.prompt_ids, self.gen
-        rt.store.stats.new_step()
-        t0 = time.perf_counter()
+        """The prompt through the prefix cache: the first token's logits."""
+        self.resume()
+        prefill_group([self])
+
+    def resume(self) -> None:
+        """Restore the longest cached prefix (rows and state) and find where the rest must
+        snapshot; `prefill_group` computes the rest."""
+        rt, ids = self.rt, self.prompt_ids
+        self.started = time.perf_counter()
         with torch.inference_mode():
-            cuts, cache = rt.grid.scan(ids), rt.prefix_cache
-            gen.cached_tokens = cache.resume(ids, cuts, self.kv) if cache else 0
-            points = cache.snapshot_points(ids, cuts) if cache else {}
-            t1 = time.perf_counter()
-            self.logits, snaps = prefill(rt.step, ids, self.kv, cuts, points, rt.prefill_chunk)
-            t2 = time.perf_counter()
-            if cache:
-                cache.insert(ids, cuts, self.kv, snaps, points)
-        done = time.perf_counter()
-        gen.prefill_seconds, gen.resume_seconds, gen.insert_seconds = done - t0, t1 - t0, done - t2
-        self.decode_started = time.perf_counter()
+            self.cuts, cache = rt.grid.scan(ids), rt.prefix_cache
+            self.gen.cached_tokens = cache.resume(ids, self.cuts, self.kv) if cache else 0
+            self.points = cache.snapshot_points(ids, self.cuts) if cache else {}
+        self.gen.resume_seconds = time.perf_counter() - self.started
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens left to compute after `resume`."""
+        return len(self.prompt_ids) - self.kv.length
+
+    def joins(self) -> bool:
+        """After `resume`: whether the rest may share a forward with other prompts'
+        (`prefill_group`): no snapshot inside it, and a forward the decoder runs anyway."""
+        start, n = self.kv.length, len(self.prompt_ids)
+        return not any(start < p < n for p in self.points) and self.rt.step.joins(n - start)
 
     def remember(self) -> bool:
         """Put the reply's decoded K/V rows into the prefix cache after the prompt's, for the
@@ -155,6 +170,49 @@ class Decoding:
 
     def accept(self, logits: torch.Tensor) -> None:
         self.logits = logits
+
+
+def prefill_group(group: list[Decoding]) -> None:
+    """Compute the rest of each resumed prompt, several in one forward (`prefill_many`: every
+    layer's experts read once for all of them), and put each into the prefix cache."""
+    rt = group[0].rt
+    rt.store.stats.new_step()
+    t1 = time.perf_counter()
+    with torch.inference_mode():
+        out = prefill_many(rt.step, [(d.prompt_ids, d.kv, d.cuts, d.points) for d in group], rt.prefill_chunk)
+        t2 = time.perf_counter()
+        for d, (d.logits, snaps) in zip(group, out, strict=True):
+            if rt.prefix_cache:
+                rt.prefix_cache.insert(d.prompt_ids, d.cuts, d.kv, snaps, d.points)
+    done = time.perf_counter()
+    for d in group:
+        d.gen.prefill_seconds = d.gen.resume_seconds + done - t1
+        d.gen.insert_seconds = done - t2
+        d.decode_started = done
+
+
+def prefill_groups(resumed: list[Decoding]) -> list[list[Decoding]]:
+    """The resumed prompts in forwards: those that join (`Decoding.joins`) packed in arrival
+    order into groups of up to a prefill chunk of new tokens (a piece's activations, which the
+    memory plan reserves), the others alone."""
+    if not resumed:
+        return []
+    limit = resumed[0].rt.prefill_chunk or CPU_EXPERT_BATCH
+    groups: list[list[Decoding]] = []
+    open_group: list[Decoding] = []
+    size = 0
+    for d in resumed:
+        if not d.joins() or d.remaining >= limit:
+            groups.append([d])
+            continue
+        if open_group and size + d.remaining > limit:
+            groups.append(open_group)
+            open_group, size = [], 0
+        open_group.append(d)
+        size += d.remaining
+    if open_group:
+        groups.append(open_group)
+    return groups
 
 
 def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,

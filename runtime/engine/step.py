@@ -35,6 +35,20 @@ class Step:
             return g.extend(input_ids, cache, last_only)
         return self.decoder.forward(input_ids, cache, last_only=last_only, chunk=chunk, snapshot_at=snapshot_at, cuts=cuts)
 
+    def forward_many(self, inputs: list[torch.Tensor], caches: list[KVCache], last_only: bool = False,
+                     chunk: int | None = None, cuts: list[Collection[int]] | None = None) -> list[torch.Tensor]:
+        """Several prompts in one forward, each layer's experts once for all of them
+        (MoEDecoder.forward_many); one prompt takes `forward`."""
+        if len(inputs) == 1:
+            return [self.forward(inputs[0], caches[0], last_only, chunk, cuts=cuts[0] if cuts else ())]
+        return self.decoder.forward_many(inputs, caches, last_only=last_only, chunk=chunk, cuts=cuts)
+
+    def joins(self, tokens: int) -> bool:
+        """Whether a prompt of `tokens` new tokens may share a forward with others': one the
+        decoder's forward would run anyway (not a graph step or a graph extend, which are
+        cheaper alone than an eager forward together)."""
+        return tokens > 1 and not (self.graphs is not None and self.graphs.takes(tokens))
+
     @property
     def snapshots(self) -> dict[int, CacheSnapshot]:
         """The last forward's `snapshot_at` snapshots (only the decoder's forward takes any)."""

@@ -68,7 +68,6 @@ class MoEDecoder:
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False,
                 chunk: int | None = None, snapshot_at: Collection[int] = (), cuts: Collection[int] = ()) -> torch.Tensor:
         """Logits [T, V] for input_ids [T] at positions cache.length.. ; appends to the cache.
@@ -87,15 +86,33 @@ class MoEDecoder:
         experts, which run once for consecutive pieces of up to `chunk` tokens together. A
         token's expert output does not depend on the others in its batch, so the result is
         bitwise that of one forward per piece, with each expert read once per batch."""
-        t = input_ids.shape[0]
-        start, step = cache.length, chunk or t
-        ends = sorted({p - start for p in (*snapshot_at, *cuts) if start < p < start + t})
-        pieces = _pieces(t, step, ends)
-        batches = _batches(pieces, step)
+        return self.forward_many([input_ids], [cache], last_only, chunk, snapshot_at, [cuts])[0]
+
+    @torch.inference_mode()
+    def forward_many(self, inputs: list[torch.Tensor], caches: list[KVCache], last_only: bool = False,
+                     chunk: int | None = None, snapshot_at: Collection[int] = (),
+                     cuts: list[Collection[int]] | None = None) -> list[torch.Tensor]:
+        """`forward` for several sequences at once, each input_ids [T_s] on its own cache (and
+        `cuts[s]`): the pieces of all of them go through layer l before layer l+1 starts, so
+        the routed experts of a layer run (and stream) once for all the prompts, not once per
+        prompt. Each sequence's result is what its own forward gives (bitwise where that one's
+        is, as a token's expert output does not depend on its batch). `snapshot_at`: one
+        sequence only."""
+        if snapshot_at and len(inputs) > 1:
+            raise ValueError("snapshots are taken in a forward of one sequence")
+        step = chunk or max(x.shape[0] for x in inputs)
+        starts = [c.length for c in caches]
+        pieces: list[tuple[int, int, int]] = []  # (sequence, a, b): tokens a..b of it
+        for s, (ids, start) in enumerate(zip(inputs, starts, strict=True)):
+            t = ids.shape[0]
+            ends = sorted({p - start for p in (*snapshot_at, *(cuts[s] if cuts else ())) if start < p < start + t})
+            pieces += [(s, a, b) for a, b in _pieces(t, step, ends)]
+        batches = _batches([(a, b) for _, a, b in pieces], step)
         # each piece its own tensor: views of one would keep the whole embedding alive next to them
-        xs = [F.embedding(input_ids[a:b], self.w["embed.weight"]) for a, b in pieces]
-        ropes = [self.rope(start + a, b - a, x.dtype) for (a, b), x in zip(pieces, xs, strict=True)]
-        states: dict[int, dict[int, dict[str, torch.Tensor]]] = {start + b: {} for a, b in pieces[:-1]
+        xs = [F.embedding(inputs[s][a:b], self.w["embed.weight"]) for s, a, b in pieces]
+        ropes = [self.rope(starts[s] + a, b - a, x.dtype) for (s, a, b), x in zip(pieces, xs, strict=True)]
+        start = starts[0]
+        states: dict[int, dict[int, dict[str, torch.Tensor]]] = {start + b: {} for _, a, b in pieces[:-1]
                                                                  if start + b in snapshot_at}
         keep = len(batches) == 1  # one batch needs every piece's normed input at once anyway
         try:
@@ -105,8 +122,9 @@ class MoEDecoder:
                 # (or state) the pieces before it left, not their experts; so the experts runner
                 # sees the layer's whole routing before its first piece's experts.
                 routes, normed = [], {}
-                for n, (a, b) in enumerate(pieces):
-                    cache.length = start + a  # where this piece's keys go and its queries sit
+                for n, (s, a, b) in enumerate(pieces):
+                    cache = caches[s]
+                    cache.length = starts[s] + a  # where this piece's keys go and its queries sit
                     xs[n] = xs[n] + self.mixer(i, self.norm(xs[n], p + "attn_norm.weight"), *ropes[n], cache)
                     if start + b in states and i in cache.states:
                         states[start + b][i] = {k: v.clone() for k, v in cache.states[i].items()}
@@ -125,12 +143,18 @@ class MoEDecoder:
                     for n, out in zip(batch, outs, strict=True):
                         xs[n] = xs[n] + out
         finally:
-            cache.length = start
-        cache.advance(t)
+            for cache, start_s in zip(caches, starts, strict=True):
+                cache.length = start_s
+        for cache, ids in zip(caches, inputs, strict=True):
+            cache.advance(ids.shape[0])
         if snapshot_at:
             self.snapshots = {p: CacheSnapshot(p, s) for p, s in states.items()}
-        x = xs[-1][-1:] if last_only else torch.cat(xs) if len(xs) > 1 else xs[0]
-        return F.linear(self.norm(x, "final_norm.weight"), self.lm_head)
+        outs = []
+        for s in range(len(inputs)):
+            mine = [x for (q, _, _), x in zip(pieces, xs, strict=True) if q == s]
+            outs.append(mine[-1][-1:] if last_only else torch.cat(mine) if len(mine) > 1 else mine[0])
+        # each sequence's own product: rows stacked would be summed in another order (not bitwise)
+        return [F.linear(self.norm(x, "final_norm.weight"), self.lm_head) for x in outs]
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:

@@ -23,6 +23,14 @@ class Forward(Protocol):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False, chunk: int | None = None,
                 snapshot_at: Collection[int] = (), cuts: Collection[int] = ()) -> torch.Tensor: ...
 
+    def forward_many(self, inputs: list[torch.Tensor], caches: list[KVCache], last_only: bool = False,
+                     chunk: int | None = None, cuts: list[Collection[int]] | None = None) -> list[torch.Tensor]: ...
+
+
+# One prompt to prefill: its tokens, its cache (holding what was resumed), its cuts and the cuts
+# to snapshot at.
+Prompt = tuple[list[int], KVCache, Iterable[int], Collection[int]]
+
 
 def prefill(model: Forward, tokens: list[int], kv: KVCache, cuts: Iterable[int],
             snapshot_at: Collection[int] = (), max_chunk: int | None = None,
@@ -44,3 +52,23 @@ def prefill(model: Forward, tokens: list[int], kv: KVCache, cuts: Iterable[int],
     if n in snapshot_at:
         snaps[n] = kv.snapshot()
     return logits[-1], snaps
+
+
+def prefill_many(model: Forward, prompts: list[Prompt], max_chunk: int | None = None,
+                 ) -> list[tuple[torch.Tensor, dict[int, CacheSnapshot]]]:
+    """`prefill` of several prompts in one forward (`forward_many`): each layer's routed experts
+    run, and stream, once for all of them, where one prefill each would read every expert once
+    per prompt (a prompt of a few thousand tokens touches most of them). Each result is its own
+    prefill's (bitwise on the CPU). No prompt may snapshot inside what it computes (only at its
+    end): a forward of several sequences takes no snapshots."""
+    if len(prompts) == 1:
+        return [prefill(model, *prompts[0], max_chunk)]
+    for tokens, kv, _, snap in prompts:
+        if any(kv.length < p < len(tokens) for p in snap):
+            raise ValueError("a prompt that snapshots inside its prefill runs alone")
+    logits = model.forward_many([torch.tensor(t[kv.length:], device=model.device) for t, kv, _, _ in prompts],
+                                [kv for _, kv, _, _ in prompts], last_only=True,
+                                chunk=max_chunk or CPU_EXPERT_BATCH,
+                                cuts=None if max_chunk else [list(c) for _, _, c, _ in prompts])
+    return [(out[-1], {len(t): kv.snapshot()} if len(t) in snap else {})
+            for (t, kv, _, snap), out in zip(prompts, logits, strict=True)]

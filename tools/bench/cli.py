@@ -26,6 +26,7 @@ from ftkit.runtime.random_model import write_random_ftw
 
 from . import agent_trace, hostmem, run, soak
 from . import serve as serve_bench
+from . import sweep as sweep_bench
 from .presets import PRESETS, preset_spec
 from .routing import Recorder, Replayer, RoutingOverride, Synthetic
 
@@ -195,7 +196,7 @@ def decode(
                 r = run.decode(rt, tokens, prompt, override, figs, trace, sampler=sampler)
                 if record:
                     override.save(record)
-                together = run.decode_batch(rt, tokens, prompt, batch) if batch > 1 else None
+                together = run.decode_batch(rt, tokens, prompt, batch, figs) if batch > 1 else None
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
                                    if trace_dir else None, extend, answer, repeat, anchors_every)
                        for c in chunks.split(",") if c]
@@ -346,6 +347,72 @@ def agent_trace_cmd(
     guarded(body)
 
 
+@app.command()
+@runtime_flags(without=("strategy", "cache_experts", "cache_bytes", "gpu_budget"))
+def sweep(
+    model: Annotated[Path, typer.Option("--model", "-m", help="FTW directory (e.g. from ft-bench write)")],
+    strategies: Annotated[str, typer.Option(help="comma-separated strategies")] = "offload,hybrid,cpu",
+    fractions: Annotated[str, typer.Option(help="cacheable shares of the expert pool")] = "0.1,0.2,0.35,0.5,0.6",
+    threads_sweep: Annotated[str, typer.Option("--thread-counts", help="CPU threads for the CPU-side sweep ('' = none)")] = "",
+    thread_strategy: Annotated[str, typer.Option(help="the strategy the thread sweep runs")] = "cpu",
+    tokens: Annotated[int, typer.Option(help="decode steps timed at each point")] = 32,
+    prompt: Annotated[int, typer.Option(help="prompt tokens prefilled before the timed decode")] = 16,
+    chunk: Annotated[int, typer.Option(help="also time a prefill of this many tokens at each point (0: none)")] = 0,
+    routing: Annotated[str, typer.Option(help="real | reuse:P (uniform: reuse:0, the headline)")] = "reuse:0",
+    pcie_gbps: Annotated[float | None, typer.Option(help="B_P for the bounds, GB/s (default: the profile's)")] = None,
+    cpu_gbps: Annotated[float | None, typer.Option(help="B_H for the bounds, GB/s (default: the profile's)")] = None,
+    out: Annotated[Path, typer.Option(help="directory for sweep.json and the SVG charts")] = Path("ft-bench-sweep"),
+    opts: RuntimeOptions = None,
+) -> None:
+    """Decode (and prefill with --chunk) for each strategy at each expert-cache fraction, and the
+    CPU side at each thread count, beside their bounds: sweep.json and SVG charts of tok/s
+    against the cache's device bytes and against threads."""
+
+    def body() -> None:
+        shares = [float(f) for f in fractions.split(",") if f]
+        counts = [int(t) for t in threads_sweep.split(",") if t]
+        if not shares or not all(0 < f <= 1 for f in shares) or any(t < 1 for t in counts):
+            raise ValueError("--fractions must be shares in (0, 1], --thread-counts 1 or more")
+        if min(tokens, prompt) < 1 or chunk < 0:
+            raise ValueError("--tokens and --prompt must be 1 or more, --chunk 0 or more")
+        out.mkdir(parents=True, exist_ok=True)
+        longest = max(run.decode_length(prompt, tokens), run.prefill_length(chunk, 32, 0) if chunk else 0)
+        base = dataclasses.replace(opts, kv_tokens=longest)
+
+        def figures(rt: Runtime) -> run.Figures:
+            return _figures(rt, pcie_gbps, cpu_gbps)
+
+        def routed(rt: Runtime, n: int):
+            return _routing(rt, routing, n)
+
+        def ratio(s: str) -> RuntimeOptions:
+            return dataclasses.replace(base, bandwidth_ratio=base.bandwidth_ratio or _ratio(pcie_gbps, cpu_gbps, base.profile, s))
+
+        say = lambda line: console.print(line, markup=False, highlight=False)  # noqa: E731
+        cache = [p for s in strategies.split(",") if s
+                 for p in sweep_bench.cache_sweep(model, ratio(s), [s], shares, figures, routed, tokens, prompt, chunk, say)]
+        cpu = (sweep_bench.thread_sweep(model, ratio(thread_strategy), thread_strategy, counts, figures, routed,
+                                        tokens, prompt, say) if counts else [])
+        title = f"{model.name}, routing {routing}"
+        (out / "cache.svg").write_text(sweep_bench.cache_chart(cache, title))
+        if cpu:
+            (out / "threads.svg").write_text(sweep_bench.thread_chart(cpu, title))
+        (out / "sweep.json").write_text(json.dumps({"machine": _machine(), "model": str(model), "routing": routing,
+                                                    "cache": cache, "threads": cpu}, indent=1))
+        table = Table(title=f"ft-bench sweep: {model}")
+        for col in ("strategy", "cache", "threads", "tok/s", "bound tok/s", *(["prefill tok/s"] if chunk else [])):
+            table.add_column(col, justify="right")
+        for p in cache + cpu:
+            table.add_row(p["strategy"], f"{p['cache_slots']} ({p['cache_bytes'] / 1e9:.2f} GB)", str(p["threads"]),
+                          f"{p['tok_s']:.1f}", _fmt(p["bound_tok_s"]),
+                          *([_fmt(p.get("prefill_tok_s"))] if chunk else []))
+        show(table)
+        console.print(f"wrote {out / 'sweep.json'} and its charts ({out / 'cache.svg'}"
+                      + (f", {out / 'threads.svg'})" if cpu else ")"), markup=False, highlight=False)
+
+    guarded(body)
+
+
 def _ratio(pcie, cpu, profile, strategy) -> float | None:
     if strategy not in ("hybrid", "auto") or profile is not None:
         return None
@@ -379,8 +446,10 @@ def _prefill_cell(p: dict) -> str:
 
 
 def _batch_cell(b: dict) -> str:
-    """tok/s over the batch and ms a step, marked where the steps ran eagerly, not captured."""
-    return f"{b['tok_s']:.1f} ({b['ms_per_step']:.1f})" + ("" if b["graphs"] else " eager")
+    """tok/s over the batch, ms a step and the share of the bound, marked where the steps ran
+    eagerly, not captured."""
+    bound = f", {b['of_bound']:.0%} of {b['bound_tok_s']:.0f}" if b["bound_tok_s"] else ""
+    return f"{b['tok_s']:.1f} ({b['ms_per_step']:.1f}{bound})" + ("" if b["graphs"] else " eager")
 
 
 def _fmt(x: float | None) -> str:
