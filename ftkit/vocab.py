@@ -33,6 +33,13 @@ class Format:
     def plain(self) -> bool:
         return self.block == 1
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of a plain dtype, as torch.dtype.itemsize (the memory plans read it)."""
+        if not self.plain:
+            raise FormatError(f"{self.name} is a block format: {self.block_bytes} bytes per {self.block} elements")
+        return self.block_bytes
+
 
 # Plain dtypes by torch's name for them, then GGUF's block formats by ggml's type name in lower
 # case (ggml-common.h): `block` weights along the last dimension stored in `block_bytes` bytes.

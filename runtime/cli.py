@@ -5,6 +5,11 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
+import os
+import re
+import shlex
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -14,9 +19,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ftkit.vocab import human_bytes
+from ftkit.vocab import DENSE_FORMATS, STRATEGIES, human_bytes
 
-from .console import guarded, parse_bytes
+from .console import Version, err_console, fail, guarded, parse_bytes, printable
 from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
@@ -24,6 +29,11 @@ from .server.limits import DEFAULT_MAX_BODY
 
 console = Console()
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Run an FTW model.")
+
+@app.callback()
+def _root(version: Version = False) -> None:
+    pass
+
 
 Model = Annotated[Path, typer.Option("--model", "-m", help="FTW directory (from ftw-convert)")]
 Strategy = Annotated[str, typer.Option(help="fused | offload | cpu | hybrid | auto (fused when every expert fits "
@@ -50,6 +60,7 @@ AnchorSlots = Annotated[int, typer.Option(help="recurrent-state anchors kept (hy
 PrefillChunk = Annotated[int, typer.Option(help="GPU: prompt tokens a prefill runs through a layer at once (their "
                                                 "activations are reserved; each layer's experts cross PCIe once a "
                                                 "prompt whatever the size)")]
+MaxTokens = Annotated[int, typer.Option(help="tokens to generate at most (at least 1)")]
 KvTokens = Annotated[int, typer.Option(help="KV tokens a request may reach (prompt + max tokens); reserved by "
                                             "--gpu-budget; on CUDA the graph decode capacity (longer: eager)")]
 
@@ -69,12 +80,35 @@ SERVE_FLAGS: list[tuple[str, object, object]] = [("prefix_cache_tokens", PrefixT
 DEFAULTS = {name: default for name, _, default in RUNTIME_FLAGS + PREFIX_FLAGS + KV_FLAGS + SERVE_FLAGS}
 
 
+def _at_least(f: dict, name: str, low: int) -> None:
+    if f[name] is not None and f[name] < low:
+        raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {f[name]}")
+
+
+def check_flags(f: dict) -> None:
+    """Refuse, in one line naming the accepted values, a runtime flag no command could run with."""
+    if f["strategy"] not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {f['strategy']!r}")
+    if f["dtype"] is not None and f["dtype"] not in DENSE_FORMATS:
+        raise ValueError(f"--dtype must be one of {', '.join(DENSE_FORMATS)}, got {f['dtype']!r}")
+    if f["device"] is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", f["device"]):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {f['device']!r}")
+    for name, low in (("cache_experts", 0), ("threads", 1), ("prefill_chunk", 1), ("kv_tokens", 1),
+                      ("prefix_cache_tokens", 0), ("anchor_slots", 0)):
+        _at_least(f, name, low)
+    ratio = f["bandwidth_ratio"]
+    if ratio is not None and not (math.isfinite(ratio) and ratio > 0):
+        raise ValueError(f"--bandwidth-ratio must be a positive number (B_P / B_H), got {ratio}")
+
+
 def _to_options(f: dict) -> RuntimeOptions:
-    """`f`: a value for every flag of DEFAULTS (a command's own, or the default of one it lacks)."""
+    """`f`: a value for every flag of DEFAULTS (a command's own, or the default of one it lacks);
+    a bad value is a ValueError of one line."""
+    check_flags(f)
     return RuntimeOptions(
         strategy=f["strategy"], cache_experts=f["cache_experts"],
-        cache_bytes=parse_bytes(f["cache_bytes"]) if f["cache_bytes"] else None,
-        gpu_budget=parse_bytes(f["gpu_budget"]) if f["gpu_budget"] else None,
+        cache_bytes=parse_bytes(f["cache_bytes"], "--cache-bytes") if f["cache_bytes"] else None,
+        gpu_budget=parse_bytes(f["gpu_budget"], "--gpu-budget") if f["gpu_budget"] else None,
         device=f["device"], threads=f["threads"], profile=f["profile"], find_profile=not f["no_profile"],
         bandwidth_ratio=f["bandwidth_ratio"], dtype=f["dtype"], verify=f["verify"],
         prefix_cache=not f["no_prefix_cache"], anchors=not f["no_anchors"],
@@ -114,7 +148,11 @@ def runtime_flags(*groups: list[tuple[str, object, object]], without: tuple[str,
         @functools.wraps(command)
         def run(**kwargs: object) -> None:
             given = {n: kwargs.pop(n) for n, _, _ in flags}
-            command(opts=_to_options({**DEFAULTS, **given}), **kwargs)
+            try:
+                opts = _to_options({**DEFAULTS, **given})
+            except ValueError as e:  # parsed outside the command's own one-line handler: the same line
+                fail(str(e))
+            command(opts=opts, **kwargs)
 
         run.__signature__ = sig.replace(parameters=own + added)  # what typer reads
         return run
@@ -122,8 +160,13 @@ def runtime_flags(*groups: list[tuple[str, object, object]], without: tuple[str,
     return wrap
 
 
+def check_max_tokens(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {n}")
+
+
 def _echo(delta: str) -> None:
-    console.print(delta, end="", markup=False, highlight=False)
+    console.print(printable(delta), end="", markup=False, highlight=False)
 
 
 def _prompt_ids(rt: Runtime, prompt: str | None, prompt_ids: str | None, chat: bool) -> list[int]:
@@ -163,8 +206,13 @@ def _report(rt: Runtime, gen: Generation, as_json: bool, show_stats: bool) -> No
         console.print(stats_table(rt))
     st = gen.stats()
     console.print(f"[dim]{st['prompt_tokens']} prompt + {st['completion_tokens']} generated tokens; "
-                  f"prefill {st['prefill_tok_s']} tok/s, decode {st['decode_tok_s']} tok/s; "
+                  f"prefill {_rate(st['prefill_tok_s'])}, decode {_rate(st['decode_tok_s'])}; "
                   f"strategy {rt.store.strategy}[/]")
+
+
+def _rate(tok_s: float | None) -> str:
+    """A rate, or '-' where there was nothing to time (all cached, or a single token)."""
+    return "-" if tok_s is None else f"{tok_s} tok/s"
 
 
 @app.command("generate")
@@ -174,13 +222,13 @@ def generate_cmd(
     prompt: Annotated[str | None, typer.Option(help="prompt text")] = None,
     prompt_ids: Annotated[str | None, typer.Option(help="prompt token ids, e.g. 1,2,3")] = None,
     chat: Annotated[bool, typer.Option(help="wrap --prompt in the chat template")] = False,
-    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 64,
+    max_tokens: MaxTokens = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling: keep the likeliest tokens up to this mass")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="sample among the k likeliest tokens (0 = all)")] = 0,
+    seed: Annotated[int | None, typer.Option(help="seed of the sampler (same seed, same device: same tokens)")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
-    ignore_eos: bool = False,
+    ignore_eos: Annotated[bool, typer.Option(help="go on past the end-of-sequence token")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="per-layer expert hits/misses/fills/CPU")] = False,
     opts: RuntimeOptions = None,
@@ -188,6 +236,7 @@ def generate_cmd(
     """Generate a completion for one prompt."""
 
     def run() -> None:
+        check_max_tokens(max_tokens)
         rt = Runtime(model, replace(opts, prefix_cache=False))  # one prompt: nothing to reuse
         try:
             ids = _prompt_ids(rt, prompt, prompt_ids, chat)
@@ -207,16 +256,17 @@ def generate_cmd(
 @runtime_flags(PREFIX_FLAGS, KV_FLAGS)
 def chat_cmd(
     model: Model,
-    max_tokens: int = 256,
-    temperature: float = 0.7,
+    max_tokens: MaxTokens = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.7,
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
-    stats: Annotated[bool, typer.Option("--stats")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="per-layer expert hits/misses/fills/CPU after each reply")] = False,
     opts: RuntimeOptions = None,
 ) -> None:
     """Chat interactively (empty line or Ctrl-D to quit); tokens stream as they come. Each turn
     reuses the previous turns' K/V through the prefix cache."""
 
     def run() -> None:
+        check_max_tokens(max_tokens)
         rt = Runtime(model, opts)
         if rt.tokenizer is None or rt.tokenizer.template is None:
             raise ValueError(f"{model} has no tokenizer or chat template; use ft-run generate --prompt-ids")
@@ -245,19 +295,36 @@ def chat_cmd(
 @app.command("demo")
 def demo_cmd(
     out: Annotated[Path, typer.Option(help="where to write the built-in model")] = Path("demo"),
-    prompt: str = "Write a haiku about experts.",
-    max_tokens: int = 32,
+    prompt: Annotated[str, typer.Option(help="what the built-in model is asked")] = "Write a haiku about experts.",
+    max_tokens: MaxTokens = 32,
     threads: Threads = None,
+    hf: Annotated[bool, typer.Option("--hf", help="also write it as an HF safetensors directory, OUT/demo-hf "
+                                                  "(an input for ftw-convert and ft-diagnose)")] = False,
+    gguf: Annotated[bool, typer.Option("--gguf", help="also write it as a GGUF file, OUT/demo.gguf")] = False,
 ) -> None:
     """Write the built-in small random-weight MoE (once) and generate from it with `hybrid`
     and an expert cache smaller than the pool."""
-    from .random_model import demo_spec, write_random_ftw
+    from .random_model import demo_spec, write_random_ftw, write_random_gguf, write_random_hf
     from .synthetic import write_tokenizer
 
+    def sources(vocab: int) -> None:
+        """The first pipeline step's inputs, without a download."""
+        if hf and not (out / "demo-hf" / "config.json").is_file():
+            write_random_hf(out / "demo-hf", demo_spec(vocab), side_files=lambda d: write_tokenizer(d, vocab))
+        if gguf and not (out / "demo.gguf").is_file():
+            write_random_gguf(out / "demo.gguf", demo_spec(vocab))
+        for path in [out / "demo-hf"] * hf + [out / "demo.gguf"] * gguf:
+            console.print(f"wrote {path}: try `ft-diagnose {path}` and `ftw-convert {path} -o "
+                          f"{path.with_name(path.stem + '-converted.ftw')}`", markup=False, highlight=False,
+                          soft_wrap=True)
+
     def run() -> None:
+        check_max_tokens(max_tokens)
+        out.mkdir(parents=True, exist_ok=True)
+        vocab = 512  # the built-in model's vocabulary (its generated tokenizer's)
+        sources(vocab)
         model = out / "demo.ftw"
         if not (model / "manifest.json").is_file():
-            vocab = 512
             console.print(f"writing the built-in model to {model} ...")
             write_random_ftw(model, demo_spec(vocab), side_files=lambda d: write_tokenizer(d, vocab))
         rt = Runtime(model, RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.5,
@@ -300,10 +367,62 @@ def serve_cmd(
 
     def run() -> None:
         serve(model, opts, host=host, port=port, api_key=api_key, max_running=max_running, kv_tokens=kv_tokens,
-              device_memory=parse_bytes(device_memory) if device_memory else None, served_name=served_model_name,
-              max_body=parse_bytes(max_body), say=lambda line: console.print(line, markup=False, highlight=False))
+              device_memory=parse_bytes(device_memory, "--device-memory") if device_memory else None, served_name=served_model_name,
+              max_body=parse_bytes(max_body, "--max-body"), say=lambda line: console.print(line, markup=False, highlight=False))
 
     guarded(run)
+
+
+@app.command("launch")
+@runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
+def launch_cmd(
+    agent: Annotated[str, typer.Argument(metavar="AGENT", help="claude | codex | opencode", show_default=False)],
+    agent_args: Annotated[list[str] | None, typer.Argument(metavar="[-- ARGS]", show_default=False,
+                                                          help="passed to the agent")] = None,
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="FTW directory to serve when no server "
+                                                                    "answers on the port")] = None,
+    host: Annotated[str, typer.Option(help="the server's address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="the server's TCP port")] = 8741,
+    api_key: Annotated[str | None, typer.Option(envvar="FTKIT_API_KEY", help="the server's key (given to "
+                                                                            "the agent, and to a server it starts)")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model id of a server it starts (default: the "
+                                                               "directory name)")] = None,
+    print_only: Annotated[bool, typer.Option("--print", help="print what the agent would be given; start "
+                                                             "nothing")] = False,
+    opts: RuntimeOptions = None,
+) -> None:
+    """Run a coding agent against ft-run serve: the server on --port if one answers, else one
+    started from -m (stopped when the agent exits); the agent's settings go to a temporary
+    place (environment, command-line overrides, a config file), never over the user's own."""
+    from .server import agents
+
+    def say(line: str) -> None:
+        err_console.print(f"ftkit: {line}", markup=False, highlight=False, soft_wrap=True)
+
+    def run() -> int:
+        url = f"http://{agents.client_host(host)}:{port}"
+        name = agents.served_model(url)
+        argv = ["-m", str(model), "--host", host, "--port", str(port), *runtime_argv(opts),
+                *(["--served-model-name", served_model_name] if served_model_name else [])]
+        if name is None and model is None:
+            raise ValueError(f"no ft-run serve answers on {url}; give -m MODEL to start one")
+        with tempfile.TemporaryDirectory(prefix="ft-run-launch-") as tmp:
+            if print_only:
+                setup = agents.setup_for(agent, url, name or served_model_name or model.name, api_key, Path(tmp))
+                print(f"# the ft-run serve on {url}" if name else f"# ft-run serve {shlex.join(argv)}")
+                print(setup.describe(agent, api_key))
+                return 0
+            exe = agents.executable(agent)
+            if name is not None:
+                say(f"using the ft-run serve on {url} ({name})")
+                return agents.run(exe, agents.setup_for(agent, url, name, api_key, Path(tmp)), agent_args or [])
+            env = {**os.environ, **({"FTKIT_API_KEY": api_key} if api_key else {})}  # not in argv: ps shows it
+            with agents.server(argv, url, Path(tmp) / "serve.log", env, say) as name:
+                return agents.run(exe, agents.setup_for(agent, url, name, api_key, Path(tmp)), agent_args or [])
+
+    code: list[int] = []
+    guarded(lambda: code.append(run()))
+    raise typer.Exit(code[0])
 
 
 ctl = typer.Typer(no_args_is_help=True, help="Talk to a running `ft-run serve`.")

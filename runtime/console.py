@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
+import typer
 from rich.console import Console
 
+from ftkit import __version__
 from ftkit.errors import InputError, one_line
 
 err_console = Console(stderr=True)
 # Bad input files (InputError: every reader's), outputs that exist, and bad option values.
 USER_ERRORS = (InputError, FileExistsError, FileNotFoundError, ValueError)
+USAGE = 2  # the exit code of a bad command line (click's too)
+
+
+def printable(text: str) -> str:
+    """Generated text as a terminal should get it: control characters (an escape sequence, a
+    carriage return, a bell) written as escapes; newlines and tabs kept."""
+    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -30,10 +39,21 @@ def guarded(fn: Callable[[], object]) -> None:
         fail("interrupted", 130)
 
 
-def parse_bytes(text: str) -> int:
-    """'8G', '512M', '1.5GiB', '4096' -> bytes (binary multiples)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+def _print_version(ctx: typer.Context, value: bool) -> None:
+    if value:
+        print(f"{ctx.find_root().info_name} {__version__}")
+        raise typer.Exit()
+
+
+# `--version` for every command: printed before any other option is read (or any module loaded).
+Version = Annotated[bool, typer.Option("--version", is_eager=True, expose_value=False, callback=_print_version,
+                                       help="print the version and exit")]
+
+
+def parse_bytes(text: str, flag: str = "a size") -> int:
+    """'8G', '512M', '1.5GiB', '4096' -> bytes (binary multiples); `flag` names the option."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
     if not m:
-        raise ValueError(f"not a byte size: {text!r} (try 8G, 512M)")
+        raise ValueError(f"{flag} takes a byte size such as 8G, 512M or 4096, got {text!r}")
     scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
     return int(float(m.group(1)) * scale)

@@ -199,9 +199,14 @@ def load_profile(path: Path) -> Profile:
     return Profile.from_dict(d, Path(path))
 
 
+def cache_dir() -> Path:
+    """ftkit's cache: $XDG_CACHE_HOME/ftkit (~/.cache/ftkit)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ftkit"
+
+
 def profiles_dir() -> Path:
-    """Where ft-calibrate saves profiles: $XDG_CACHE_HOME/ftkit/profiles (~/.cache/...)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ftkit" / "profiles"
+    """Where ft-calibrate saves profiles: the cache's profiles/."""
+    return cache_dir() / "profiles"
 
 
 def default_path(gpu: GPU | None, base: Path | None = None, host: str | None = None) -> Path:

@@ -1,10 +1,14 @@
 """Random-weight FTW written straight from a ModelSpec: the built-in demo model and benchmarks.
 
-One tensor (or one expert slot) is generated at a time, so the shapes can be realistic.
+One tensor (or one expert slot) is generated at a time, so the shapes can be realistic. The same
+kind of model can be written as an HF directory or a GGUF file too (small shapes: the weights
+are held at once), the input of the pipeline's first step without a download.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,3 +91,117 @@ def write_random_ftw(
         )
         write_json_atomic(tmp / MANIFEST, manifest.to_dict())
     return manifest
+
+
+# ---- the same model as a checkpoint to convert: an HF directory, a GGUF file ------------------
+# Canonical names -> the names each source format stores them under, for the Llama-style families
+# (the reverse of models/base.py's HF_RULES and GGUF_RULES).
+_HF_NAMES = [(r"embed\.weight", "model.embed_tokens.weight"), (r"final_norm\.weight", "model.norm.weight"),
+             (r"lm_head\.weight", "lm_head.weight"),
+             (r"layers\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+             (r"layers\.(\d+)\.mlp_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+             (r"layers\.(\d+)\.attn\.([qkvo])\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
+             (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
+             (r"layers\.(\d+)\.router\.weight", r"model.layers.\1.mlp.gate.weight")]
+_GGUF_NAMES = [(r"embed\.weight", "token_embd.weight"), (r"final_norm\.weight", "output_norm.weight"),
+               (r"lm_head\.weight", "output.weight"), (r"layers\.(\d+)\.attn_norm\.weight", r"blk.\1.attn_norm.weight"),
+               (r"layers\.(\d+)\.mlp_norm\.weight", r"blk.\1.ffn_norm.weight"),
+               (r"layers\.(\d+)\.attn\.o\.weight", r"blk.\1.attn_output.weight"),
+               (r"layers\.(\d+)\.attn\.([qkv])\.weight", r"blk.\1.attn_\2.weight"),
+               (r"layers\.(\d+)\.attn\.([qk])_norm\.weight", r"blk.\1.attn_\2_norm.weight"),
+               (r"layers\.(\d+)\.router\.weight", r"blk.\1.ffn_gate_inp.weight")]
+SOURCE_FAMILIES = ("qwen3_moe",)  # the families these writers lay out (the demo's)
+
+
+def _stored(name: str, table: list[tuple[str, str]]) -> str:
+    for pattern, template in table:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, template, name)
+    raise ValueError(f"no stored name for {name}")
+
+
+def _weights(spec: ModelSpec, seed: int) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """Random float32 weights of `spec`: dense by canonical name, experts per MoE layer stacked
+    by part ([E, I, H] gate and up, [E, H, I] down)."""
+    if spec.family not in SOURCE_FAMILIES:
+        raise ValueError(f"HF and GGUF demo checkpoints are written for {', '.join(SOURCE_FAMILIES)}, "
+                         f"not {spec.family}")
+    gen = torch.Generator().manual_seed(seed)
+    dense = {n: _random(n, s, gen) for n, s in FAMILIES[spec.family].dense_shapes(spec).items()}
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
+    experts = {layer: {part: torch.stack([_random(part, shape, gen) for _ in range(spec.num_experts)])
+                       for part, shape in shapes.items()} for layer in spec.moe_layers}
+    return dense, experts
+
+
+def hf_config(spec: ModelSpec) -> dict:
+    """config.json of `spec` as transformers writes a Qwen3-MoE's."""
+    return {"architectures": [spec.architecture], "model_type": spec.family, "vocab_size": spec.vocab_size,
+            "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+            "moe_intermediate_size": spec.moe_intermediate_size, "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim, "num_experts": spec.num_experts, "num_experts_per_tok": spec.top_k,
+            "norm_topk_prob": spec.norm_topk_prob, "max_position_embeddings": spec.max_position_embeddings,
+            "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta,
+            "tie_word_embeddings": spec.tie_word_embeddings, "decoder_sparse_step": 1,
+            "mlp_only_layers": [n for n in range(spec.num_layers) if n not in spec.moe_layers],
+            "torch_dtype": "float32"}
+
+
+def write_random_hf(out: Path, spec: ModelSpec, seed: int = 0, side_files: Callable[[Path], None] | None = None,
+                    force: bool = False) -> Path:
+    """`spec`'s random weights as an HF model directory (config.json, model.safetensors with
+    per-expert tensors, `side_files` such as a tokenizer): an input for ftw-convert and
+    ft-diagnose without a download. Written to a temporary sibling, renamed at the end."""
+    from safetensors.torch import save_file
+
+    dense, experts = _weights(spec, seed)
+    tensors = {_stored(n, _HF_NAMES): t for n, t in dense.items()}
+    for layer, parts in experts.items():
+        for part, stacked in parts.items():
+            for e in range(spec.num_experts):
+                tensors[f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"] = stacked[e].contiguous()
+    with atomic_dir(out, force) as tmp:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_json_atomic(tmp / "config.json", hf_config(spec))
+        if side_files:
+            side_files(tmp)
+    return out
+
+
+def write_random_gguf(out: Path, spec: ModelSpec, seed: int = 0, force: bool = False) -> Path:
+    """`spec`'s random weights (the same as write_random_hf's for a seed) as a float32 GGUF
+    file laid out as llama.cpp's converter writes the family (stacked `ffn_*_exps` experts, no
+    vocabulary); written to a temporary sibling, renamed at the end."""
+    import gguf
+
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    dense, experts = _weights(spec, seed)
+    arch = FAMILIES[spec.family].gguf_archs[0]
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    for key, value in (("block_count", spec.num_layers), ("context_length", spec.max_position_embeddings),
+                       ("embedding_length", spec.hidden_size), ("feed_forward_length", spec.intermediate_size),
+                       ("attention.head_count", spec.num_heads), ("attention.head_count_kv", spec.num_kv_heads),
+                       ("attention.key_length", spec.head_dim), ("attention.value_length", spec.head_dim),
+                       ("expert_count", spec.num_experts), ("expert_used_count", spec.top_k),
+                       ("expert_feed_forward_length", spec.moe_intermediate_size)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", spec.rope_theta)
+    for name, t in dense.items():
+        w.add_tensor(_stored(name, _GGUF_NAMES), t.numpy())
+    for layer, parts in experts.items():
+        for part, stacked in parts.items():
+            w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", stacked.numpy())
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out

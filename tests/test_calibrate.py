@@ -126,3 +126,18 @@ def test_without_adapting_the_prior_is_kept():
     p = Planner("hybrid", 0.1, adapt=False)
     simulate(p, 25.0, 40.0, steps=10)
     assert p.rate_fraction == 0.1 and p.fill_count(8) == 1
+
+
+def test_a_wide_spread_or_a_busy_machine_is_a_warning():
+    """Windows of one measurement that differ by more than SPREAD_WARN (other work started on
+    the CPU meanwhile), or a busy machine before measuring, are one warning line each."""
+    from ftkit.tools.calibrate import measure
+
+    line = measure.spread_warning("B_H at 4 thread(s)", [40.0, 41.0, 12.0, 4.0, 39.0])
+    assert line == ("B_H at 4 thread(s) varied 10.2x within its measurement (4.0 to 41.0 GB/s over 5 "
+                    "windows): something else used the CPU; measure again on an idle machine")
+    assert measure.spread_warning("B_H", [10.0, 11.0, 12.0]) is None  # 1.2x: within SPREAD_WARN
+    assert measure.spread_warning("B_H", [10.0]) is None
+    assert measure.load_warning(7.5, 2) == ("the 1-minute load average is 7.5 on 2 cores: other work shares the "
+                                            "CPU, so B_H will read low; measure on an idle machine")
+    assert measure.load_warning(0.5, 2) is None

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import fixtures as fx
+from ftkit import __version__
 from ftkit.runtime.checkpoint.gguf import READ_CHUNK
 from ftkit.runtime.engine.loader import RuntimeOptions
 from ftkit.runtime.engine.resolve import Machine, resolve
@@ -306,7 +307,12 @@ def test_console_script_exit_codes(model_path, tmp_path: Path) -> None:
     assert "bad magic" in bad.stdout
     usage = run(str(tmp_path / "no-such-model"))
     assert usage.returncode == 2 and "Traceback" not in usage.stdout + usage.stderr
-    assert "does not exist" in usage.stderr
+    assert usage.stderr.strip() == f"error: {tmp_path / 'no-such-model'}: no such file or directory"
+    as_json = run(str(tmp_path / "no-such-model"), "--json")  # a CI step still gets a verdict
+    assert as_json.returncode == 2 and json.loads(as_json.stdout)["verdict"] == "FAIL"
+    assert json.loads(as_json.stdout)["problems"] == [f"{tmp_path / 'no-such-model'}: no such file or directory"]
+    version = run("--version")
+    assert (version.returncode, version.stdout) == (0, f"ft-diagnose {__version__}\n")
 
 
 # ---- no weight bytes ---------------------------------------------------------------------------
@@ -474,3 +480,26 @@ def test_unsupported_gguf_types_are_each_named_and_still_plan(hf_checkpoint, tmp
     assert report["problems"] == [f"unsupported: GGUF type IQ2_XXS for tensor {n}" for n in retyped]
     assert len(retyped) == 1 + 3 * 2  # embedding + 3 parts x 2 layers
     assert report["memory"]["host_expert_pool_bytes"] > 0
+
+
+# ---- no torch on the header path -------------------------------------------------------------------
+TORCH_FREE = """
+import sys
+from ftkit.tools.diagnose.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as e:
+    print("exit", e.code, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("variant", ["sharded", "gguf_q8_0"])
+def test_the_header_path_loads_no_torch(model_path, variant: str, tmp_path: Path) -> None:
+    """An HF directory's or a GGUF file's verdict (stub or full), --help and --version import no
+    torch: what makes a header-only check start in well under a second (README, docs/diagnose.md)."""
+    runs = [([str(model_path("qwen3_moe", variant, stub=True)), "--json"], 0), ([str(model_path("olmoe", variant))], 0),
+            (["--help"], 0), (["--version"], 0), ([str(tmp_path / "none"), "--json"], 2)]
+    for args, code in runs:
+        r = subprocess.run([sys.executable, "-c", TORCH_FREE, *args], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)
+        assert r.stderr.strip().splitlines()[-1] == f"exit {code} False", (args, r.stderr)

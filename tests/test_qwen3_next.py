@@ -30,7 +30,7 @@ import fixtures as fx
 import gguf_fixtures as gfx
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.ftw.reader import FTWModel
-from ftkit.runtime.models import FAMILIES, decoder, qwen3_next
+from ftkit.runtime.models import FAMILIES, decoder, qwen3_next, qwen3_next_forward
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.layers import attention
 from ftkit.runtime.spec import FULL_ATTENTION, LINEAR_ATTENTION
@@ -125,16 +125,16 @@ def test_bfloat16_logits_close_to_transformers(ftw, reference, monkeypatch):
 # both scans; the batched one forming its operands a few chunks at a time, or all at once
 @pytest.mark.parametrize("batched, block", [(False, 16), (True, 2), (True, 16)])
 def test_delta_rule_chunked_equals_recurrent(monkeypatch, batched, block):
-    monkeypatch.setattr(qwen3_next, "SCAN_BLOCK", block)
+    monkeypatch.setattr(qwen3_next_forward, "SCAN_BLOCK", block)
     gen = torch.Generator().manual_seed(0)
     h, t, dk, dv = 3, 100, 8, 5
-    q, k = (qwen3_next.l2norm(torch.randn(h, t, dk, generator=gen)) for _ in range(2))
+    q, k = (qwen3_next_forward.l2norm(torch.randn(h, t, dk, generator=gen)) for _ in range(2))
     v = torch.randn(h, t, dv, generator=gen)
     g, beta = -torch.rand(h, t, generator=gen), torch.rand(h, t, generator=gen)
     s0 = torch.randn(h, dk, dv, generator=gen)
-    a, sa = qwen3_next.delta_rule_recurrent(q, k, v, g, beta, s0)
+    a, sa = qwen3_next_forward.delta_rule_recurrent(q, k, v, g, beta, s0)
     kept = s0.clone()
-    b, sb = qwen3_next.delta_rule_chunked(q, k, v, g, beta, s0, chunk=16, batched=batched)
+    b, sb = qwen3_next_forward.delta_rule_chunked(q, k, v, g, beta, s0, chunk=16, batched=batched)
     assert torch.equal(s0, kept)  # the caller's state is read, not written
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sa, sb, rtol=1e-5, atol=1e-5)

@@ -261,6 +261,23 @@ def test_anthropic_bad_input(server, ant):
         ant.messages.create(**{**good, "model": "claude-x"})
 
 
+def test_unknown_routes_and_methods_answer_in_the_api_shape(server, oai, ant):
+    auth = {"authorization": f"Bearer {KEY}"}
+    missing = httpx.get(server.url + "/v1/nope", headers=auth)
+    assert missing.status_code == 404 and missing.json() == {"error": {
+        "message": "no route /v1/nope: see /openapi.json for the endpoints", "type": "not_found_error",
+        "param": None, "code": None}}
+    method = httpx.get(server.url + "/v1/chat/completions", headers=auth)
+    assert method.status_code == 405 and "POST" in method.headers["allow"]
+    assert method.json()["error"]["message"] == "GET is not allowed on /v1/chat/completions"
+    anthropic_side = httpx.get(server.url + "/v1/messages", headers=auth)
+    assert anthropic_side.status_code == 405 and anthropic_side.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "GET is not allowed on /v1/messages"}}
+    assert httpx.get(server.url + "/v1/nope").status_code == 401  # the key is checked first
+    with pytest.raises(openai.NotFoundError, match="no route /v1/models/x"):
+        oai.models.retrieve("x")  # the SDK reads the message out of the shape
+
+
 def test_hostile_requests_get_a_4xx(server, oai):
     """Requests a fuzzer sends (objects where names go, booleans as token ids, numbers past any
     range, a lone surrogate, JSON nested past Python's recursion limit) get a 400 in the API's

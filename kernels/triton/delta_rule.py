@@ -9,7 +9,7 @@ this kind. Here:
 - `delta_step`: per value head, the L2-normalised query and key of its key head, the decay
   g = -exp(A_log) * softplus(a + dt_bias) and rate beta = sigmoid(b), one step of the delta
   rule on the head's state (read and written once), and the gated RMSNorm of its output.
-The maths and roundings are models/qwen3_next.py's (float32 state and sums, the casts where the
+The maths and roundings are models/qwen3_next_forward.py's (float32 state and sums, the casts where the
 torch code casts); only the order of the float32 sums differs.
 """
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ftkit.errors import InputError
 from ftkit.vocab import storage_dtype, stored_shape
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CheckpointError(InputError):
@@ -61,6 +62,8 @@ def pread_exact(path: Path, offset: int, nbytes: int) -> bytearray:
 
 def read_ref(ref: TensorRef) -> torch.Tensor:
     """The stored bytes of `ref` as a tensor in its stored dtype and `stored_shape`."""
+    import torch
+
     data = pread_exact(ref.path, ref.offset, ref.nbytes)
     dt = storage_dtype(ref.dtype)
     t = torch.frombuffer(data, dtype=dt) if ref.nbytes else torch.empty(0, dtype=dt)

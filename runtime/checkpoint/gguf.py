@@ -20,14 +20,15 @@ import struct
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ftkit.errors import shown
 from ftkit.vocab import FORMATS, Q8_0, stored_nbytes
 
 from .base import CheckpointError, TensorRef, read_ref
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

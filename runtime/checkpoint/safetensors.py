@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ftkit.errors import shown
 from ftkit.vocab import stored_nbytes
 
 from .base import CheckpointError, TensorRef, inside, read_ref
 from .jsonfile import parse_json, read_json, read_object, type_name
+
+if TYPE_CHECKING:
+    import torch
 
 ST_DTYPES = {
     "F64": "float64",

@@ -12,13 +12,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from ftkit.vocab import human_bytes
 
 from ..models import FAMILIES
-from ..models.kv import kv_bytes_per_token
-from ..models.layers import flash_behind_cache
+from ..models.kv_size import DType, kv_bytes_per_token
 from ..spec import ModelSpec
 
 PREFILL_CHUNK = 8192  # tokens per prefill forward on a GPU
@@ -124,7 +121,7 @@ def longest_request(spec: ModelSpec, kv_tokens: int) -> int:
     return min(kv_tokens, spec.max_position_embeddings)
 
 
-def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, chunk: int = PREFILL_CHUNK,
+def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: int = PREFILL_CHUNK,
                             flash: bool = False) -> int:
     """The transient activations of the largest prefill step on a GPU: a prompt of up to
     `context` tokens run layer by layer in pieces of up to `chunk` (MoEDecoder.forward), the
@@ -152,24 +149,25 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: torch.dtype, c
     return (context + 3 * t) * h * b + routes + max(experts, mlp, attention)
 
 
-def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: torch.dtype, family: str) -> int:
+def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: DType, family: str) -> int:
     """The dense tensors' bytes on the device at `dtype`, the family's float32-kept ones at 4 bytes
     (as the loader keeps them)."""
     keep = FAMILIES[family].float32_suffixes
     return sum(math.prod(shape) * (4 if name.endswith(keep) else dtype.itemsize) for name, shape in shapes.items())
 
 
-def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: torch.dtype, kv_tokens: int,
+def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: DType, kv_tokens: int,
               budget_bytes: int | None = None, prefix_tokens: int = 0, cuda: bool = False,
-              graphs: bool = False, chunk: int = PREFILL_CHUNK) -> MemoryPlan:
+              graphs: bool = False, chunk: int = PREFILL_CHUNK, flash: bool = False) -> MemoryPlan:
     """Every term of a plan but the expert slots: on CUDA the graph K/V (with `graphs`) and the
     workspace of a `chunk`-token prefill forward, both sized by the longest request `kv_tokens`
-    admits."""
+    admits; `flash`: that GPU runs a chunk behind cached keys with flash attention
+    (models.layers.flash_behind_cache). Torch-free: a header-only check plans with it too."""
     longest = longest_request(spec, kv_tokens)
     graph = graphs and cuda
     return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, slot_bytes, budget_bytes,
                       prefix_tokens, longest if graph else 0,
-                      prefill_workspace_bytes(spec, longest, dtype, chunk, flash_behind_cache(dtype, spec.head_dim, "cuda"))
+                      prefill_workspace_bytes(spec, longest, dtype, chunk, flash)
                       if cuda else 0,
                       2 * FAMILIES[spec.family].recurrent_state_bytes(spec, dtype) if graph else 0)
 

@@ -22,6 +22,7 @@ from ftkit.vocab import AUTO, CPU, FUSED, HYBRID, OFFLOAD, STRATEGIES, human_byt
 
 from ..experts.cpu import CPUExecutor
 from ..ftw.reader import FTWModel
+from ..models.layers import flash_behind_cache
 from ..models.stored import stored_family
 from ..profile import GPU, Profile, default_path, gpu_identity, load_profile, profiles_dir
 from .memory import MemoryPlan, base_plan, dense_device_bytes
@@ -228,7 +229,8 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
     plan = base_plan(spec, dense_device_bytes({name: t["shape"] for name, t in dense.items()}, dtype, spec.family),
                      slot_bytes, dtype, opts.kv_tokens, budget, prefix, cuda=device.type == "cuda",
-                     graphs=opts.graphs, chunk=opts.prefill_chunk)
+                     graphs=opts.graphs, chunk=opts.prefill_chunk,
+                     flash=flash_behind_cache(dtype, spec.head_dim, "cuda"))
     requested = opts.cache_experts if opts.cache_bytes is None else opts.cache_bytes // slot_bytes
     strategy, why = resolve_strategy(opts.strategy, ratio, _ratio_said(ratio, profile), device,
                                      _fit(plan, rows, opts.gpu_budget, budget, given, device),

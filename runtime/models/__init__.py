@@ -1,6 +1,8 @@
 """The family registry: one module per family, named after its HF model_type.
 
-Adding a family is one new module plus one line in FAMILIES.
+Adding a family is one new module plus one line in FAMILIES, and where its forward pass differs
+from the shared decoder, a `<family>_forward.py` that its `forward` names (imported when a model
+is built, so the registry and the config reads stay free of torch).
 """
 
 from __future__ import annotations

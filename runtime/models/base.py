@@ -14,11 +14,10 @@ Routed experts are not dense tensors: they map to (layer, expert, part) and go t
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..spec import (
     FULL_ATTENTION,
@@ -33,12 +32,17 @@ from ..spec import (
     MAX_VOCAB,
     QK_NORM_FULL,
     QK_NORM_HEAD,
+    SLIDING_ATTENTION,
     ModelSpec,
     SpecError,
 )
 from .config import count, first_count, flag, layer_indices, names, number, section, token_ids
-from .decoder import Experts, MoEDecoder
-from .layers import check_rope
+from .rope import check_rope
+
+if TYPE_CHECKING:
+    import torch
+
+    from .decoder import Experts, MoEDecoder
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,17 @@ class Family:
     gguf_archs: tuple[str, ...] = ()
     hf_rules: list[Rule] = HF_RULES
     gguf_rules: list[Rule] = GGUF_RULES
-    decoder_class: type[MoEDecoder] = MoEDecoder  # a subclass where the forward pass has a quirk
+    # The forward pass, by module and class: MoEDecoder, or a subclass where it has a quirk. Imported
+    # when a model is built (`decoder_class`), so that reading a config or checking headers loads
+    # no torch.
+    forward: tuple[str, str] = ("decoder", "MoEDecoder")
+    layer_kinds: frozenset[str] = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})  # what the forward runs
     float32_suffixes: tuple[str, ...] = ()  # dense tensors kept in float32 at any runtime dtype
+
+    @property
+    def decoder_class(self) -> type[MoEDecoder]:
+        module, name = self.forward
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
     # ---- config -> ModelSpec ---------------------------------------------------------------
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
@@ -131,7 +144,9 @@ class Family:
         """Refuse (SpecError) a spec this family's forward pass cannot run: every spec from a
         config passes here, and every FTW manifest's before it loads. A subclass adds the
         checks of its own fields (`spec.extra`)."""
-        self.decoder_class.check_kinds(spec)
+        kinds = set(spec.layer_kinds) - self.layer_kinds
+        if kinds:
+            raise SpecError(f"{spec.architecture}: layer kind(s) {', '.join(sorted(kinds))} not supported")
         check_rope(spec)
 
     def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:

@@ -14,12 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from ..spec import (
-    FULL_ATTENTION,
     QK_NORM_FULL,
     QK_NORM_HEAD,
     SLIDING_ATTENTION,
     ModelSpec,
-    SpecError,
 )
 from .kv import CacheSnapshot, KVCache
 from .layers import Rope, apply_rope, attention, linear, rms_norm, softmax_topk, swiglu
@@ -55,18 +53,10 @@ class MoEDecoder:
     # transformers' Qwen/OLMoE routers cast the top-k weights to the hidden dtype; Mixtral's
     # keeps them float32 (its experts then scale in float32 and cast the product).
     cast_router_weights = True
-    # layer kinds this decoder's forward pass implements; a subclass adds what it handles
-    supported_kinds: frozenset[str] = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})
     norm_offset = False  # RMSNorms multiply by (1 + weight) in float32 (Qwen3-Next); layers.rms_norm
 
-    @classmethod
-    def check_kinds(cls, spec: ModelSpec) -> None:
-        kinds = set(spec.layer_kinds) - cls.supported_kinds
-        if kinds:
-            raise SpecError(f"{spec.architecture}: layer kind(s) {', '.join(sorted(kinds))} not supported")
-
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts):
-        self.check_kinds(spec)
+        """`spec` has passed its family's `check_spec` (the layer kinds this forward runs among it)."""
         self.spec, self.w, self.experts = spec, weights, experts
         self.device = weights["embed.weight"].device
         self.rope = Rope(spec, self.device)

@@ -10,15 +10,12 @@ top k experts among them; the weights are the chosen experts' unbiased scores, r
 GGUF (llama.cpp arch `glm4moe`): the bias is `blk.N.exp_probs_b.bias`, the post-attention norm
 `post_attention_norm`; the converter appends the multi-token-prediction layer(s) as extra blocks
 counted in block_count (we serve the main layers; the rest map as unexpected) and writes no
-expert-group keys (GLM-4.5 uses one group).
+expert-group keys (GLM-4.5 uses one group). The forward pass is glm4_moe_forward.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
-import torch.nn.functional as F
 
 from ftkit.errors import shown
 
@@ -47,7 +44,6 @@ from .base import (
     text_config,
 )
 from .config import MAX_COUNT, count, first_count, flag, number, section
-from .decoder import MoEDecoder
 
 SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -61,31 +57,13 @@ GGUF_GLM_RULES = rules(
 ) + GGUF_RULES
 
 
-class Glm4MoeDecoder(MoEDecoder):
-    cast_router_weights = False  # transformers hands the experts float32 weights
-
-    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s, p, t = self.spec, f"layers.{i}.router.", x.shape[0]
-        groups, keep = s.extra["n_group"], s.extra["topk_group"]
-        scores = F.linear(x.float(), self.w[p + "weight"].float()).sigmoid()
-        choice = (scores + self.w[p + "bias"].float()).view(t, groups, -1)
-        best = choice.topk(2, dim=-1)[0].sum(dim=-1).topk(keep, dim=-1)[1]
-        kept = torch.zeros(t, groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
-        choice = choice.masked_fill(~kept[..., None], float("-inf")).view(t, -1)
-        ids = choice.topk(s.top_k, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        if s.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * s.extra["routed_scaling_factor"]
-
-
 class Glm4Moe(Family):
     name = "glm4_moe"
     architectures = ("Glm4MoeForCausalLM",)
     gguf_archs = ("glm4moe",)
     hf_rules = HF_GLM_RULES
     gguf_rules = GGUF_GLM_RULES
-    decoder_class = Glm4MoeDecoder
+    forward = ("glm4_moe_forward", "Glm4MoeDecoder")
     float32_suffixes = ("router.weight", "router.bias")  # transformers routes in float32
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+from ..spec import ModelSpec
+from .kv_size import attention_layers
 
 
 class KVCache:
@@ -90,14 +91,3 @@ class CacheSnapshot:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.states.values() for t in s.values())
-
-
-def attention_layers(spec: ModelSpec) -> list[int]:
-    """The softmax-attention layers (full or sliding): those that keep K/V rows."""
-    return [i for i, kind in enumerate(spec.layer_kinds) if kind in (FULL_ATTENTION, SLIDING_ATTENTION)]
-
-
-def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
-    """K and V bytes one position takes in every softmax-attention layer, as KVCache allocates
-    them (sliding-window layers too: the cache is not windowed)."""
-    return 2 * len(attention_layers(spec)) * spec.num_kv_heads * spec.head_dim * dtype.itemsize

@@ -7,9 +7,7 @@ interleaved RoPE; `sanitize` undoes that permutation so the weights match HF's l
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..spec import MAX_POSITIONS, SLIDING_ATTENTION, ModelSpec
 from .base import (
@@ -22,7 +20,9 @@ from .base import (
     text_config,
 )
 from .config import count
-from .decoder import MoEDecoder
+
+if TYPE_CHECKING:
+    import torch
 
 MIXTRAL_RULES = rules(
     (r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight", "layers.{1}.router.weight"),
@@ -39,16 +39,12 @@ def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-class MixtralDecoder(MoEDecoder):
-    cast_router_weights = False
-
-
 class Mixtral(Family):
     name = "mixtral"
     architectures = ("MixtralForCausalLM",)
     gguf_archs = ("llama",)
     hf_rules = MIXTRAL_RULES
-    decoder_class = MixtralDecoder
+    forward = ("mixtral_forward", "MixtralDecoder")
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
         window = count(cfg, "sliding_window", 0, hi=MAX_POSITIONS) or None

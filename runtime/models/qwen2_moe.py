@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..spec import MAX_FFN, ModelSpec
 from .base import Family, Mapped, moe_spec, sliding_window
 from .config import count, flag
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Qwen2Moe(Family):

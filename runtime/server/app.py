@@ -7,6 +7,7 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from . import anthropic, control, openai, responses
@@ -60,6 +61,15 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return error(request, e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Routing's own errors (no such route, a method the route does not take) in the API's shape."""
+        path = request.url.path
+        message = {404: f"no route {path}: see /openapi.json for the endpoints",
+                   405: f"{request.method} is not allowed on {path}"}.get(e.status_code, str(e.detail))
+        return JSONResponse(body_for(path, ApiError(e.status_code, message)), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:

@@ -1,9 +1,11 @@
-"""`ft-run serve`: resolve the options (the memory plan with them), refuse with advice if it cannot
-fit, load, run uvicorn."""
+"""`ft-run serve`: take the port, resolve the options (the memory plan with them), refuse with
+advice if it cannot fit, load, run uvicorn on the port taken."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import socket
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +29,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening before the model loads, so that a port in use is
+    one line at once rather than after the load (and no one takes the port meanwhile)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts at once
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = (f" (another ft-run serve? `ft-run ctl stats --url http://{host}:{port}` asks it; or choose "
+                f"another --port)") if e.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
 def resolve_serve(ftw: FTWModel, opts: RuntimeOptions, max_running: int, kv_tokens: int | None,
                   device_memory: int | None) -> Resolved:
     """The options resolved for the server's KV budget (default: a full context for each running
@@ -46,7 +68,7 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
           api_key: str | None = None, max_running: int = 4, kv_tokens: int | None = None,
           device_memory: int | None = None, served_name: str | None = None, max_body: int = DEFAULT_MAX_BODY,
           say: Callable[[str], None] = print) -> None:
-    import uvicorn  # only here: the runtime works without the serve extra
+    import uvicorn
 
     from ..engine.scheduler import Scheduler
     from .app import create_app
@@ -54,25 +76,26 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
 
     if max_body < 1:
         raise ValueError("--max-body must be at least 1 byte")
-    ftw = FTWModel(model)
-    resolved = resolve_serve(ftw, opts, max_running, kv_tokens, device_memory)
-    plan = resolved.memory
-    say(plan.describe())
-    if not plan.fits:
-        raise ValueError(plan.advice())
-    if not is_loopback(host) and not api_key:
-        say(f"WARNING: serving on {host}, reachable from other machines, with no --api-key: anyone who can "
-            f"reach it can use it")
-    rt = Runtime(ftw, resolved)
-    if rt.device.type == "cuda":
-        say("warming up: compiling the GPU kernels (kept in Triton's disk cache) and capturing the decode graphs")
-    warm = warm_up(rt)
-    scheduler = Scheduler(rt, plan, max_running)
-    try:
-        state = ServerState(rt, scheduler, served_name or Path(model).name, api_key, max_body)
-        say(f"serving {state.model_name} on http://{host}:{port} (OpenAI /v1/chat/completions, Anthropic "
-            f"/v1/messages, control /v1/stats)" + (f"; warm-up took {warm:.1f} s" if warm is not None else ""))
-        uvicorn.run(create_app(state), host=host, port=port, log_level="warning")
-    finally:
-        scheduler.close()
-        rt.close()
+    with listen(host, port) as sock:
+        ftw = FTWModel(model)
+        resolved = resolve_serve(ftw, opts, max_running, kv_tokens, device_memory)
+        plan = resolved.memory
+        say(plan.describe())
+        if not plan.fits:
+            raise ValueError(plan.advice())
+        if not is_loopback(host) and not api_key:
+            say(f"WARNING: serving on {host}, reachable from other machines, with no --api-key: anyone who can "
+                f"reach it can use it")
+        rt = Runtime(ftw, resolved)
+        if rt.device.type == "cuda":
+            say("warming up: compiling the GPU kernels (kept in Triton's disk cache) and capturing the decode graphs")
+        warm = warm_up(rt)
+        scheduler = Scheduler(rt, plan, max_running)
+        try:
+            state = ServerState(rt, scheduler, served_name or Path(model).name, api_key, max_body)
+            say(f"serving {state.model_name} on http://{host}:{port} (OpenAI /v1/chat/completions, Anthropic "
+                f"/v1/messages, control /v1/stats)" + (f"; warm-up took {warm:.1f} s" if warm is not None else ""))
+            uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning")).run(sockets=[sock])
+        finally:
+            scheduler.close()
+            rt.close()

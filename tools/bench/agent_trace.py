@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def write_model(model: str, path: Path) -> Path:
     """`demo` (the built-in Qwen3-MoE) or `next` (tiny Qwen3-Next), random weights, float32."""
     spec = demo_spec(512) if model == "demo" else tiny_next_spec(512)
     if not (path / "manifest.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_random_ftw(path, spec, side_files=lambda d: write_tokenizer(d, 512))
     return path
 
@@ -130,8 +132,9 @@ def _ideal_seconds(rt: Runtime, ids: list[int], start: int) -> float:
 
 
 def run(model: Path, harnesses: tuple[str, ...] = HARNESSES, turns: int = 8,
-        modes: tuple[str, ...] = tuple(MODES)) -> list[Turn]:
-    """Every harness's session in turn on one runtime per mode (sessions share its caches)."""
+        modes: tuple[str, ...] = tuple(MODES), progress: Callable[[str], None] = lambda line: None) -> list[Turn]:
+    """Every harness's session in turn on one runtime per mode (sessions share its caches);
+    `progress` hears of each turn as it is timed."""
     rows = []
     for mode in modes:
         rt = Runtime(model, RuntimeOptions(strategy="fused", threads=1, **MODES[mode]))
@@ -145,6 +148,8 @@ def run(model: Path, harnesses: tuple[str, ...] = HARNESSES, turns: int = 8,
                 rows.append(Turn(harness, mode, i + 1, len(ids), len(ids) - common, gen.cached_tokens,
                                  len(ids) - gen.cached_tokens, round(gen.prefill_seconds * 1e3, 1),
                                  round(ideal * 1e3, 1)))
+                progress(f"{mode}: {harness} turn {i + 1}/{turns}, {len(ids)} prompt tokens, "
+                         f"{gen.cached_tokens} reused")
                 prev = ids
         rt.close()
     return rows

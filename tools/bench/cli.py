@@ -18,9 +18,10 @@ from rich.table import Table
 
 from ftkit import __version__
 from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
-from ftkit.runtime.console import guarded
+from ftkit.runtime.console import Version, err_console, guarded
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
+from ftkit.runtime.profile import cache_dir
 from ftkit.runtime.random_model import write_random_ftw
 
 from . import agent_trace, hostmem, run, soak
@@ -34,14 +35,28 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Reproducible benchmarks of ftkit's runtime.")
 
 
+@app.callback()
+def _root(version: Version = False) -> None:
+    pass
+
+
+PIPE_WIDTH = 1000  # columns a table may take when printed to a pipe or a file
+
+
+def show(table: Table) -> None:
+    """A table at its natural width where stdout is not a terminal (rich would fold it to 80
+    columns there), so a log keeps every column whole."""
+    (console if console.is_terminal else Console(width=PIPE_WIDTH)).print(table)
+
+
 @app.command()
 def write(
     out: Annotated[Path, typer.Option("--out", "-o", help="FTW directory to write")],
     preset: Annotated[str, typer.Option(help=f"one of {', '.join(PRESETS)}")] = "qwen3-30b-a3b",
     layers: Annotated[int | None, typer.Option(help="keep the first N layers (fit the disk)")] = None,
-    dtype: str = "bfloat16",
+    dtype: Annotated[str, typer.Option(help="expert and dense dtype: bfloat16, float16, float32 (q8_0: experts only)")] = "bfloat16",
     distinct_experts: Annotated[int, typer.Option(help="random experts drawn, then cycled")] = 64,
-    force: bool = False,
+    force: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
 ) -> None:
     """Write a random-weight FTW at a preset's shapes."""
 
@@ -99,16 +114,16 @@ def _machine() -> dict:
 @app.command()
 @runtime_flags(without=("strategy", "no_graphs"))
 def decode(
-    model: Annotated[Path, typer.Option("--model", "-m")],
+    model: Annotated[Path, typer.Option("--model", "-m", help="FTW directory (e.g. from ft-bench write)")],
     strategies: Annotated[str, typer.Option(help="comma-separated strategies")] = "offload,cpu,hybrid",
     cache_fraction: Annotated[float | None, typer.Option(help="cacheable share of the expert pool")] = None,
-    tokens: int = 64,
-    prompt: int = 16,
+    tokens: Annotated[int, typer.Option(help="decode steps timed per strategy")] = 64,
+    prompt: Annotated[int, typer.Option(help="prompt tokens prefilled before the timed decode")] = 16,
     chunks: Annotated[str, typer.Option(help="prompts to prefill and time, in tokens, e.g. 4096,8192 ('' = none)")] = "",
     routing: Annotated[str, typer.Option(help="real | reuse:P | trace:FILE")] = "real",
     record: Annotated[Path | None, typer.Option(help="save the real routing of the run")] = None,
-    pcie_gbps: float | None = None,
-    cpu_gbps: float | None = None,
+    pcie_gbps: Annotated[float | None, typer.Option(help="B_P for the bounds, GB/s (default: the profile's)")] = None,
+    cpu_gbps: Annotated[float | None, typer.Option(help="B_H for the bounds, GB/s (default: the profile's)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="write a torch.profiler table per strategy")] = None,
     graphs: Annotated[str, typer.Option(help="CUDA graph decode: on | off | both (A/B rows)")] = "on",
@@ -159,6 +174,15 @@ def decode(
         longest = max([run.decode_length(prompt, tokens)]
                       + [run.prefill_length(int(c), answer, extend) for c in chunks.split(",") if c])
         sized = _sized(opts, model, cache_fraction, longest)
+        try:
+            each_run(results, table, sized, strategies, modes)
+        finally:  # a strategy that cannot run (hybrid without a ratio) still shows the ones that ran
+            if results["runs"]:
+                show(table)
+                if as_json:
+                    as_json.write_text(json.dumps(results, indent=1))
+
+    def each_run(results: dict, table: Table, sized: RuntimeOptions, strategies: str, modes: list[bool]) -> None:
         for strategy, graphs_on in ((s, g) for s in strategies.split(",") for g in modes):
             rt = Runtime(model, dataclasses.replace(
                 sized, strategy=strategy, graphs=graphs_on, stream_prefill={"on": True, "off": False}.get(stream_prefill),
@@ -186,9 +210,6 @@ def decode(
                               *([_batch_cell(together)] if together else []), " ".join(_prefill_cell(p) for p in pre))
             finally:
                 rt.close()
-        console.print(table)
-        if as_json:
-            as_json.write_text(json.dumps(results, indent=1))
 
     guarded(body)
 
@@ -196,7 +217,7 @@ def decode(
 @app.command("serve")
 @runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
 def serve_cmd(
-    model: Annotated[Path, typer.Option("--model", "-m")],
+    model: Annotated[Path, typer.Option("--model", "-m", help="FTW directory to serve")],
     lengths: Annotated[str, typer.Option(help="single-stream prompt lengths in tokens")] = "1024,3000,8000",
     tokens: Annotated[int, typer.Option(help="tokens each reply decodes")] = 64,
     turns: Annotated[int, typer.Option(help="turns of the agent session")] = 4,
@@ -211,8 +232,8 @@ def serve_cmd(
     max_running: Annotated[int, typer.Option(help="ft-run serve --max-running")] = 4,
     kv_tokens: Annotated[int | None, typer.Option(help="ft-run serve --kv-tokens (default: its own)")] = None,
     engine: Annotated[bool, typer.Option(help="also measure the engine's own figures for the same work")] = True,
-    pcie_gbps: float | None = None,
-    cpu_gbps: float | None = None,
+    pcie_gbps: Annotated[float | None, typer.Option(help="B_P for the bounds, GB/s (default: the profile's)")] = None,
+    cpu_gbps: Annotated[float | None, typer.Option(help="B_H for the bounds, GB/s (default: the profile's)")] = None,
     log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-serve.log"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     opts: RuntimeOptions = None,
@@ -238,7 +259,7 @@ def serve_cmd(
             table.add_column(col, justify="right")
         for row in serve_bench.rows(result, plan):
             table.add_row(*row)
-        console.print(table)
+        show(table)
         if as_json:
             as_json.write_text(json.dumps({"machine": _machine(), "model": str(model), "plan": dataclasses.asdict(plan),
                                            "options": {k: str(v) for k, v in vars(opts).items()},
@@ -261,7 +282,7 @@ def soak_cmd(
     disconnect: Annotated[float, typer.Option(help="share of the streamed turns the client drops mid-stream")] = soak.Plan.disconnect,
     rebuild_every: Annotated[int, typer.Option(help="completed requests between expert-cache rebuilds (0: none)")] = soak.Plan.rebuild_every,
     replay: Annotated[int, typer.Option(help="completed requests sent again alone at the end and compared")] = soak.Plan.replay,
-    seed: int = soak.Plan.seed,
+    seed: Annotated[int, typer.Option(help="seed of the sessions' scripts")] = soak.Plan.seed,
     max_running: Annotated[int, typer.Option(help="ft-run serve --max-running")] = 4,
     log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-soak.log"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
@@ -288,7 +309,7 @@ def soak_cmd(
         table.add_column("figure", justify="right")
         for row in soak.rows(result):
             table.add_row(*row)
-        console.print(table)
+        show(table)
         for d in result["replay"]["differ"]:
             console.print(f"differs alone ({d['api']}): {d['under_load']!r} under load, {d['alone']!r} alone",
                           markup=False, highlight=False)
@@ -301,8 +322,9 @@ def soak_cmd(
 @app.command("agent-trace")
 def agent_trace_cmd(
     model: Annotated[str, typer.Option(help="next (a tiny Qwen3-Next: hybrid attention) or demo (the built-in Qwen3-MoE)")] = "next",
-    out: Annotated[Path, typer.Option(help="where the random-weight model is written (reused if there)")] = Path("agent-trace.ftw"),
-    turns: int = 8,
+    out: Annotated[Path | None, typer.Option(help="where the random-weight model is written (reused if there; "
+                                                 "default: ~/.cache/ftkit/agent-trace/MODEL.ftw)")] = None,
+    turns: Annotated[int, typer.Option(help="turns of each scripted session")] = 8,
     harness: Annotated[list[str] | None, typer.Option(help="openclaw, opencode, sweagent (repeatable; default all)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the rows and summary as JSON")] = False,
 ) -> None:
@@ -312,8 +334,9 @@ def agent_trace_cmd(
     def body() -> None:
         if model not in ("next", "demo"):
             raise ValueError("--model must be next or demo")
-        path = agent_trace.write_model(model, out)
-        rows = agent_trace.run(path, tuple(harness or agent_trace.HARNESSES), turns)
+        path = agent_trace.write_model(model, out or cache_dir() / "agent-trace" / f"{model}.ftw")
+        rows = agent_trace.run(path, tuple(harness or agent_trace.HARNESSES), turns,
+                               progress=lambda line: err_console.print(f"ft-bench: {line}", highlight=False))
         if as_json:
             print(json.dumps({"machine": _machine(), "model": model, "rows": agent_trace.as_dicts(rows),
                               "summary": agent_trace.summary(rows)}, indent=1))
@@ -327,17 +350,17 @@ def agent_trace_cmd(
 @app.command()
 @runtime_flags(without=("strategy", "cache_experts", "cache_bytes", "gpu_budget"))
 def sweep(
-    model: Annotated[Path, typer.Option("--model", "-m")],
+    model: Annotated[Path, typer.Option("--model", "-m", help="FTW directory (e.g. from ft-bench write)")],
     strategies: Annotated[str, typer.Option(help="comma-separated strategies")] = "offload,hybrid,cpu",
     fractions: Annotated[str, typer.Option(help="cacheable shares of the expert pool")] = "0.1,0.2,0.35,0.5,0.6",
     threads_sweep: Annotated[str, typer.Option("--thread-counts", help="CPU threads for the CPU-side sweep ('' = none)")] = "",
     thread_strategy: Annotated[str, typer.Option(help="the strategy the thread sweep runs")] = "cpu",
-    tokens: int = 32,
-    prompt: int = 16,
+    tokens: Annotated[int, typer.Option(help="decode steps timed at each point")] = 32,
+    prompt: Annotated[int, typer.Option(help="prompt tokens prefilled before the timed decode")] = 16,
     chunk: Annotated[int, typer.Option(help="also time a prefill of this many tokens at each point (0: none)")] = 0,
     routing: Annotated[str, typer.Option(help="real | reuse:P (uniform: reuse:0, the headline)")] = "reuse:0",
-    pcie_gbps: float | None = None,
-    cpu_gbps: float | None = None,
+    pcie_gbps: Annotated[float | None, typer.Option(help="B_P for the bounds, GB/s (default: the profile's)")] = None,
+    cpu_gbps: Annotated[float | None, typer.Option(help="B_H for the bounds, GB/s (default: the profile's)")] = None,
     out: Annotated[Path, typer.Option(help="directory for sweep.json and the SVG charts")] = Path("ft-bench-sweep"),
     opts: RuntimeOptions = None,
 ) -> None:
@@ -383,7 +406,7 @@ def sweep(
             table.add_row(p["strategy"], f"{p['cache_slots']} ({p['cache_bytes'] / 1e9:.2f} GB)", str(p["threads"]),
                           f"{p['tok_s']:.1f}", _fmt(p["bound_tok_s"]),
                           *([_fmt(p.get("prefill_tok_s"))] if chunk else []))
-        console.print(table)
+        show(table)
         console.print(f"wrote {out / 'sweep.json'} and its charts ({out / 'cache.svg'}"
                       + (f", {out / 'threads.svg'})" if cpu else ")"), markup=False, highlight=False)
 

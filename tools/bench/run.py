@@ -21,7 +21,7 @@ import torch
 from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
 from ftkit.runtime.experts.stats import LayerClock
-from ftkit.runtime.models.kv import attention_layers, kv_bytes_per_token
+from ftkit.runtime.models.kv_size import attention_layers, kv_bytes_per_token
 from ftkit.runtime.prefix_cache.prefill import prefill as runtime_prefill
 from ftkit.vocab import HYBRID
 

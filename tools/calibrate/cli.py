@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ftkit import __version__
 from ftkit.kernels.cpu import load as load_cpu_kernel
-from ftkit.runtime.console import guarded, parse_bytes
+from ftkit.runtime.console import Version, guarded, parse_bytes
 from ftkit.runtime.experts.cpu import CPUExecutor
 from ftkit.runtime.experts.planner import hybrid_fill_count
 from ftkit.runtime.profile import CPUInfo, ExpertInfo, Profile, Row, default_path, gpu_identity
@@ -48,7 +48,7 @@ def pick_layout(model: Path | None, slot_bytes: str | None, shape: str | None, d
         return FTWModel(model, allow_stub=True).layout
     if slot_bytes is not None:
         hidden = measure.QWEN3_30B_A3B[0]
-        inter = parse_bytes(slot_bytes) // (3 * hidden * 2) // 32 * 32
+        inter = parse_bytes(slot_bytes, "--slot-bytes") // (3 * hidden * 2) // 32 * 32
         if inter < 32:
             raise ValueError(f"--slot-bytes {slot_bytes} is smaller than one expert of H={hidden}, I=32")
         return measure.layout_for(hidden, inter, "bfloat16")
@@ -92,6 +92,7 @@ def calibrate(
     out: Path | None = typer.Option(None, help="profile path (default ~/.cache/ftkit/profiles/<gpu-uuid>.json, "
                                                "where ft-run and ft-bench find it)"),
     as_json: bool = typer.Option(False, "--json", help="print the profile as JSON on stdout"),
+    version: Version = False,
 ) -> None:
     """Measure and write the bandwidth profile."""
     console = Console(stderr=as_json)
@@ -101,8 +102,9 @@ def calibrate(
         counts = sorted({int(v) for v in threads.split(",")}) if threads else [CPUExecutor.default_threads()]
         if not counts or min(counts) < 1:
             raise ValueError("--threads takes positive integers, e.g. 4,8,15")
+        warnings = [w for w in [measure.load_warning(os.getloadavg()[0], os.cpu_count() or 1)] if w]
         gpu_info, kernel = gpu_identity(), load_cpu_kernel()
-        slots = measure.working_set(layout, parse_bytes(working_set), pin=gpu_info is not None)
+        slots = measure.working_set(layout, parse_bytes(working_set, "--working-set"), pin=gpu_info is not None)
         cycle = measure.ExpertCycle(layout, slots, tokens=1, per_call=8, bytes_per_expert=layout.slot_bytes)
         copier = measure.Copier(slots) if gpu_info else None
         steps = (copier is not None) + len(counts) * (1 + 2 * (kernel is not None) * (copier is not None)
@@ -122,11 +124,16 @@ def calibrate(
                 pcie = step("B_P: pinned host-to-device slot copies", measure.h2d_gbps, copier, seconds)
             for t in counts:
                 dram = po = co = None
+                windows: list[float] = []
                 if kernel:
                     dram = step(f"DRAM read, {t} thread(s)", measure.dram_read_gbps, kernel, slots, t, seconds)
-                    cpu = step(f"B_H: CPU experts, {t} thread(s)", measure.cpu_experts_gbps, kernel, cycle, t, seconds)
+                    cpu = step(f"B_H: CPU experts, {t} thread(s)", measure.cpu_experts_gbps, kernel, cycle, t,
+                               seconds, windows)
                 else:
-                    cpu = step(f"B_H: torch experts, {t} thread(s)", measure.torch_experts_gbps, cycle, t, seconds)
+                    cpu = step(f"B_H: torch experts, {t} thread(s)", measure.torch_experts_gbps, cycle, t, seconds,
+                               windows)
+                if w := measure.spread_warning(f"B_H at {t} thread(s)", windows):
+                    warnings.append(w)
                 if kernel and copier:
                     po, co = step(f"B_P and B_H at once, {t} thread(s)", measure.overlapped_gbps, copier, kernel,
                                   cycle, t, seconds)
@@ -141,6 +148,8 @@ def calibrate(
         path = out or default_path(gpu_info)
         profile.save(path)
         console.print(summary(profile))
+        for w in warnings:
+            console.print(f"[bold yellow]warning:[/] {w}", highlight=False)
         console.print(f"[green]wrote[/] {path}")
         if as_json:
             print(json.dumps(profile.to_dict(), indent=1))

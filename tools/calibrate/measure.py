@@ -59,13 +59,47 @@ def working_set(layout: SlotLayout, total_bytes: int, pin: bool = False) -> torc
     return slots
 
 
-def _rate(step: Callable[[], int], seconds: float, stop: threading.Event | None = None) -> float:
-    """GB/s of `step` (returns bytes moved) repeated for about `seconds` after one warm-up call."""
+WINDOWS = 5  # a measurement's rate is also taken over this many equal windows: its spread
+SPREAD_WARN = 1.5  # fastest / slowest window above this: something else used the CPU meanwhile
+
+
+def _rate(step: Callable[[], int], seconds: float, stop: threading.Event | None = None,
+          windows: list[float] | None = None) -> float:
+    """GB/s of `step` (returns bytes moved) repeated for about `seconds` after one warm-up call;
+    each window's GB/s is appended to `windows` when given."""
     step()
     done, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds and not (stop and stop.is_set()):
+    mark, mark_done, width = t0, 0, seconds / WINDOWS
+    while (now := time.perf_counter()) - t0 < seconds and not (stop and stop.is_set()):
         done += step()
+        if windows is not None and (now := time.perf_counter()) - mark >= width:
+            windows.append((done - mark_done) / (now - mark) / 1e9)
+            mark, mark_done = now, done
     return done / (time.perf_counter() - t0) / 1e9
+
+
+def spread(windows: list[float]) -> float | None:
+    """Fastest over slowest window of one measurement (None with fewer than two)."""
+    return max(windows) / min(windows) if len(windows) > 1 and min(windows) > 0 else None
+
+
+def spread_warning(what: str, windows: list[float]) -> str | None:
+    """A line when a measurement's windows differ by more than SPREAD_WARN: its figure is not
+    the machine's (other work shared the CPU, or the clock changed)."""
+    s = spread(windows)
+    if s is None or s <= SPREAD_WARN:
+        return None
+    return (f"{what} varied {s:.1f}x within its measurement ({min(windows):.1f} to {max(windows):.1f} GB/s "
+            f"over {len(windows)} windows): something else used the CPU; measure again on an idle machine")
+
+
+def load_warning(load: float, cores: int) -> str | None:
+    """A line when the machine is busy before measuring: B_H would read low (the kernel's threads
+    share the cores)."""
+    if load <= cores / 2:
+        return None
+    return (f"the 1-minute load average is {load:.1f} on {cores} cores: other work shares the CPU, so B_H "
+            f"will read low; measure on an idle machine")
 
 
 class ExpertCycle:
@@ -119,19 +153,20 @@ class ExpertCycle:
         return step
 
 
-def cpu_experts_gbps(kernel: Kernel, cycle: ExpertCycle, threads: int, seconds: float) -> float:
-    return _rate(cycle.kernel_step(kernel, threads), seconds)
+def cpu_experts_gbps(kernel: Kernel, cycle: ExpertCycle, threads: int, seconds: float,
+                     windows: list[float] | None = None) -> float:
+    return _rate(cycle.kernel_step(kernel, threads), seconds, windows=windows)
 
 
 def shared_experts_gbps(kernel: Kernel, runner: Runner, cycle: ExpertCycle, threads: int, seconds: float) -> float:
     return _rate(cycle.shared_step(kernel, runner, threads), seconds)
 
 
-def torch_experts_gbps(cycle: ExpertCycle, threads: int, seconds: float) -> float:
+def torch_experts_gbps(cycle: ExpertCycle, threads: int, seconds: float, windows: list[float] | None = None) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _rate(cycle.torch_step(), seconds)
+        return _rate(cycle.torch_step(), seconds, windows=windows)
     finally:
         torch.set_num_threads(before)
 

@@ -16,7 +16,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from ftkit.runtime.console import guarded, parse_bytes
+from ftkit.runtime.checkpoint.hub import local_path
+from ftkit.runtime.console import Version, guarded, parse_bytes
 from ftkit.vocab import human_bytes
 
 from .pipeline import CAST_DTYPES, Plan, convert, make_plan
@@ -46,19 +47,22 @@ def plan_table(plan: Plan, out: Path) -> Table:
 
 @app.command()
 def main(
-    src: Path = typer.Argument(..., help="HF model directory (safetensors, single or sharded) or a GGUF file"),
+    src: str = typer.Argument(..., metavar="SRC", help="HF model directory (safetensors, single or sharded) or a "
+                              "GGUF file; or a Hugging Face id (org/name) in the local hub cache (a path that "
+                              "exists wins)"),
     out: Path = typer.Option(..., "-o", "--out", help="FTW directory to write"),
     dtype: str | None = typer.Option(None, help=f"cast weights to one of {', '.join(CAST_DTYPES)}"),
     force: bool = typer.Option(False, help="replace OUT if it exists"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, write nothing"),
     bank_size: str = typer.Option("4G", help="largest expert bank file (whole layers per file)"),
+    version: Version = False,
 ) -> None:
     """Convert SRC to an FTW directory OUT (atomically: a temporary sibling renamed at the end)."""
 
     def run() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = make_plan(src, dtype, parse_bytes(bank_size))
+            plan = make_plan(local_path(src), dtype, parse_bytes(bank_size, "--bank-size"))
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))

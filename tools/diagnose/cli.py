@@ -1,9 +1,13 @@
-"""ft-diagnose: a loadability verdict from headers alone (exit 0 PASS, 1 FAIL, 2 usage error)."""
+"""ft-diagnose: a loadability verdict from headers alone (exit 0 PASS, 1 FAIL, 2 usage error).
+
+The checks (`.report`) are imported only once a source is given, so `--help` and `--version`
+load no reader."""
 
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,10 +16,10 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ftkit.runtime.console import guarded
+from ftkit.errors import InputError
+from ftkit.runtime.checkpoint.hub import local_path
+from ftkit.runtime.console import USAGE, Version, err_console, fail, guarded
 from ftkit.vocab import human_bytes
-
-from .report import diagnose
 
 SHOWN = 20  # problems and unexpected tensors listed in the readable report; --json lists all
 console = Console()
@@ -64,24 +68,61 @@ def render(r: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
+def unusable(src: str, problem: str) -> dict[str, Any]:
+    """The report of a source that cannot even be opened: a FAIL naming why."""
+    return {"verdict": "FAIL", "path": src, "kind": None, "header_only": False, "config": None, "files": 0,
+            "tensors": 0, "family": None, "architecture": None, "layers": None, "moe_layers": None, "experts": None,
+            "top_k": None, "expert_layout": None, "expert_dtype": None, "problems": [problem], "unexpected": [],
+            "notes": [], "memory": None}
+
+
+def remote_report(repo: str) -> dict[str, Any]:
+    """The verdict of a Hugging Face repository from its headers, fetched into a scratch stub."""
+    from .remote import fetch_stub
+    from .report import diagnose
+
+    with tempfile.TemporaryDirectory(prefix="ft-diagnose-") as tmp:
+        fetched = fetch_stub(repo, Path(tmp))
+        err_console.print(f"fetched {human_bytes(fetched.fetched)} ({fetched.fetched:,} bytes) of headers from "
+                          f"{fetched.url('')}", highlight=False, soft_wrap=True)
+        result = diagnose(Path(tmp))
+    return {**result, "path": repo}
+
+
 @app.command()
 def run(
-    src: Annotated[Path, typer.Argument(
-        exists=True, metavar="SRC", help="HF model directory, GGUF file, FTW directory, or a header-only stub of one"
+    src: Annotated[str, typer.Argument(
+        metavar="SRC", show_default=False,
+        help="HF model directory, GGUF file, FTW directory, or a header-only stub of one; or a Hugging Face id "
+             "(org/name) in the local hub cache (a path that exists wins); with --remote, a repository on the Hub"
     )],
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object (schema: docs/diagnose.md)")] = False,
+    remote: Annotated[bool, typer.Option("--remote", help="SRC is a Hugging Face repository: fetch only its "
+                                                          "headers (HTTP range requests; HF_ENDPOINT, HF_TOKEN)")] = False,
+    version: Version = False,
 ) -> None:
     """Check that SRC will load: every tensor present with the right shape and dtype, and its memory plan."""
-    result: dict[str, Any] = {}
-
-    def body() -> None:
-        result.update(diagnose(src))
+    def show(result: dict[str, Any]) -> None:
         if as_json:
             sys.stdout.write(json.dumps(result, indent=2, allow_nan=False) + "\n")  # strict JSON
         else:
             console.print(render(result))
 
-    guarded(body)
+    def report() -> dict[str, Any]:
+        if remote:
+            return remote_report(src)
+        from .report import diagnose
+
+        return diagnose(local_path(src))
+
+    result: dict[str, Any] = {}
+    try:
+        result.update(report())
+    except (FileNotFoundError, InputError) as e:
+        if as_json:  # a CI step gets a verdict, not an empty file
+            show(unusable(src, str(e)))
+        fail(str(e), USAGE)
+    guarded(lambda: show(result))
     raise typer.Exit(0 if result["verdict"] == "PASS" else 1)
 
 

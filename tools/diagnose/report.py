@@ -1,20 +1,20 @@
-"""ft-diagnose's verdict: will a checkpoint load? Decided from headers and meta tensors alone.
+"""ft-diagnose's verdict: will a checkpoint load? Decided from headers and shapes alone.
 
 Every source is opened from its headers (safetensors JSON headers, GGUF through the tensor-info
 section, an FTW manifest plus its dense file's header), so a header-only stub gets the same
-verdict as the full checkpoint. The expected dense tensors are built on the meta device from
-the config: shapes and byte counts without a byte of storage, whatever the model's size.
+verdict as the full checkpoint. The expected dense tensors are the family's shapes for the
+config: byte counts without a byte of storage, whatever the model's size. Nothing here imports
+torch for an HF directory or a GGUF file (an FTW directory's reader does).
 The schema of `diagnose`'s result is documented in docs/diagnose.md.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-
-import torch
 
 from ftkit.errors import InputError
 from ftkit.runtime.checkpoint import open_source
@@ -22,15 +22,13 @@ from ftkit.runtime.checkpoint.safetensors import read_config
 from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer, compile_template
 from ftkit.runtime.ftw.manifest import MANIFEST
-from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import Family, family_for_config, located
 from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, take_inventory
-from ftkit.runtime.models.kv import kv_bytes_per_token
-from ftkit.runtime.models.stored import dense_problems, stored_family
+from ftkit.runtime.models.kv_size import kv_bytes_per_token
 from ftkit.runtime.spec import ModelSpec
-from ftkit.vocab import EXPERT_FORMATS, FormatError, slot_layout
+from ftkit.vocab import EXPERT_FORMATS, FORMATS, FormatError, slot_layout
 
-PLAN_DTYPE = torch.bfloat16  # the memory plan's compute dtype: dense weights and KV cache
+PLAN_DTYPE = FORMATS["bfloat16"]  # the memory plan's compute dtype: dense weights and KV cache
 KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
 FTW_LAYOUT = "ftw slots"
 
@@ -107,11 +105,18 @@ def diagnose(path: Path) -> dict[str, Any]:
     return d.to_dict()
 
 
-# ---- expected tensors and the memory plan ----------------------------------------------------
-def expected_dense(family: Family, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Every dense tensor the forward pass needs, as meta tensors in the plan's dtype."""
-    return {name: torch.empty(shape, dtype=PLAN_DTYPE, device="meta")
-            for name, shape in family.dense_shapes(spec).items()}
+# ---- the memory plan ---------------------------------------------------------------------------
+def cuda_flash(spec: ModelSpec) -> bool:
+    """Whether ft-run's plan on this machine's GPU runs a prefill chunk with flash attention
+    (models.layers.flash_behind_cache, the plan's prefill workspace). Without an NVIDIA driver
+    (Linux: no /proc/driver/nvidia) there is no GPU to ask, and torch is not loaded to learn it."""
+    if sys.platform.startswith("linux") and not Path("/proc/driver/nvidia").exists():
+        return False
+    import torch
+
+    from ftkit.runtime.models.layers import flash_behind_cache
+
+    return flash_behind_cache(torch.bfloat16, spec.head_dim, "cuda")
 
 
 def kv_bytes(spec: ModelSpec, tokens: int) -> int:
@@ -128,10 +133,11 @@ def memory_plan(family: Family, spec: ModelSpec, expert_dtype: str | None) -> di
     # or a mix that --dtype unifies)
     dtype = expert_dtype if expert_dtype in EXPERT_FORMATS else DEQUANTIZED_EXPERTS
     slot = slot_layout(spec, dtype).slot_bytes
-    dense = dense_device_bytes({n: t.shape for n, t in expected_dense(family, spec).items()}, PLAN_DTYPE, spec.family)
-    least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=True).with_sizes(expert_slots=spec.top_k)
+    dense = dense_device_bytes(family.dense_shapes(spec), PLAN_DTYPE, spec.family)
+    least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=True,
+                      flash=cuda_flash(spec)).with_sizes(expert_slots=spec.top_k)
     return {
-        "dtype": str(PLAN_DTYPE).removeprefix("torch."),
+        "dtype": PLAN_DTYPE.name,
         "expert_dtype": dtype,
         "expert_slot_bytes": slot,
         "host_expert_pool_bytes": spec.num_expert_rows * slot,
@@ -215,6 +221,9 @@ def _check_gguf_templates(metadata: dict[str, Any], name: str) -> None:
 
 # ---- FTW directories -------------------------------------------------------------------------
 def _check_ftw(d: Diagnosis) -> None:
+    from ftkit.runtime.ftw.reader import FTWModel  # torch: only FTW directories pay for it
+    from ftkit.runtime.models.stored import dense_problems, stored_family
+
     d.kind, d.config, d.expert_layout = "ftw", MANIFEST, FTW_LAYOUT
     model = d.attempt(lambda: FTWModel(d.path, allow_stub=True))
     if model is None:

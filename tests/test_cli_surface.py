@@ -1,0 +1,84 @@
+"""What every command line offers a newcomer: `--version`, help on every option, and one line (no
+traceback) for a bad option value, naming the values it takes."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from ftkit import __version__
+from ftkit.runtime.cli import app as ft_run
+from ftkit.runtime.console import printable
+from ftkit.tools.bench.cli import app as ft_bench
+from ftkit.tools.calibrate.cli import app as ft_calibrate
+from ftkit.tools.convert.cli import app as ftw_convert
+from ftkit.tools.diagnose.cli import app as ft_diagnose
+
+APPS = {"ft-run": ft_run, "ft-bench": ft_bench, "ft-calibrate": ft_calibrate, "ftw-convert": ftw_convert,
+        "ft-diagnose": ft_diagnose}
+
+
+def commands(name: str, cmd):
+    yield name, cmd
+    if hasattr(cmd, "commands"):  # a group (typer's click, not necessarily the click package)
+        for sub, child in cmd.commands.items():
+            yield from commands(f"{name} {sub}", child)
+
+
+@pytest.mark.parametrize("prog", APPS)
+def test_version(prog: str) -> None:
+    result = CliRunner().invoke(APPS[prog], ["--version"], prog_name=prog)
+    assert (result.exit_code, result.stdout) == (0, f"{prog} {__version__}\n")
+
+
+def test_every_option_and_command_has_help() -> None:
+    missing = []
+    for prog, app in APPS.items():
+        for name, cmd in commands(prog, typer.main.get_command(app)):
+            if not hasattr(cmd, "commands") and not (cmd.help or "").strip():
+                missing.append(f"{name}: the command")
+            for p in cmd.params:
+                if p.param_type_name == "option" and not (p.help or "").strip():
+                    missing.append(f"{name} {p.opts[0]}")
+    assert not missing, "without help: " + ", ".join(missing)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--cache-bytes", "lots"], "--cache-bytes takes a byte size such as 8G, 512M or 4096, got 'lots'"),
+    (["--gpu-budget", "abc"], "--gpu-budget takes a byte size such as 8G, 512M or 4096, got 'abc'"),
+    (["--dtype", "int8"], "--dtype must be one of float32, float16, bfloat16, got 'int8'"),
+    (["--cache-experts", "-5"], "--cache-experts must be at least 0, got -5"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--strategy", "fast"], "--strategy must be one of fused, offload, cpu, hybrid, auto, got 'fast'"),
+    (["--device", "gpu"], "--device must be cpu, cuda or cuda:N, got 'gpu'"),
+    (["--bandwidth-ratio", "0"], "--bandwidth-ratio must be a positive number (B_P / B_H), got 0.0"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+])
+def test_a_bad_option_value_is_one_line(tmp_path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(ft_run, ["generate", "-m", str(tmp_path / "none.ftw"), "--prompt", "hi", *args])
+    assert result.exit_code == 1 and result.stderr == f"error: {message}\n", result.output
+
+
+def test_serve_sizes_name_their_option(tmp_path) -> None:
+    result = CliRunner().invoke(ft_run, ["serve", "-m", str(tmp_path), "--device-memory", "big", "--port", "0"])
+    assert result.exit_code == 1
+    assert result.stderr == "error: --device-memory takes a byte size such as 8G, 512M or 4096, got 'big'\n"
+
+
+def test_generated_text_is_printed_without_control_bytes() -> None:
+    assert printable("ok\n\tline\x1b[2J\r\x07 ü 漢") == "ok\n\tline\\x1b[2J\\r\\x07 ü 漢"
+
+
+def test_serve_checks_its_port_before_reading_the_model(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(ft_run, ["serve", "-m", str(tmp_path / "not-read.ftw"), "--port", str(port)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another "
+                                    f"ft-run serve? `ft-run ctl stats --url http://127.0.0.1:{port}` asks it")
+    assert result.stderr.count("\n") == 1
