@@ -307,44 +307,53 @@ inline float f16_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); retur
 const float IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 const float E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// weight j of a 32-weight block's 16 nibble bytes: low nibbles are weights 0..15, high ones 16..31
-inline int nib32(const uint8_t* qs, int j) { return j < 16 ? qs[j] & 15 : qs[j - 16] >> 4; }
+// The loops below run over whole runs of 16 or 32 bytes with no per-weight branch, so the
+// compiler vectorizes them; each output is the same expression of the same values as in
+// kernels/dequant.py. 32-weight blocks keep weights 0..15 in the low nibbles of their 16 bytes
+// and 16..31 in the high ones.
+template <class F>
+inline void nibbles32(const uint8_t* qs, float* o, F value) {
+  for (int j = 0; j < 16; ++j) o[j] = value(qs[j] & 15, j);
+  for (int j = 0; j < 16; ++j) o[j + 16] = value(qs[j] >> 4, j + 16);
+}
 
 struct BQ4_0 {
   static constexpr int BLOCK = 32, BYTES = 18;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b);
-    for (int j = 0; j < 32; ++j) o[j] = d * float(nib32(b + 2, j) - 8);
+    nibbles32(b + 2, o, [d](int q, int) { return d * float(q - 8); });
   }
 };
 struct BQ4_1 {
   static constexpr int BLOCK = 32, BYTES = 20;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b), m = f16_at(b + 2);
-    for (int j = 0; j < 32; ++j) o[j] = d * float(nib32(b + 4, j)) + m;
+    nibbles32(b + 4, o, [d, m](int q, int) { return d * float(q) + m; });
   }
 };
 // q5's fifth bits: bit j of the little-endian u32 before the nibbles is weight j's
-inline int q5(const uint8_t* b, int j) { return nib32(b + 4, j) | (((b[j / 8] >> (j % 8)) & 1) << 4); }
+inline uint32_t u32_at(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
 struct BQ5_0 {
   static constexpr int BLOCK = 32, BYTES = 22;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b);
-    for (int j = 0; j < 32; ++j) o[j] = d * float(q5(b + 2, j) - 16);
+    const uint32_t qh = u32_at(b + 2);
+    nibbles32(b + 6, o, [d, qh](int q, int j) { return d * float((q | int((qh >> j) & 1) << 4) - 16); });
   }
 };
 struct BQ5_1 {
   static constexpr int BLOCK = 32, BYTES = 24;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b), m = f16_at(b + 2);
-    for (int j = 0; j < 32; ++j) o[j] = d * float(q5(b + 4, j)) + m;
+    const uint32_t qh = u32_at(b + 4);
+    nibbles32(b + 8, o, [d, m, qh](int q, int j) { return d * float(q | int((qh >> j) & 1) << 4) + m; });
   }
 };
 struct BIQ4_NL {
   static constexpr int BLOCK = 32, BYTES = 18;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b);
-    for (int j = 0; j < 32; ++j) o[j] = d * IQ4_LEVELS[nib32(b + 2, j)];
+    nibbles32(b + 2, o, [d](int q, int) { return d * IQ4_LEVELS[q]; });
   }
 };
 struct BMXFP4 {
@@ -354,19 +363,24 @@ struct BMXFP4 {
     const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
     float s;
     std::memcpy(&s, &bits, 4);
-    for (int j = 0; j < 32; ++j) o[j] = s * E2M1_X2[nib32(b + 1, j)];
+    nibbles32(b + 1, o, [s](int q, int) { return s * E2M1_X2[q]; });
   }
 };
-// 2-bit fields of q2_k/q3_k: weight f of 256 is byte (f / 128) * 32 + f % 32, bits 2 * (f / 32 % 4)
-inline int crumb(const uint8_t* qs, int f) { return (qs[(f / 128) * 32 + f % 32] >> (2 * (f / 32 % 4))) & 3; }
+// Q2_K and Q3_K: weight h * 128 + k * 32 + l (h < 2, k < 4, l < 32) is bits 2k..2k+1 of byte
+// h * 32 + l of the 2-bit fields, in group (of 16 weights, one scale) h * 8 + 2k + l / 16.
 struct BQ2_K {
   static constexpr int BLOCK = 256, BYTES = 84;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b + 80), dmin = f16_at(b + 82);
-    for (int g = 0; g < 16; ++g) {
-      const float dl = d * float(b[g] & 15), ml = dmin * float(b[g] >> 4);
-      for (int f = g * 16; f < g * 16 + 16; ++f) o[f] = dl * float(crumb(b + 16, f)) - ml;
-    }
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int half = 0; half < 2; ++half) {
+          const int g = h * 8 + 2 * k + half;
+          const float dl = d * float(b[g] & 15), ml = dmin * float(b[g] >> 4);
+          const uint8_t* qs = b + 16 + h * 32 + half * 16;
+          float* out = o + h * 128 + k * 32 + half * 16;
+          for (int l = 0; l < 16; ++l) out[l] = dl * float((qs[l] >> (2 * k)) & 3) - ml;
+        }
   }
 };
 struct BQ3_K {
@@ -374,14 +388,17 @@ struct BQ3_K {
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b + 108);
     const uint8_t* s = b + 96;
-    for (int g = 0; g < 16; ++g) {
-      const int low4 = g < 8 ? s[g] & 15 : s[g - 8] >> 4, top2 = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
-      const float dl = d * float(int8_t(low4 | (top2 << 4)) - 32);
-      for (int f = g * 16; f < g * 16 + 16; ++f) {
-        const int high = (b[f % 32] >> (f / 32)) & 1;
-        o[f] = dl * float(crumb(b + 32, f) - 4 * (1 - high));
-      }
-    }
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int half = 0; half < 2; ++half) {
+          const int g = h * 8 + 2 * k + half;
+          const int low4 = g < 8 ? s[g] & 15 : s[g - 8] >> 4, top2 = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+          const float dl = d * float(int8_t(low4 | (top2 << 4)) - 32);
+          const uint8_t *qs = b + 32 + h * 32 + half * 16, *hm = b + half * 16;  // weight f's high bit: byte f % 32, bit f / 32
+          float* out = o + h * 128 + k * 32 + half * 16;
+          for (int l = 0; l < 16; ++l)
+            out[l] = dl * float(((qs[l] >> (2 * k)) & 3) - 4 * (1 - ((hm[l] >> (h * 4 + k)) & 1)));
+        }
   }
 };
 // Q4_K/Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
@@ -392,38 +409,46 @@ inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* m) {
     *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
-// weight l of sub-block j (of 8 x 32) in Q4_K/Q5_K's nibbles: 4 runs of 32 bytes, lows then highs
-inline int nib_k(const uint8_t* qs, int j, int l) { return j % 2 ? qs[(j / 2) * 32 + l] >> 4 : qs[(j / 2) * 32 + l] & 15; }
+// Q4_K/Q5_K: 8 sub-blocks of 32; sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes
+// c * 32 .. c * 32 + 31; Q5_K's fifth bit of weight l of sub-block j is bit j of high byte l.
 template <bool FIFTH>
 struct BQ45_K {
   static constexpr int BLOCK = 256, BYTES = FIFTH ? 176 : 144;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b), dmin = f16_at(b + 2);
-    const uint8_t* qs = b + (FIFTH ? 48 : 16);
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(b + 4, j, &sc, &m);
-      const float d1 = d * float(sc), m1 = dmin * float(m);
+    const uint8_t *qs = b + (FIFTH ? 48 : 16), *qh = b + 16;
+    for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      scale_min_k4(b + 4, 2 * c, &sc0, &m0);
+      scale_min_k4(b + 4, 2 * c + 1, &sc1, &m1);
+      const float d0 = d * float(sc0), dm0 = dmin * float(m0), d1 = d * float(sc1), dm1 = dmin * float(m1);
+      const uint8_t* q = qs + c * 32;
+      float *lo = o + c * 64, *hi = lo + 32;
       for (int l = 0; l < 32; ++l) {
-        const int q = nib_k(qs, j, l) | (FIFTH ? ((b[16 + l] >> j) & 1) << 4 : 0);
-        o[j * 32 + l] = d1 * float(q) - m1;
+        const int h0 = FIFTH ? ((qh[l] >> (2 * c)) & 1) << 4 : 0, h1 = FIFTH ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+        lo[l] = d0 * float((q[l] & 15) | h0) - dm0;
+        hi[l] = d1 * float((q[l] >> 4) | h1) - dm1;
       }
     }
   }
 };
+// Q6_K: two halves of 128; in half h, weights k * 32 + l take the low nibble (k < 2) or high
+// (k >= 2) of byte h * 64 + (k % 2) * 32 + l and bits 2k..2k+1 of byte 128 + h * 32 + l; one int8
+// scale per 16 weights.
 struct BQ6_K {
   static constexpr int BLOCK = 256, BYTES = 210;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b + 208);
-    for (int g = 0; g < 16; ++g) {
-      const float dl = d * float(int8_t(b[192 + g]));
-      for (int f = g * 16; f < g * 16 + 16; ++f) {
-        const int h = f / 128, m = f % 128;
-        const int low = m < 64 ? b[h * 64 + m] & 15 : b[h * 64 + m - 64] >> 4;
-        const int high = (b[128 + h * 32 + m % 32] >> (2 * (m / 32))) & 3;
-        o[f] = dl * float((low | (high << 4)) - 32);
-      }
-    }
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int half = 0; half < 2; ++half) {
+          const float dl = d * float(int8_t(b[192 + h * 8 + 2 * k + half]));
+          const uint8_t *ql = b + h * 64 + (k % 2) * 32 + half * 16, *qh = b + 128 + h * 32 + half * 16;
+          float* out = o + h * 128 + k * 32 + half * 16;
+          const int shift = k < 2 ? 0 : 4;
+          for (int l = 0; l < 16; ++l)
+            out[l] = dl * float((((ql[l] >> shift) & 15) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32);
+        }
   }
 };
 struct BIQ4_XS {
@@ -434,7 +459,7 @@ struct BIQ4_XS {
     for (int j = 0; j < 8; ++j) {
       const int low = (b[4 + j / 2] >> (4 * (j % 2))) & 15, high = (high_bits >> (2 * j)) & 3;
       const float dl = d * float(int8_t(low | (high << 4)) - 32);
-      for (int l = 0; l < 32; ++l) o[j * 32 + l] = dl * IQ4_LEVELS[nib32(b + 8 + j * 16, l)];
+      nibbles32(b + 8 + j * 16, o + j * 32, [dl](int q, int) { return dl * IQ4_LEVELS[q]; });
     }
   }
 };
