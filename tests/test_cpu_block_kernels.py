@@ -10,7 +10,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from gguf_fixtures import random_blocks
 
 from ftkit.kernels.cpu import Kernel, build, load
 from ftkit.kernels.dequant import dequantize
@@ -18,8 +17,9 @@ from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.experts.pool import expert_forward, expert_weights
 from ftkit.runtime.random_model import demo_spec
 from ftkit.vocab import BLOCK_FORMATS, SlotLayout, slot_layout
+from gguf_fixtures import random_blocks
 
-H, I = 512, 256  # rows of two 256-weight super-blocks (H) and one (I)
+HIDDEN, INTER = 512, 256  # rows of two 256-weight super-blocks (HIDDEN) and one (INTER)
 TOKENS = (1, 3, 19)  # 19 > TBMAX (8): that expert's rows go through the decoded float32 tile
 
 
@@ -34,7 +34,7 @@ def block_slots(formats: tuple[str, str, str], n: int, seed: int) -> tuple[SlotL
                                                                          SlotLayout, list[torch.Tensor]]:
     """`n` expert slots with parts in `formats` (quantized random weights, or valid random blocks
     where ftkit has no quantizer), and the same experts dequantized into float32 slots."""
-    spec = dataclasses.replace(demo_spec(64), hidden_size=H, moe_intermediate_size=I)
+    spec = dataclasses.replace(demo_spec(64), hidden_size=HIDDEN, moe_intermediate_size=INTER)
     layout, f32 = slot_layout(spec, formats), slot_layout(spec, "float32")
     rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
     slots, floats = [], []
@@ -57,11 +57,11 @@ def block_slots(formats: tuple[str, str, str], n: int, seed: int) -> tuple[SlotL
 
 
 def _call(kernel: Kernel, layout: SlotLayout, slots: list[torch.Tensor], tokens: int, seed: int) -> torch.Tensor:
-    """Every expert on an interleaved share of `tokens` tokens (top-2): out [tokens * 2, H]."""
+    """Every expert on an interleaved share of `tokens` tokens (top-2): out [tokens * 2, HIDDEN]."""
     gen = torch.Generator().manual_seed(seed)
-    x, w, k = torch.randn(tokens, H, generator=gen), torch.rand(tokens * 2, generator=gen), 2
+    x, w, k = torch.randn(tokens, HIDDEN, generator=gen), torch.rand(tokens * 2, generator=gen), 2
     groups = [torch.arange(e, tokens * k, len(slots)) for e in range(len(slots))]
-    out = torch.full((tokens * k, H), float("nan"))
+    out = torch.full((tokens * k, HIDDEN), float("nan"))
     kernel.experts(layout, slots, groups, x, w, out, k, 2)
     return out, x, w, groups
 
@@ -104,8 +104,8 @@ def test_fallback_builds_equal_their_float32_path(flags):
 def test_a_row_that_does_not_split_into_blocks_is_refused():
     kernel = _kernel()
     layout, slots, _, _ = block_slots(("q4_k",) * 3, 1, seed=0)
-    h = H - 32  # rows of gate and up that end inside a super-block
-    bad = dataclasses.replace(layout, parts=tuple(dataclasses.replace(p, shape=(I, h)) if p.name != "down" else p
+    h = HIDDEN - 32  # rows of gate and up that end inside a super-block
+    bad = dataclasses.replace(layout, parts=tuple(dataclasses.replace(p, shape=(INTER, h)) if p.name != "down" else p
                                                   for p in layout.parts))
     with pytest.raises(ValueError, match="does not support expert formats q4_k/q4_k/q4_k"):
         kernel.experts(bad, slots, [torch.tensor([0])], torch.randn(1, h), torch.ones(1), torch.zeros(1, h), 1, 1)

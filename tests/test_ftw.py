@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import ftkit.runtime.ftw.reader as reader_mod
-from ftkit.runtime.ftw.manifest import VERSION, FTWError, fingerprint
-from ftkit.vocab import expert_layout, storage_dtype
-from ftkit.runtime.ftw.reader import FTWModel
 from test_fidelity import ftw_decoder, greedy
 
+import ftkit.runtime.ftw.reader as reader_mod
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
+from ftkit.runtime.ftw.manifest import VERSION, FTWError, fingerprint
+from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
+from ftkit.vocab import expert_layout, storage_dtype
 
 
 @pytest.fixture(scope="module")

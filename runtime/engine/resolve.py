@@ -18,7 +18,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ftkit.vocab import AUTO, CPU, DEVICE_FORMATS, FUSED, HYBRID, OFFLOAD, STRATEGIES, ExpertLayout, human_bytes, storage_dtype
+from ftkit.vocab import (
+    AUTO,
+    CPU,
+    DEVICE_FORMATS,
+    FUSED,
+    HYBRID,
+    OFFLOAD,
+    STRATEGIES,
+    ExpertLayout,
+    human_bytes,
+    storage_dtype,
+)
 
 from ..experts.cpu import CPUExecutor
 from ..ftw.reader import FTWModel

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ftkit.kernels.cpu import Kernel, Runner
+from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.experts.pool import expert_forward, expert_weights
 from ftkit.runtime.random_model import demo_spec
-from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.vocab import BLOCK_FORMATS, FLOAT_FORMATS, SlotLayout, slot_layout
 
 if TYPE_CHECKING:

@@ -21,7 +21,14 @@ from ftkit.runtime.ftw.manifest import (
 )
 from ftkit.runtime.ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
 from ftkit.runtime.models.inventory import Inventory, take_inventory
-from ftkit.vocab import BLOCK_FORMATS, EXPERT_PARTS, ExpertLayout, expert_layout, storage_dtype, stored_nbytes
+from ftkit.vocab import (
+    BLOCK_FORMATS,
+    EXPERT_PARTS,
+    ExpertLayout,
+    expert_layout,
+    storage_dtype,
+    stored_nbytes,
+)
 
 DEFAULT_BANK_BYTES = 4 << 30
 CAST_DTYPES = ("float32", "float16", "bfloat16")
