@@ -310,6 +310,10 @@ def test_ftw_convert_keeps_the_expert_blocks(quant_gguf, tmp_path, key):
             stored = source.read(f"blk.{layer}.ffn_{part}_exps.weight")  # [E, rows, row bytes] as stored
             for e in range(spec.num_experts):
                 assert torch.equal(banks.parts(moe * spec.num_experts + e)[part], stored[e]), (layer, part, e)
+    r = diagnose(out)  # the FTW directory: its own slots' formats and bytes
+    assert r["verdict"] == "PASS", r["problems"]
+    assert r["expert_dtype"] == r["memory"]["expert_dtype"] == model.layout.describe()
+    assert r["memory"]["host_expert_pool_bytes"] == banks.nbytes == spec.num_expert_rows * model.layout.slot_bytes
 
 
 def _converted(path: Path, out: Path, dtype: str | None = None) -> Path:
@@ -350,4 +354,25 @@ def test_cpu_strategy_on_the_blocks_decodes_the_dequantized_twins_tokens(quant_g
         rt = Runtime(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="float32"))
         runs.append(generate(rt, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)).token_ids)
         rt.close()
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
+def test_torch_path_runs_the_blocks_dequantized_per_expert(quant_gguf, tmp_path, monkeypatch):
+    """Without the compiled kernel each expert is dequantized (kernels/dequant.py) as it runs:
+    the same bits as its dequantized float32 twin on the same path."""
+    from ftkit.kernels.cpu import load
+
+    path, ref_path = quant_gguf("qwen3_moe_wide-q4_k_m")
+    q, ref = _converted(path, tmp_path / "q.ftw"), _converted(ref_path, tmp_path / "r.ftw")
+    monkeypatch.setenv("FTKIT_CPU_KERNEL", "torch")
+    load.cache_clear()
+    try:
+        runs = []
+        for ftw in (q, ref):
+            rt = Runtime(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="float32"))
+            assert rt.store.kernels.kernel is None
+            runs.append(generate(rt, [3, 17, 5, 42, 8], SamplingParams(max_tokens=6, ignore_eos=True)).token_ids)
+            rt.close()
+    finally:
+        load.cache_clear()
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
