@@ -29,7 +29,14 @@ from ftkit.runtime.models.inventory import Inventory, take_inventory
 from ftkit.runtime.models.kv import kv_bytes_per_token
 from ftkit.runtime.models.stored import dense_problems, stored_family
 from ftkit.runtime.spec import ModelSpec
-from ftkit.vocab import EXPERT_FORMATS, EXPERT_PARTS, ExpertLayout, FormatError, expert_layout
+from ftkit.vocab import (
+    EXPERT_FORMATS,
+    EXPERT_PARTS,
+    FORMATS,
+    ExpertLayout,
+    FormatError,
+    expert_layout,
+)
 
 PLAN_DTYPE = torch.bfloat16  # the memory plan's compute dtype: dense weights and KV cache
 KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
@@ -184,10 +191,15 @@ def _check_checkpoint(d: Diagnosis) -> None:
 
 def _converted_layout(inv: Inventory) -> ExpertLayout:
     """The slots ftw-convert writes: each layer's parts in their stored formats; a part that is
-    missing, mixes formats or is in one a slot cannot hold priced as bfloat16 (`--dtype`)."""
+    missing, mixes formats, or is in one a slot cannot hold at the spec's shape priced as
+    bfloat16 (`--dtype`)."""
+    shapes = inv.spec.expert_part_shapes()
+
     def one(layer: int, part: str) -> str:
         formats = inv.part_formats.get((layer, part), set())
-        return next(iter(formats)) if len(formats) == 1 and formats <= set(EXPERT_FORMATS) else "bfloat16"
+        fmt = next(iter(formats)) if len(formats) == 1 else None
+        fits = fmt in EXPERT_FORMATS and shapes[part][-1] % FORMATS[fmt].block == 0
+        return fmt if fits else "bfloat16"
 
     return expert_layout(inv.spec, [tuple(one(layer, p) for p in EXPERT_PARTS) for layer in inv.spec.moe_layers])
 
