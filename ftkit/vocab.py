@@ -62,8 +62,13 @@ FORMATS: dict[str, Format] = {
 }
 PLAIN_DTYPES = tuple(n for n, f in FORMATS.items() if f.plain)
 BLOCK_FORMATS = tuple(n for n, f in FORMATS.items() if not f.plain)
-# What an expert slot may hold: floats a kernel multiplies directly, or blocks it dequantizes.
-EXPERT_FORMATS = ("float32", "float16", "bfloat16", Q8_0)
+# What an expert slot may hold: floats a kernel multiplies directly, or GGUF blocks as ggml
+# stores them, which the CPU kernel dequantizes as it multiplies.
+FLOAT_FORMATS = ("float32", "float16", "bfloat16")
+EXPERT_FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS)
+# What the device tier (the grouped GPU kernels, the device planner, torch on a GPU) takes: the
+# other block formats run on the cpu strategy until GPU kernels read them (issue 38).
+DEVICE_FORMATS = (*FLOAT_FORMATS, Q8_0)
 # What FTW stores dense tensors (attention, norms, embeddings, routers) as: the compute dtypes.
 DENSE_FORMATS = ("float32", "float16", "bfloat16")
 
@@ -128,7 +133,9 @@ class Part:
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """How one (layer, expert) is laid out in its slot: gate, up, down, padded to SLOT_ALIGN."""
+    """How one (layer, expert) is laid out in its slot: gate, up, down, padded to SLOT_ALIGN.
+    `dtype` is the parts' one format, or MIXED where they differ (a Q4_K_M layer: gate and up
+    q4_k, down q6_k)."""
 
     dtype: str
     parts: tuple[Part, ...]
@@ -136,6 +143,16 @@ class SlotLayout:
 
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """Each part's format, in slot order (gate, up, down)."""
+        return tuple(p.dtype for p in self.parts)
+
+    @property
+    def data_bytes(self) -> int:
+        """The bytes the parts hold, without the padding between and after them."""
+        return sum(p.nbytes for p in self.parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -153,17 +170,116 @@ class HasExpertShapes(Protocol):
     def expert_part_shapes(self) -> dict[str, tuple[int, ...]]: ...
 
 
-def slot_layout(spec: HasExpertShapes, dtype: str) -> SlotLayout:
-    """The one slot layout for `spec`'s experts stored in `dtype`."""
-    if dtype not in EXPERT_FORMATS:
-        raise FormatError(f"expert dtype {dtype} is not one of {', '.join(EXPERT_FORMATS)}")
+class HasExperts(HasExpertShapes, Protocol):
+    num_experts: int
+
+    @property
+    def num_moe_layers(self) -> int: ...
+
+
+MIXED = "mixed"  # a layout's dtype where its parts (or its layers) differ in format
+
+
+def _packed(spec: HasExpertShapes, formats: tuple[str, ...]) -> tuple[list[Part], int]:
+    """The parts in `formats` (gate, up, down) packed from offset 0, and the bytes they span."""
+    if len(formats) != len(EXPERT_PARTS):
+        raise FormatError(f"an expert slot has {len(EXPERT_PARTS)} parts, got formats {formats}")
     parts, off = [], 0
     shapes = spec.expert_part_shapes()
-    for name in EXPERT_PARTS:
-        n = stored_nbytes(dtype, shapes[name])
-        parts.append(Part(name, dtype, shapes[name], off, n))
+    for name, fmt in zip(EXPERT_PARTS, formats, strict=True):
+        if fmt not in EXPERT_FORMATS:
+            raise FormatError(f"expert dtype {fmt} is not one of {', '.join(EXPERT_FORMATS)}")
+        n = stored_nbytes(fmt, shapes[name])
+        parts.append(Part(name, fmt, shapes[name], off, n))
         off = align_up(off + n, PART_ALIGN)
-    return SlotLayout(dtype, tuple(parts), align_up(off, SLOT_ALIGN))
+    return parts, off
+
+
+def slot_layout(spec: HasExpertShapes, dtype: str | tuple[str, ...], slot_bytes: int | None = None) -> SlotLayout:
+    """The one slot layout for `spec`'s experts stored in `dtype` (one format, or one per part).
+    `slot_bytes`: pad to this size instead of the parts' own (the largest of a model's layers)."""
+    formats = (dtype,) * len(EXPERT_PARTS) if isinstance(dtype, str) else tuple(dtype)
+    parts, end = _packed(spec, formats)
+    own = align_up(end, SLOT_ALIGN)
+    if slot_bytes is not None and (slot_bytes < own or slot_bytes % SLOT_ALIGN):
+        raise FormatError(f"slot of {slot_bytes} bytes cannot hold parts of {own}")
+    one = formats[0] if len(set(formats)) == 1 else MIXED
+    return SlotLayout(one, tuple(parts), own if slot_bytes is None else slot_bytes)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Every MoE layer's slot layout (llama-quantize gives layers and parts their own formats),
+    all padded to one slot size: the largest layer's, so a slot of the pool or of the device
+    cache holds any expert and a row is found by one multiplication."""
+
+    layers: tuple[SlotLayout, ...]  # by MoE layer index
+    num_experts: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layers[0].slot_bytes
+
+    @property
+    def uniform(self) -> SlotLayout | None:
+        """The one layout of every layer, or None where layers differ."""
+        return self.layers[0] if all(lay == self.layers[0] for lay in self.layers) else None
+
+    @property
+    def dtype(self) -> str:
+        """The one format of every part of every layer, else MIXED."""
+        formats = self.formats
+        return formats[0] if len(formats) == 1 else MIXED
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """Every format a slot part is stored in, sorted."""
+        return tuple(sorted({f for lay in self.layers for f in lay.formats}))
+
+    @property
+    def blocks(self) -> bool:
+        """Whether some part is in a format the device tier does not take (DEVICE_FORMATS)."""
+        return any(f not in DEVICE_FORMATS for f in self.formats)
+
+    def for_layer(self, moe_index: int) -> SlotLayout:
+        return self.layers[moe_index]
+
+    def for_row(self, row: int) -> SlotLayout:
+        return self.layers[row // self.num_experts]
+
+    def describe(self) -> str:
+        """The formats by part, e.g. `gate q4_k, up q4_k, down q4_k|q6_k`; one word when uniform."""
+        if len(self.formats) == 1:
+            return self.formats[0]
+        by_part = [sorted({lay.formats[i] for lay in self.layers}) for i in range(len(EXPERT_PARTS))]
+        return ", ".join(f"{name} {'|'.join(f)}" for name, f in zip(EXPERT_PARTS, by_part, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        """FTW v2's `experts.layout`: the common slot size, each layer's parts."""
+        return {"alignment": SLOT_ALIGN, "slot_bytes": self.slot_bytes, "packing": PACKING,
+                "layers": [{"parts": lay.to_dict()["parts"]} for lay in self.layers]}
+
+
+# How block parts are laid out in a slot: ggml's blocks as GGUF stores them, row by row (a row of
+# n weights is n / block blocks), not repacked; the CPU kernel reads them so.
+PACKING = "ggml-rows"
+
+
+def cpu_only_note(layout: ExpertLayout) -> str:
+    """The one line that says why these experts run on the cpu strategy on a GPU machine."""
+    return (f"experts stored as {layout.describe()} run on the cpu strategy only: the GPU kernels do not "
+            f"read these blocks yet (issue 38); for offload, hybrid or fused reconvert with --dtype bfloat16")
+
+
+def expert_layout(spec: HasExperts, formats: str | list[tuple[str, ...]]) -> ExpertLayout:
+    """The layout of experts whose MoE layer i is stored in `formats[i]` (gate, up, down), or
+    all in one format."""
+    if isinstance(formats, str):
+        formats = [(formats,) * len(EXPERT_PARTS)] * spec.num_moe_layers
+    if len(formats) != spec.num_moe_layers:
+        raise FormatError(f"{len(formats)} layers of expert formats for {spec.num_moe_layers} MoE layers")
+    slot = align_up(max(_packed(spec, tuple(f))[1] for f in formats), SLOT_ALIGN)
+    return ExpertLayout(tuple(slot_layout(spec, tuple(f), slot) for f in formats), spec.num_experts)
 
 
 # Where routed experts run (docs/architecture.md, "Strategies"): all on the device, missing ones

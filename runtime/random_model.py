@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ftkit import __version__
-from ftkit.vocab import slot_layout, storage_dtype
+from ftkit.kernels.quantize import quantize
+from ftkit.vocab import BLOCK_FORMATS, expert_layout, storage_dtype
 
 from .ftw.manifest import DENSE_FILE, MANIFEST, Manifest, write_json_atomic
 from .ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
@@ -41,6 +42,10 @@ def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
     return std * torch.randn(shape, generator=gen)
 
 
+def _stored(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    return quantize(w, fmt) if fmt in BLOCK_FORMATS else w.to(storage_dtype(fmt))
+
+
 def write_random_ftw(
     out: Path,
     spec: ModelSpec,
@@ -50,8 +55,11 @@ def write_random_ftw(
     force: bool = False,
     distinct_experts: int | None = None,
     on_bytes: Callable[[int], None] = lambda n: None,
+    expert_formats: list[tuple[str, str, str]] | None = None,
 ) -> Manifest:
     """Write a random-weight FTW for `spec`; `side_files(dir)` may add a tokenizer and such.
+    `expert_formats`: each MoE layer's gate, up and down format (default: all `dtype`); random
+    float weights quantized into GGUF blocks where a part is in one (kernels/quantize.py).
 
     `distinct_experts=N` draws only N random experts and cycles them over the rows: speed does
     not depend on expert values (routing depends on the router alone), and drawing tens of GB
@@ -60,7 +68,7 @@ def write_random_ftw(
     gen = torch.Generator().manual_seed(seed)
     tdt = storage_dtype(dtype)
     shapes = FAMILIES[spec.family].dense_shapes(spec)
-    layout = slot_layout(spec, dtype)
+    layout = expert_layout(spec, expert_formats or dtype)
     with atomic_dir(out, force) as tmp:
         entries = [(n, dtype, s) for n, s in shapes.items()]
         dense = DenseWriter(tmp / DENSE_FILE, entries)
@@ -68,14 +76,15 @@ def write_random_ftw(
             dense.write(name, _random(name, shape, gen).to(tdt))
         dense_sha = dense.close()
         banks = BankWriter(tmp, layout, spec.num_expert_rows, rows_per_bank(layout.slot_bytes, spec.num_experts, 4 << 30))
-        cycle: list[dict[str, torch.Tensor]] = []
+        cycle: dict[int, list[dict[str, torch.Tensor]]] = {}  # per MoE layer: its layout's
         for row in range(spec.num_expert_rows):
-            if distinct_experts is None or len(cycle) < distinct_experts:
-                parts = {p.name: _random(p.name, p.shape, gen).to(tdt) for p in layout.parts}
+            drawn = cycle.setdefault(row // spec.num_experts if expert_formats else 0, [])
+            if distinct_experts is None or len(drawn) < distinct_experts:
+                parts = {p.name: _stored(_random(p.name, p.shape, gen), p.dtype) for p in layout.for_row(row).parts}
                 if distinct_experts is not None:
-                    cycle.append(parts)
+                    drawn.append(parts)
             else:
-                parts = cycle[row % distinct_experts]
+                parts = drawn[row % distinct_experts]
             banks.write_slot(row, parts)
             on_bytes(layout.slot_bytes)
         files = {}

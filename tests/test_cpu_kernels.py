@@ -15,7 +15,7 @@ import torch
 from ftkit.kernels.cpu import load
 from ftkit.runtime.experts.pool import expert_forward, expert_weights
 from ftkit.runtime.random_model import demo_spec
-from ftkit.vocab import EXPERT_FORMATS, SlotLayout, slot_layout
+from ftkit.vocab import SlotLayout, slot_layout
 
 # (H, I): odd sizes leave tails after every vector width; q8_0 needs multiples of 32.
 SHAPES = {"float32": [(37, 23), (128, 64), (200, 77)], "float16": [(37, 23), (160, 61)],
@@ -59,7 +59,7 @@ def reference(layout, slot, x, w, idx, k):
 
 def test_matches_float64_reference_and_writes_every_element():
     kernel = _kernel()
-    for dtype in EXPERT_FORMATS:
+    for dtype in SHAPES:  # GGUF blocks: test_cpu_block_kernels.py
         for h, i in SHAPES[dtype]:
             for n_tok, n_exp, threads in ((1, 3, 1), (5, 2, 2), (19, 4, 2)):  # 19 tokens: several blocks
                 k = 2

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from test_fidelity import ftw_decoder, greedy
 
 import ftkit.runtime.ftw.reader as reader_mod
+from ftkit.runtime.engine.generate import generate
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.ftw.manifest import VERSION, FTWError, fingerprint
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
+from ftkit.vocab import expert_layout, storage_dtype
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +67,11 @@ def test_odirect_and_mmap_agree(ftw, monkeypatch):
         (lambda m: m.update(format="other"), False, "not an FTW manifest"),
         (lambda m: m["spec"].update(num_experts=8), False, "fingerprint"),
         # A layout a different writer might have produced: refused even with a valid fingerprint.
-        (lambda m: m["experts"]["layout"]["parts"][1].update(offset=0), True, "slot layout"),
+        (lambda m: m["experts"]["layout"]["layers"][1]["parts"][1].update(offset=0), True, "slot layout"),
+        (lambda m: m["experts"]["layout"]["layers"][0]["parts"][2].update(dtype="q8_0"), True, "slot layout"),
+        (lambda m: m["experts"]["layout"]["layers"][0]["parts"][2].update(dtype="q9"), True, "expert dtype q9"),
+        (lambda m: m["experts"]["layout"]["layers"].pop(), True, "not a list of 4 layers"),
+        (lambda m: m["experts"]["layout"].update(packing="interleaved"), True, "slot layout"),
         (lambda m: m["experts"]["banks"][0].update(rows=3), True, "banks hold"),
         (lambda m: m.pop("spec"), False, "malformed"),
     ],
@@ -81,6 +92,51 @@ def test_truncated_bank_and_corrupt_byte(ftw, tmp_path):
     bank.write_bytes(bytes(data[:-4096]))
     with pytest.raises(FTWError, match="incomplete"):
         FTWModel(out)
+
+
+V1 = Path(__file__).parent / "fixtures" / "ftw-v1-bf16"  # written by ftkit before FTW v2, kept as it was
+
+
+def test_a_v1_directory_still_loads():
+    """FTW v1 (one format for every slot part) reads as a uniform layout: its slots where v1
+    put them, its checksums, its experts running on the cpu strategy."""
+    assert json.loads((V1 / "manifest.json").read_text())["version"] == 1
+    model = FTWModel(V1)
+    assert model.layout.uniform is not None and model.layout.dtype == "bfloat16" and model.layout.slot_bytes == 4096
+    assert model.verify() == []
+    banks, raw = model.read_banks(pin=False), (V1 / "experts-00000.ftwb").read_bytes()
+    for row in range(model.spec.num_expert_rows):
+        for p in model.layout.for_row(row).parts:
+            start = row * 4096 + p.offset
+            want = torch.frombuffer(bytearray(raw[start : start + p.nbytes]), dtype=torch.bfloat16).view(p.shape)
+            assert torch.equal(banks.parts(row)[p.name], want)
+    rt = Runtime(V1, RuntimeOptions(device="cpu", strategy="cpu"))
+    out = generate(rt, [1, 5, 9], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    with torch.no_grad():
+        ref, _ = greedy(ftw_decoder(V1), torch.tensor([1, 5, 9]), 6)  # the torch reference experts
+    assert out.token_ids == ref and len(set(ref)) > 1
+
+
+def test_layers_and_parts_keep_their_own_formats(tmp_path):
+    """A v2 layout: each MoE layer's parts in their own formats, one slot size (the largest
+    layer's), written and read back byte for byte."""
+    spec = dataclasses.replace(demo_spec(300), hidden_size=256, moe_intermediate_size=256)
+    formats = [("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "q4_k"), ("q8_0", "mxfp4", "bfloat16"), ("float32",) * 3]
+    layout = expert_layout(spec, formats)
+    assert [lay.formats for lay in layout.layers] == formats and layout.uniform is None
+    # Q4_K_M's layer: 256 rows of one q4_k super-block (144 bytes) twice, and of one q6_k (210)
+    assert layout.layers[0].data_bytes == 2 * 256 * 144 + 256 * 210
+    assert all(lay.slot_bytes == 3 * 256 * 256 * 4 for lay in layout.layers)  # the float32 layer's
+    assert layout.describe() == "gate float32|q4_k|q8_0, up float32|mxfp4|q4_k, down bfloat16|float32|q4_k|q6_k"
+    path = tmp_path / "mixed.ftw"
+    write_random_ftw(path, spec, dtype="float32", expert_formats=formats, seed=2)
+    model = FTWModel(path)
+    assert model.layout == layout and model.verify() == []
+    banks = model.read_banks(pin=False)
+    for row in (0, 17, 40, 63):
+        parts = banks.parts(row)
+        for p in layout.for_row(row).parts:
+            assert parts[p.name].dtype == storage_dtype(p.dtype) and parts[p.name].numel() * parts[p.name].element_size() == p.nbytes
 
 
 def test_not_ftw(tmp_path):

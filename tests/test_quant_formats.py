@@ -23,12 +23,15 @@ from typer.testing import CliRunner
 from ftkit.kernels.dequant import DEQUANTIZERS, dequantize, dequantize_q8_0
 from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.checkpoint.gguf import GGUFSource
+from ftkit.runtime.engine.generate import generate
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.tools.convert.pipeline import convert, make_plan
 from ftkit.tools.convert.quant_presets import preset_formats
 from ftkit.tools.diagnose.cli import app as diagnose_app
 from ftkit.tools.diagnose.report import diagnose
-from ftkit.vocab import BLOCK_FORMATS, FORMATS, FormatError, slot_layout
+from ftkit.vocab import BLOCK_FORMATS, FORMATS, FormatError, expert_layout, slot_layout
 from gguf_fixtures import (
     F16_FIELDS,
     dequantized_gguf,
@@ -253,21 +256,30 @@ def expert_formats(path: Path) -> list[str]:
     return sorted({r.dtype for n, r in GGUFSource(path).tensors.items() if "_exps" in n})
 
 
+def gguf_layer_formats(path: Path) -> list[tuple[str, str, str]]:
+    """Each layer's expert formats in the GGUF file: (gate, up, down), by layer."""
+    tensors = GGUFSource(path).tensors
+    layers = sorted({int(n.split(".")[1]) for n in tensors if "_exps" in n})
+    return [tuple(tensors[f"blk.{i}.ffn_{p}_exps.weight"].dtype for p in ("gate", "up", "down")) for i in layers]
+
+
 @pytest.mark.parametrize("key", list(QUANT_MODELS))
-def test_diagnose_passes_and_prices_bf16_experts(quant_gguf, key):
+def test_diagnose_passes_and_prices_the_quantized_bytes(quant_gguf, key):
     path, _ = quant_gguf(key)
     r = diagnose(path)
     stored = expert_formats(path)
     assert r["verdict"] == "PASS", r["problems"]
     assert r["expert_dtype"] == "/".join(stored)
-    assert r["notes"] == [f"experts stored as {'/'.join(stored)} are dequantized to bfloat16 "
-                          "(FTW does not keep these blocks yet)"]
     spec = make_plan(path).spec
-    slot = slot_layout(spec, "bfloat16").slot_bytes
-    assert r["memory"]["expert_dtype"] == "bfloat16" and r["memory"]["expert_slot_bytes"] == slot
-    assert r["memory"]["host_expert_pool_bytes"] == spec.num_expert_rows * slot
-    out = CliRunner().invoke(diagnose_app, [str(path)]).output
-    assert " ".join(out.split()).count("are dequantized to bfloat16") == 1 and "PASS" in out
+    layout = expert_layout(spec, gguf_layer_formats(path))
+    assert r["memory"]["expert_formats"] == stored == list(layout.formats)
+    assert r["memory"]["expert_slot_bytes"] == layout.slot_bytes < slot_layout(spec, "bfloat16").slot_bytes
+    assert r["memory"]["expert_data_bytes"] == max(lay.data_bytes for lay in layout.layers)
+    assert r["memory"]["host_expert_pool_bytes"] == spec.num_expert_rows * layout.slot_bytes
+    assert r["memory"]["expert_dtype"] == layout.describe()
+    assert f"experts stored as {layout.describe()} run on the cpu strategy only" in " ".join(r["notes"])
+    out = " ".join(CliRunner().invoke(diagnose_app, [str(path)]).output.split())
+    assert out.count("run on the cpu strategy only") == 1 and "PASS" in out
 
 
 def test_every_format_is_in_the_every_format_model(quant_gguf):
@@ -277,22 +289,31 @@ def test_every_format_is_in_the_every_format_model(quant_gguf):
     assert len(expert_formats(path)) >= 4 and {"q2_k", "iq4_xs"} & set(expert_formats(path))
 
 
-def test_ftw_convert_dequantizes_experts_to_bf16(quant_gguf, tmp_path):
-    path, ref_path = quant_gguf("qwen3_moe_wide-q4_k_m")
+@pytest.mark.parametrize("key", ["qwen3_moe_wide-q4_k_m", "mixtral_wide-every"])
+def test_ftw_convert_keeps_the_expert_blocks(quant_gguf, tmp_path, key):
+    """Without --dtype every expert part keeps its GGUF bytes, layer by layer and part by part;
+    the dense tensors are dequantized to float32, exactly, and one line says so."""
+    path, _ = quant_gguf(key)
     out = tmp_path / "m.ftw"
     r = subprocess.run([sys.executable, "-m", "ftkit.tools.convert", str(path), "-o", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
-    assert text.count("note: experts stored as q4_k/q6_k are dequantized to bfloat16 (FTW does not keep these blocks yet)") == 1
+    assert text.count("are dequantized to float32 (FTW keeps dense tensors as floats)") == 1
     model = FTWModel(out)
-    assert model.layout.dtype == "bfloat16"
-    assert all(t.dtype == torch.float32 for t in model.dense_state().values())  # dequantized exactly
-    ref = FTWModel(_converted(ref_path, tmp_path / "ref.ftw", "float32"))
-    banks, ref_banks = model.read_banks(pin=False), ref.read_banks(pin=False)
-    for row in range(model.spec.num_expert_rows):
-        for part, t in banks.parts(row).items():
-            assert torch.equal(t, ref_banks.parts(row)[part].to(torch.bfloat16)), (row, part)
+    assert [lay.formats for lay in model.layout.layers] == gguf_layer_formats(path)
+    assert all(t.dtype == torch.float32 for t in model.dense_state().values())
+    source, spec = GGUFSource(path), model.spec
+    banks = model.read_banks(pin=False)
+    for moe, layer in enumerate(spec.moe_layers):
+        for part in ("gate", "up", "down"):
+            stored = source.read(f"blk.{layer}.ffn_{part}_exps.weight")  # [E, rows, row bytes] as stored
+            for e in range(spec.num_experts):
+                assert torch.equal(banks.parts(moe * spec.num_experts + e)[part], stored[e]), (layer, part, e)
+    r = diagnose(out)  # the FTW directory: its own slots' formats and bytes
+    assert r["verdict"] == "PASS", r["problems"]
+    assert r["expert_dtype"] == r["memory"]["expert_dtype"] == model.layout.describe()
+    assert r["memory"]["host_expert_pool_bytes"] == banks.nbytes == spec.num_expert_rows * model.layout.slot_bytes
 
 
 def _converted(path: Path, out: Path, dtype: str | None = None) -> Path:
@@ -316,3 +337,42 @@ def test_greedy_tokens_equal_the_dequantized_model(quant_gguf, tmp_path, key):
         ref_tokens, ref_logits = greedy(ftw_decoder(tmp_path / "r.ftw"))
     assert tokens == ref_tokens and len(set(tokens)) > 1
     assert all(torch.equal(x, y) for x, y in zip(logits, ref_logits, strict=True))
+
+
+@pytest.mark.parametrize("key", ["qwen3_moe_wide-q4_k_m", "mixtral_wide-every", "olmoe-q4_k_m"])
+def test_cpu_strategy_on_the_blocks_decodes_the_dequantized_twins_tokens(quant_gguf, tmp_path, key):
+    """The converted blocks run on the cpu strategy at float32 (the CPU kernel reading them as
+    they are) give the greedy tokens of the gguf package's float32 dequantization of the same
+    file, converted and run the same way (the kernel's products are those of the float32 slots
+    bit for bit)."""
+    path, ref_path = quant_gguf(key)
+    q, ref = _converted(path, tmp_path / "q.ftw"), _converted(ref_path, tmp_path / "r.ftw")
+    assert FTWModel(q).layout.blocks and FTWModel(ref).layout.dtype == "float32"
+    prompt = [3, 17, 5, 42, 8, 11, 29, 2, 40, 7] * 2  # 20 tokens: experts past one pass of 8 (the tile path)
+    runs = []
+    for ftw in (q, ref):
+        rt = Runtime(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="float32"))
+        runs.append(generate(rt, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)).token_ids)
+        rt.close()
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
+def test_torch_path_runs_the_blocks_dequantized_per_expert(quant_gguf, tmp_path, monkeypatch):
+    """Without the compiled kernel each expert is dequantized (kernels/dequant.py) as it runs:
+    the same bits as its dequantized float32 twin on the same path."""
+    from ftkit.kernels.cpu import load
+
+    path, ref_path = quant_gguf("qwen3_moe_wide-q4_k_m")
+    q, ref = _converted(path, tmp_path / "q.ftw"), _converted(ref_path, tmp_path / "r.ftw")
+    monkeypatch.setenv("FTKIT_CPU_KERNEL", "torch")
+    load.cache_clear()
+    try:
+        runs = []
+        for ftw in (q, ref):
+            rt = Runtime(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="float32"))
+            assert rt.store.kernels.kernel is None
+            runs.append(generate(rt, [3, 17, 5, 42, 8], SamplingParams(max_tokens=6, ignore_eos=True)).token_ids)
+            rt.close()
+    finally:
+        load.cache_clear()
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1

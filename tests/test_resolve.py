@@ -21,7 +21,7 @@ from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.profile import GPU, Profile, Row, default_path
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.tools.bench.presets import preset_spec
-from ftkit.vocab import slot_layout
+from ftkit.vocab import expert_layout
 
 H200 = GPU("NVIDIA H200", "GPU-d5fe117f-c655-3062-2203-5852ae54eee3")
 GiB = 1 << 30
@@ -42,7 +42,7 @@ def q12(tmp_path_factory) -> FTWModel:
     path.mkdir()
     spec, dtype = preset_spec("qwen3-30b-a3b", 12), "bfloat16"
     shapes = FAMILIES[spec.family].dense_shapes(spec)
-    manifest = Manifest(spec, slot_layout(spec, dtype), [Bank("experts-000.ftwb", 0, spec.num_expert_rows, "0" * 64)],
+    manifest = Manifest(spec, expert_layout(spec, dtype), [Bank("experts-000.ftwb", 0, spec.num_expert_rows, "0" * 64)],
                         {"file": DENSE_FILE, "sha256": "0" * 64,
                          "tensors": {n: {"dtype": dtype, "shape": list(s)} for n, s in shapes.items()}},
                         {}, "test", {"kind": "stub"})
@@ -196,3 +196,29 @@ def test_on_the_gpu_at_hand_the_16gb_model_is_fused(q12, capsys):
     got = resolve(q12, RuntimeOptions(device=None, threads=4), machine)
     assert got.strategy == "fused" and got.device.type == "cuda"
     assert lines(capsys)[-1].startswith("ftkit: strategy fused (auto: all 1536 experts fit the GPU's ")
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory) -> FTWModel:
+    """A model whose experts keep GGUF blocks: gate and up q4_k, down q6_k (Q4_K_M's)."""
+    path = tmp_path_factory.mktemp("q4") / "q4.ftw"
+    spec = dataclasses.replace(demo_spec(300), hidden_size=256, moe_intermediate_size=256)
+    write_random_ftw(path, spec, expert_formats=[("q4_k", "q4_k", "q6_k")] * spec.num_moe_layers)
+    return FTWModel(path)
+
+
+@pytest.mark.parametrize("strategy", ["offload", "hybrid", "fused"])
+def test_gpu_strategies_refuse_block_slots_in_one_line(q4, strategy):
+    """Until the GPU kernels read blocks (issue 38), a GPU's expert tier is never handed them."""
+    machine = Machine(torch.device("cuda"), H200, 139 * GiB)
+    with pytest.raises(ValueError, match=r"^--strategy \w+: experts stored as gate q4_k, up q4_k, down q6_k run on "
+                                         r"the cpu strategy only: .*reconvert with --dtype bfloat16$"):
+        resolve(q4, RuntimeOptions(device="cuda", strategy=strategy, bandwidth_ratio=0.5), machine)
+
+
+def test_auto_on_a_gpu_runs_block_slots_on_the_cpu_strategy(q4, capsys):
+    got = resolve(q4, RuntimeOptions(device="cuda"), Machine(torch.device("cuda"), H200, 139 * GiB))
+    assert got.strategy == "cpu" and got.cache_slots == 0
+    assert [ln for ln in lines(capsys) if "strategy cpu (auto: experts stored as gate q4_k" in ln]
+    # on a CPU every strategy's device tier is host memory, where the CPU kernel reads blocks
+    assert resolve(q4, RuntimeOptions(strategy="offload", cache_experts=8), Machine(torch.device("cpu"))).strategy == "offload"

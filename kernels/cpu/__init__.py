@@ -32,9 +32,19 @@ import torch
 if TYPE_CHECKING:
     from ftkit.vocab import SlotLayout
 
+
+def format_code(layout: SlotLayout) -> int:
+    """The parts' format codes as a call passes them: gate | up << 8 | down << 16."""
+    if any(p.dtype not in FORMAT_CODES for p in layout.parts):
+        raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
+    return sum(FORMAT_CODES[p.dtype] << (8 * i) for i, p in enumerate(layout.parts))
+
 SOURCE = Path(__file__).with_name("experts.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3}
+# experts.cpp's `Dtype` codes: every expert format has a kernel (GGUF blocks decoded in L1)
+FORMAT_CODES = {name: i for i, name in enumerate((
+    "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
+    "q6_k", "iq4_nl", "iq4_xs", "mxfp4"))}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 Indices = torch.Tensor | np.ndarray  # int64 index arrays, CPU
@@ -60,14 +70,15 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def build(cxx: str | None = None) -> Path:
-    """Compile experts.cpp (once per source, flags, compiler and CPU); returns the shared library."""
+def build(cxx: str | None = None, extra: tuple[str, ...] = ()) -> Path:
+    """Compile experts.cpp (once per source, flags, compiler and CPU); returns the shared library.
+    `extra`: flags after FLAGS (`-mno-avx512f` builds the AVX2 path on an AVX-512 machine)."""
     cxx = cxx or os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found; set CXX)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_signature().encode()
+        SOURCE.read_bytes() + " ".join(FLAGS + extra).encode() + version.encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     lib = cache_dir() / f"experts-{key}.so"
     if lib.is_file():
@@ -76,7 +87,7 @@ def build(cxx: str | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # concurrent builds: last rename wins
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cxx, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed:\n{done.stderr.strip()}")
         os.replace(tmp, lib)
@@ -120,7 +131,7 @@ class Kernel:
         row of `out` for each assignment in order instead (a compact `out` of just these rows)."""
         call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
         if call is not None and self.lib.ftk_experts(*call.args):
-            raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
+            raise ValueError(f"the CPU kernel does not support expert formats {'/'.join(layout.formats)}")
 
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
                       assignments: Sequence[Indices], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
@@ -177,8 +188,7 @@ class Kernel:
         for t in (x, out, *slots):
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the CPU kernel needs contiguous CPU tensors")
-        if layout.dtype not in DTYPE_CODES:
-            raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
+        code = format_code(layout)
         if not slots:
             return None
         sizes = [len(s) for s in assignments]
@@ -195,7 +205,7 @@ class Kernel:
         ptrs = np.array([s.data_ptr() for s in slots], dtype=np.int64)
         offsets = np.array([p.offset for p in layout.parts], dtype=np.int64)
         keep = (rows, starts, tok, w, ptrs, offsets, x, out, *slots)
-        return _Call((DTYPE_CODES[layout.dtype], hidden, inter, offsets.ctypes.data, len(slots), ptrs.ctypes.data,
+        return _Call((code, hidden, inter, offsets.ctypes.data, len(slots), ptrs.ctypes.data,
                       starts.ctypes.data, tok.ctypes.data, w.ctypes.data, rows.ctypes.data, x.data_ptr(),
                       out.data_ptr(), threads), keep)
 
@@ -215,7 +225,7 @@ class Kernel:
             raise ValueError("worker buffers do not match the layout")
         offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
         handle = self.lib.ftk_worker_start(
-            DTYPE_CODES[layout.dtype], hidden, inter, offsets.data_ptr(), row_ptrs.numel(), row_ptrs.data_ptr(), n,
+            format_code(layout), hidden, inter, offsets.data_ptr(), row_ptrs.numel(), row_ptrs.data_ptr(), n,
             tokens, k, ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(),
             busy_ns.data_ptr(), threads)
         return Worker(self.lib, handle, (row_ptrs, ctrl, payload, out, busy_ns))

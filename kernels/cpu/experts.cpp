@@ -3,6 +3,11 @@
 // Built by ftkit.kernels.cpu with -O3 -march=native -fopenmp -ffp-contract=off and called through
 // ctypes (plain C ABI, raw pointers, GIL released). Decode is memory-bound: each weight byte is
 // read once per call, converted to float32 in registers, and used for every token of its expert.
+// GGUF block formats (ggml's layouts, as kernels/dequant.py documents them) are decoded one block
+// at a time into a few hundred floats in L1, then multiplied there: the weights cross DRAM as
+// blocks. Each decoder computes kernels/dequant.py's float32 values operation for operation (no
+// fused multiply-add: -ffp-contract=off), and the products run in the float32 path's order, so a
+// block slot gives bit for bit what its dequantized float32 slot gives.
 //
 // Determinism: every (row, token) dot product is accumulated by one thread in one fixed order,
 // whatever the thread count, the other tokens or the other experts of the call, so an assignment's
@@ -28,7 +33,10 @@
 
 namespace {
 
-enum Dtype { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3 };
+// Format codes (kernels/cpu/__init__.py's FORMAT_CODES); a call passes one per part, packed as
+// gate | up << 8 | down << 16.
+enum Dtype { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+             IQ4_XS, MXFP4, N_FORMATS };
 
 float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -294,6 +302,244 @@ void dot_n(int tb, const uint8_t* const* rows, int n, const float* const* xs, fl
   dot<L, R, TB>(rows, n, xs, s);
 }
 
+// ---- GGUF blocks: decode(b, out) writes a block's weights as kernels/dequant.py computes them ----
+inline float f16_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return half_to_float(h); }
+const float IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const float E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The loops below run over whole runs of 16 or 32 bytes with no per-weight branch, so the
+// compiler vectorizes them; each output is the same expression of the same values as in
+// kernels/dequant.py. 32-weight blocks keep weights 0..15 in the low nibbles of their 16 bytes
+// and 16..31 in the high ones.
+template <class F>
+inline void nibbles32(const uint8_t* qs, float* o, F value) {
+  for (int j = 0; j < 16; ++j) o[j] = value(qs[j] & 15, j);
+  for (int j = 0; j < 16; ++j) o[j + 16] = value(qs[j] >> 4, j + 16);
+}
+
+// o[j] = scale * table[nibble j] for a 32-weight block's 16 nibble bytes (IQ4_NL, IQ4_XS, MXFP4):
+// the 16-entry table is one AVX-512 register, each lookup one permute, where a plain loop is a
+// gather per vector. Same product of the same two floats as the loop.
+inline void lut32(const uint8_t* qs, float scale, const float* table, float* o) {
+#if defined(__AVX512F__)
+  const __m512 t = _mm512_loadu_ps(table), sv = _mm512_set1_ps(scale);
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs)), low = _mm512_set1_epi32(15);
+  _mm512_storeu_ps(o, _mm512_mul_ps(sv, _mm512_permutexvar_ps(_mm512_and_si512(q, low), t)));
+  _mm512_storeu_ps(o + 16, _mm512_mul_ps(sv, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t)));
+#else
+  nibbles32(qs, o, [scale, table](int q, int) { return scale * table[q]; });
+#endif
+}
+
+struct BQ4_0 {
+  static constexpr int BLOCK = 32, BYTES = 18;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b);
+    nibbles32(b + 2, o, [d](int q, int) { return d * float(q - 8); });
+  }
+};
+struct BQ4_1 {
+  static constexpr int BLOCK = 32, BYTES = 20;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b), m = f16_at(b + 2);
+    nibbles32(b + 4, o, [d, m](int q, int) { return d * float(q) + m; });
+  }
+};
+// q5's fifth bits: bit j of the little-endian u32 before the nibbles is weight j's
+inline uint32_t u32_at(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+struct BQ5_0 {
+  static constexpr int BLOCK = 32, BYTES = 22;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b);
+    const uint32_t qh = u32_at(b + 2);
+    nibbles32(b + 6, o, [d, qh](int q, int j) { return d * float((q | int((qh >> j) & 1) << 4) - 16); });
+  }
+};
+struct BQ5_1 {
+  static constexpr int BLOCK = 32, BYTES = 24;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b), m = f16_at(b + 2);
+    const uint32_t qh = u32_at(b + 4);
+    nibbles32(b + 8, o, [d, m, qh](int q, int j) { return d * float(q | int((qh >> j) & 1) << 4) + m; });
+  }
+};
+struct BIQ4_NL {
+  static constexpr int BLOCK = 32, BYTES = 18;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b);
+    lut32(b + 2, d, IQ4_LEVELS, o);
+  }
+};
+struct BMXFP4 {
+  static constexpr int BLOCK = 32, BYTES = 17;
+  static void decode(const uint8_t* b, float* o) {
+    // GGML_E8M0_TO_FP32_HALF: 2^(e - 128), the subnormals 2^-128 and 2^-127 for e < 2
+    const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float s;
+    std::memcpy(&s, &bits, 4);
+    lut32(b + 1, s, E2M1_X2, o);
+  }
+};
+// Q2_K and Q3_K: weight h * 128 + k * 32 + l (h < 2, k < 4, l < 32) is bits 2k..2k+1 of byte
+// h * 32 + l of the 2-bit fields, in group (of 16 weights, one scale) h * 8 + 2k + l / 16.
+struct BQ2_K {
+  static constexpr int BLOCK = 256, BYTES = 84;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int half = 0; half < 2; ++half) {
+          const int g = h * 8 + 2 * k + half;
+          const float dl = d * float(b[g] & 15), ml = dmin * float(b[g] >> 4);
+          const uint8_t* qs = b + 16 + h * 32 + half * 16;
+          float* out = o + h * 128 + k * 32 + half * 16;
+          for (int l = 0; l < 16; ++l) out[l] = dl * float((qs[l] >> (2 * k)) & 3) - ml;
+        }
+  }
+};
+struct BQ3_K {
+  static constexpr int BLOCK = 256, BYTES = 110;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b + 108);
+    const uint8_t* s = b + 96;
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int half = 0; half < 2; ++half) {
+          const int g = h * 8 + 2 * k + half;
+          const int low4 = g < 8 ? s[g] & 15 : s[g - 8] >> 4, top2 = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+          const float dl = d * float(int8_t(low4 | (top2 << 4)) - 32);
+          const uint8_t *qs = b + 32 + h * 32 + half * 16, *hm = b + half * 16;  // weight f's high bit: byte f % 32, bit f / 32
+          float* out = o + h * 128 + k * 32 + half * 16;
+          for (int l = 0; l < 16; ++l)
+            out[l] = dl * float(((qs[l] >> (2 * k)) & 3) - 4 * (1 - ((hm[l] >> (h * 4 + k)) & 1)));
+        }
+  }
+};
+// Q4_K/Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
+inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63, *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+// Q4_K/Q5_K: 8 sub-blocks of 32; sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes
+// c * 32 .. c * 32 + 31; Q5_K's fifth bit of weight l of sub-block j is bit j of high byte l.
+template <bool FIFTH>
+struct BQ45_K {
+  static constexpr int BLOCK = 256, BYTES = FIFTH ? 176 : 144;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t *qs = b + (FIFTH ? 48 : 16), *qh = b + 16;
+    for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      scale_min_k4(b + 4, 2 * c, &sc0, &m0);
+      scale_min_k4(b + 4, 2 * c + 1, &sc1, &m1);
+      const float d0 = d * float(sc0), dm0 = dmin * float(m0), d1 = d * float(sc1), dm1 = dmin * float(m1);
+      const uint8_t* q = qs + c * 32;
+      float *lo = o + c * 64, *hi = lo + 32;
+      for (int l = 0; l < 32; ++l) {
+        const int h0 = FIFTH ? ((qh[l] >> (2 * c)) & 1) << 4 : 0, h1 = FIFTH ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+        lo[l] = d0 * float((q[l] & 15) | h0) - dm0;
+        hi[l] = d1 * float((q[l] >> 4) | h1) - dm1;
+      }
+    }
+  }
+};
+// Q6_K: two halves of 128; in half h, weights k * 32 + l take the low nibble (k < 2) or high
+// (k >= 2) of byte h * 64 + (k % 2) * 32 + l and bits 2k..2k+1 of byte 128 + h * 32 + l; one int8
+// scale per 16 weights.
+struct BQ6_K {
+  static constexpr int BLOCK = 256, BYTES = 210;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b + 208);
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k)
+        for (int half = 0; half < 2; ++half) {
+          const float dl = d * float(int8_t(b[192 + h * 8 + 2 * k + half]));
+          const uint8_t *ql = b + h * 64 + (k % 2) * 32 + half * 16, *qh = b + 128 + h * 32 + half * 16;
+          float* out = o + h * 128 + k * 32 + half * 16;
+          const int shift = k < 2 ? 0 : 4;
+          for (int l = 0; l < 16; ++l)
+            out[l] = dl * float((((ql[l] >> shift) & 15) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32);
+        }
+  }
+};
+struct BIQ4_XS {
+  static constexpr int BLOCK = 256, BYTES = 136;
+  static void decode(const uint8_t* b, float* o) {
+    const float d = f16_at(b);
+    const int high_bits = b[2] | (b[3] << 8);
+    for (int j = 0; j < 8; ++j) {
+      const int low = (b[4 + j / 2] >> (4 * (j % 2))) & 15, high = (high_bits >> (2 * j)) & 3;
+      const float dl = d * float(int8_t(low | (high << 4)) - 32);
+      lut32(b + 8 + j * 16, dl, IQ4_LEVELS, o + j * 32);
+    }
+  }
+};
+
+// s[r][t] = dot(rows[r][0:n], xs[t][0:n]) for rows of D's blocks: each block decoded once into
+// L1, then multiplied in the float32 path's order (`dot`: W at a time from element 0, one
+// accumulator per row and token), so the result is dot<LoadF32>'s on the dequantized rows.
+template <class D, int R, int TB>
+void dot_blocks(const uint8_t* const* rows, int n, const float* const* xs, float (*s)[TBMAX]) {
+  alignas(64) float buf[R][D::BLOCK];
+  V acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = vzero();
+  for (int blk = 0; blk < n / D::BLOCK; ++blk) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = rows[r] + size_t(blk) * D::BYTES;
+      __builtin_prefetch(b + PREFETCH);
+      D::decode(b, buf[r]);
+    }
+    const int base = blk * D::BLOCK;
+    for (int j = 0; j < D::BLOCK; j += W) {
+      V x[TB];
+      for (int t = 0; t < TB; ++t) x[t] = pin(vload(xs[t] + base + j));
+      for (int r = 0; r < R; ++r) {
+        const V w = vload(buf[r] + j);
+        for (int t = 0; t < TB; ++t) acc[r][t] = vfma(w, x[t], acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) s[r][t] = vsum(acc[r][t]);
+}
+
+template <class D>
+void decode_row(const uint8_t* row, int n, float* out) {
+  for (int blk = 0; blk < n / D::BLOCK; ++blk) D::decode(row + size_t(blk) * D::BYTES, out + size_t(blk) * D::BLOCK);
+}
+
+template <class D, int R, int TB = TBMAX>
+void dot_blocks_n(int tb, const uint8_t* const* rows, int n, const float* const* xs, float (*s)[TBMAX]) {
+  if constexpr (TB > 1) {
+    if (tb < TB) return dot_blocks_n<D, R, TB - 1>(tb, rows, n, xs, s);
+  }
+  dot_blocks<D, R, TB>(rows, n, xs, s);
+}
+
+// What a part's format needs: its row size, its products of one and of two rows, and (blocks)
+// a row decoder for the multi-token path.
+using DotFn = void (*)(int, const uint8_t* const*, int, const float* const*, float (*)[TBMAX]);
+struct Format {
+  int block, bytes;  // weights per block and its bytes (a plain dtype: 1 and its size)
+  DotFn dot1, dot2;
+  void (*decode)(const uint8_t*, int, float*);  // null: read in place whatever the token count
+  size_t row_bytes(int n) const { return size_t(n / block) * bytes; }
+};
+template <class L>
+constexpr Format plain(int block, int bytes) { return {block, bytes, dot_n<L, 1>, dot_n<L, 2>, nullptr}; }
+template <class D>
+constexpr Format blocks() { return {D::BLOCK, D::BYTES, dot_blocks_n<D, 1>, dot_blocks_n<D, 2>, decode_row<D>}; }
+const Format FORMATS[N_FORMATS] = {
+    plain<LoadF32>(1, 4), plain<LoadF16>(1, 2), plain<LoadBF16>(1, 2), plain<LoadQ8>(32, 34),
+    blocks<BQ4_0>(), blocks<BQ4_1>(), blocks<BQ5_0>(), blocks<BQ5_1>(), blocks<BQ2_K>(), blocks<BQ3_K>(),
+    blocks<BQ45_K<false>>(), blocks<BQ45_K<true>>(), blocks<BQ6_K>(), blocks<BIQ4_NL>(), blocks<BIQ4_XS>(),
+    blocks<BMXFP4>(),
+};
+
 struct Call {
   int H, I;
   const int64_t* part_off;  // byte offsets of gate [I,H], up [I,H], down [H,I] within a slot
@@ -308,6 +554,7 @@ struct Call {
   int threads;
   int64_t* claim;          // null: run every expert; else the split shared with the GPU (`take`)
   Team* team = nullptr;    // the threads to run on (the graph-decode worker's); null: OpenMP's
+  const Format* fmt[3] = {};  // each part's format (set by `dispatch`)
 };
 
 // A split of experts 0..n-1 shared by two branches while they run: the GPU's side takes fills
@@ -346,40 +593,72 @@ void token_blocks(const Call& c, long e, F f) {
   }
 }
 
+// A thread's float32 copy of the weight rows it works on, for experts with more tokens than one
+// pass takes (prefill, a long extend): decoded once instead of once per TBMAX tokens.
+float* tile(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats) buf.resize(floats);
+  return buf.data();
+}
+
+// Rows i0..i1-1 of a part (`n` weights each, stored in `f`) as float32 rows for `dot`: the decoded
+// tile when the expert has more tokens than one pass and the format has blocks, else the part
+// itself. Returns the format to read them in.
+const Format* rows_for(const Format* f, const uint8_t* part, int n, int i0, int i1, bool many, const uint8_t** out,
+                       float* t) {
+  if (!many || !f->decode) {
+    *out = part + size_t(i0) * f->row_bytes(n);
+    return f;
+  }
+  for (int i = i0; i < i1; ++i) f->decode(part + size_t(i) * f->row_bytes(n), n, t + size_t(i - i0) * n);
+  *out = (const uint8_t*)t;
+  return &FORMATS[F32];
+}
+
 // h[a] = silu(gate x) * (up x) for expert e's assignments a, rows i0..i1-1 of gate and up.
-template <class L>
 void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const int H = c.H, I = c.I;
-  const size_t rb = L::row_bytes(H);
-  const uint8_t* gate = c.slots[e] + c.part_off[0];
-  const uint8_t* up = c.slots[e] + c.part_off[1];
+  const bool many = c.start[e + 1] - c.start[e] > TBMAX;
+  float* tl = many ? tile(2 * size_t(i1 - i0) * H) : nullptr;
+  const uint8_t *gate, *up;
+  const Format* fg = rows_for(c.fmt[0], c.slots[e] + c.part_off[0], H, i0, i1, many, &gate, tl);
+  const Format* fu = rows_for(c.fmt[1], c.slots[e] + c.part_off[1], H, i0, i1, many, &up,
+                              tl ? tl + size_t(i1 - i0) * H : nullptr);
+  const size_t gb = fg->row_bytes(H), ub = fu->row_bytes(H);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* xs[TBMAX];
     for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
     for (int i = i0; i < i1; ++i) {
-      const uint8_t* rows[2] = {gate + i * rb, up + i * rb};
+      const uint8_t* rows[2] = {gate + (i - i0) * gb, up + (i - i0) * ub};
       float s[2][TBMAX];
-      dot_n<L, 2>(tb, rows, H, xs, s);
+      if (fg == fu) {
+        fg->dot2(tb, rows, H, xs, s);
+      } else {  // gate and up in different formats: one row each (a row's sums do not change)
+        fg->dot1(tb, rows, H, xs, s);
+        fu->dot1(tb, rows + 1, H, xs, s + 1);
+      }
       for (int t = 0; t < tb; ++t) h[size_t(a0 + t) * I + i] = s[0][t] / (1.0f + std::exp(-s[0][t])) * s[1][t];
     }
   });
 }
 
 // out[out_row[a]][j0..j1-1] = weight[a] * (down h[a]) for expert e's assignments a.
-template <class L>
 void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   const int H = c.H, I = c.I;
-  const size_t rb = L::row_bytes(I);
-  const uint8_t* down = c.slots[e] + c.part_off[2];
+  const bool many = c.start[e + 1] - c.start[e] > TBMAX;
+  const uint8_t* down;
+  const Format* f = rows_for(c.fmt[2], c.slots[e] + c.part_off[2], I, j0, j1, many, &down,
+                             many ? tile(size_t(j1 - j0) * I) : nullptr);
+  const size_t rb = f->row_bytes(I);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* hs[TBMAX];
     for (int t = 0; t < tb; ++t) hs[t] = h + size_t(a0 + t) * I;
     for (int j = j0; j < j1; j += 2) {
-      const uint8_t* rows[2] = {down + j * rb, down + (j + 1) * rb};
+      const uint8_t* rows[2] = {down + (j - j0) * rb, down + (j + 1 - j0) * rb};
       float s[2][TBMAX];
       const int r = j + 1 < j1 ? 2 : 1;
-      if (r == 2) dot_n<L, 2>(tb, rows, I, hs, s);
-      else dot_n<L, 1>(tb, rows, I, hs, s);
+      if (r == 2) f->dot2(tb, rows, I, hs, s);
+      else f->dot1(tb, rows, I, hs, s);
       for (int t = 0; t < tb; ++t) {
         float* o = c.out + size_t(c.out_row[a0 + t]) * H;
         for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * s[q][t];
@@ -389,18 +668,17 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
 }
 
 // Every expert of the call: all gate/up rows, a barrier, all down rows.
-template <class L>
 void run_all(const Call& c, float* h) {
   const int I = c.I, H = c.H;
   const int cg = chunk_rows(I, c.n, c.threads, 4, 16), cd = chunk_rows(H, c.n, c.threads, 16, 64);
   const long chunks_gu = (I + cg - 1) / cg, chunks_d = (H + cd - 1) / cd;
   auto gate_up = [&](long k) {
     const int i0 = int(k % chunks_gu) * cg;
-    gate_up_rows<L>(c, k / chunks_gu, i0, std::min(I, i0 + cg), h);
+    gate_up_rows(c, k / chunks_gu, i0, std::min(I, i0 + cg), h);
   };
   auto down = [&](long k) {
     const int j0 = int(k % chunks_d) * cd;
-    down_rows<L>(c, k / chunks_d, j0, std::min(H, j0 + cd), h);
+    down_rows(c, k / chunks_d, j0, std::min(H, j0 + cd), h);
   };
   if (c.team) {  // the end of a team's run is the barrier
     team_items(*c.team, c.n * chunks_gu, gate_up);
@@ -423,7 +701,6 @@ void run_all(const Call& c, float* h) {
 // come in stages from one counter: stage s is the gate/up items of the s-th expert taken, then
 // the down items of the one before, whose gate/up items all went out a stage earlier. The s-th
 // expert is taken from the split by the first thread to reach its stage.
-template <class L>
 void run_shared(const Call& c, float* h) {
   const int I = c.I, H = c.H;
   const int cg = chunk_rows(I, 1, c.threads, 4, 16), cd = chunk_rows(H, 1, c.threads, 16, 64);
@@ -450,7 +727,7 @@ void run_shared(const Call& c, float* h) {
       const int e = resolve(s);
       if (e < 0) continue;  // nothing left to take: this stage's down items end the loop
       const int i0 = int(r) * cg;
-      gate_up_rows<L>(c, e, i0, std::min(I, i0 + cg), h);
+      gate_up_rows(c, e, i0, std::min(I, i0 + cg), h);
       gu_left[s].fetch_sub(1, std::memory_order_acq_rel);
     } else {
       const int e = s == 0 ? -1 : resolve(s - 1);
@@ -462,27 +739,26 @@ void run_shared(const Call& c, float* h) {
         if (spins < 4096) pause();
         else std::this_thread::yield();  // its holder may be waiting for this core
       const int j0 = int(r - n_gu) * cd;
-      down_rows<L>(c, e, j0, std::min(H, j0 + cd), h);
+      down_rows(c, e, j0, std::min(H, j0 + cd), h);
     }
   }
 }
 
-template <class L>
-void run(const Call& c) {
-  std::vector<float> h(size_t(c.start[c.n]) * c.I);  // silu(gate x) * (up x), one row per assignment
-  if (c.claim) run_shared<L>(c, h.data());
-  else run_all<L>(c, h.data());
-}
-
-int dispatch(int dtype, const Call& c) {
-  if (c.n <= 0) return 0;
-  switch (dtype) {
-    case F32: run<LoadF32>(c); return 0;
-    case F16: run<LoadF16>(c); return 0;
-    case BF16: run<LoadBF16>(c); return 0;
-    case Q8_0: run<LoadQ8>(c); return 0;
+// `dtype`: the parts' format codes, gate | up << 8 | down << 16. -1 for an unknown code or a row
+// length that does not split into its format's blocks.
+int dispatch(int dtype, const Call& call) {
+  Call c = call;
+  const int n[3] = {c.H, c.H, c.I};
+  for (int p = 0; p < 3; ++p) {
+    const int code = (dtype >> (8 * p)) & 0xff;
+    if (code >= N_FORMATS || n[p] % FORMATS[code].block) return -1;
+    c.fmt[p] = &FORMATS[code];
   }
-  return -1;
+  if (c.n <= 0) return 0;
+  std::vector<float> h(size_t(c.start[c.n]) * c.I);  // silu(gate x) * (up x), one row per assignment
+  if (c.claim) run_shared(c, h.data());
+  else run_all(c, h.data());
+  return 0;
 }
 
 // The CPU branch of device-planned layers (graph decode, and a short extend planned the same

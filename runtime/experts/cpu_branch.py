@@ -81,6 +81,7 @@ class CPUBranch:
             return lambda: None, None
         idxs = [groups[r] for r in experts]
         slots = [self.pool.slot(r) for r in experts]
+        layout = self.pool.layout.for_row(experts[0])  # one layer's experts
         if hidden.device.type == "cpu":
             x, w, out, rows = hidden, weights, y, idxs
         else:
@@ -93,7 +94,7 @@ class CPUBranch:
         if self.runner is not None and x.dtype == out.dtype == torch.float32:
             signal = signal and host is not None
             out_rows = np.arange(out.shape[0]) if rows is None else np.concatenate(rows)
-            self.kernel.start_experts(self.runner, self.pool.layout, slots, idxs, x.contiguous(), w, out, k,
+            self.kernel.start_experts(self.runner, layout, slots, idxs, x.contiguous(), w, out, k,
                                       self.executor.threads, out_rows, split, self._done_word() if signal else None)
             if signal:
                 self.signalled = len(slots) * self.pool.layout.slot_bytes
@@ -107,7 +108,7 @@ class CPUBranch:
             def run() -> None:
                 start = time.perf_counter()
                 with torch.inference_mode():  # thread-local: the caller's mode does not carry over
-                    self.kernels.host(slots[part], idxs[part], x, w, out, k, rows[part])
+                    self.kernels.host(layout, slots[part], idxs[part], x, w, out, k, rows[part])
                 spans.append((start, time.perf_counter()))
             return run
 

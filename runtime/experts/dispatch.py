@@ -3,6 +3,8 @@
 A layer's experts resident in the device tier go through the grouped Triton GEMV (decode-sized
 work) or GEMM (prefill-sized), through torch one expert at a time without them (q8_0 slots, no
 Triton), or, when the device tier is host memory, through the CPU kernel like the CPU branch's.
+A GPU's tier only ever holds one layout of DEVICE_FORMATS (engine/resolve.py refuses the rest);
+host memory takes every layer's own, GGUF blocks included.
 Each (token, k) assignment's weighted output lands in its own row of `y`.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ftkit.vocab import SlotLayout
+from ftkit.vocab import ExpertLayout, SlotLayout
 
 from .cache import SlotCache
 from .pool import expert_forward, expert_weights
@@ -20,10 +22,12 @@ GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the 
 
 
 class ExpertKernels:
-    def __init__(self, layout: SlotLayout, device: torch.device, cpu_kernel, threads: int, grouped):
+    def __init__(self, layout: ExpertLayout, device: torch.device, cpu_kernel, threads: int, grouped):
         """`cpu_kernel`: the compiled CPU kernel (ftkit.kernels.cpu) or None; `grouped`: the
         grouped Triton kernels' module, where the device is a GPU with float slots, or None."""
-        self.layout, self.device, self.kernel, self.threads, self.grouped = layout, device, cpu_kernel, threads, grouped
+        self.layouts, self.device, self.kernel, self.threads, self.grouped = layout, device, cpu_kernel, threads, grouped
+        # the device tier's one layout (None: layers differ, which only host memory holds)
+        self.layout = layout.uniform
 
     def resident(self, cache: SlotCache, resident: list[tuple[int, int]], groups: dict[int, np.ndarray],
                  x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
@@ -33,7 +37,8 @@ class ExpertKernels:
         if not resident:
             return
         if self.device.type == "cpu":
-            self.host([cache.slots[s] for _, s in resident], [groups[r] for r, _ in resident], x, w, y, k)
+            self.host(self.layouts.for_row(resident[0][0]), [cache.slots[s] for _, s in resident],
+                      [groups[r] for r, _ in resident], x, w, y, k)
         elif self.grouped is not None and x.shape[0] * k <= GEMV_MAX_ITEMS:
             self._device_gemv(cache, resident, groups, x, w, y, k)
         elif self.grouped is not None:
@@ -82,25 +87,26 @@ class ExpertKernels:
             start = end
         y[idx_d] = out * w[idx_d]
 
-    def host(self, slots: list[torch.Tensor], idxs: list[np.ndarray], x: torch.Tensor,
-                      w: torch.Tensor, y: torch.Tensor, k: int, rows: list[np.ndarray] | None = None) -> None:
-        """Experts whose slots are in host memory, in one kernel call (float32 in and out).
-        `rows`: per expert, the rows of `y` its assignments go to (default: the assignments)."""
+    def host(self, layout: SlotLayout, slots: list[torch.Tensor], idxs: list[np.ndarray], x: torch.Tensor,
+             w: torch.Tensor, y: torch.Tensor, k: int, rows: list[np.ndarray] | None = None) -> None:
+        """Experts of one layer (`layout`, theirs) whose slots are in host memory, in one kernel
+        call (float32 in and out). `rows`: per expert, the rows of `y` its assignments go to
+        (default: the assignments)."""
         if not slots:
             return
         rows = idxs if rows is None else rows
         if self.kernel is None:
             for slot, idx, row in zip(slots, idxs, rows, strict=True):
                 idx, row = torch.from_numpy(idx), torch.from_numpy(row)
-                gate, up, down = expert_weights(self.layout, slot, x.dtype)
+                gate, up, down = expert_weights(layout, slot, x.dtype)
                 y[row] = (expert_forward(x[idx // k], gate, up, down) * w[idx]).to(y.dtype)
             return
         row = np.concatenate(rows)
         if x.dtype == torch.float32 and y.dtype == torch.float32:
-            self.kernel.experts(self.layout, slots, idxs, x.contiguous(), w, y, k, self.threads, row)
+            self.kernel.experts(layout, slots, idxs, x.contiguous(), w, y, k, self.threads, row)
             return
         out = torch.zeros(y.shape, dtype=torch.float32)
-        self.kernel.experts(self.layout, slots, idxs, x.float(), w, out, k, self.threads, row)
+        self.kernel.experts(layout, slots, idxs, x.float(), w, out, k, self.threads, row)
         row_t = torch.from_numpy(row)
         y[row_t] = out[row_t].to(y.dtype)
 

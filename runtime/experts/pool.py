@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ftkit.kernels.dequant import dequantize_q8_0
-from ftkit.vocab import Q8_0, SlotLayout
+from ftkit.kernels.dequant import dequantize
+from ftkit.vocab import BLOCK_FORMATS, ExpertLayout, SlotLayout
 
 from ..ftw.reader import FTWModel, HostBanks
 from ..spec import ModelSpec
@@ -13,7 +13,8 @@ from ..spec import ModelSpec
 
 class HostPool:
     def __init__(self, spec: ModelSpec, banks: HostBanks):
-        self.spec, self.banks, self.layout = spec, banks, banks.layout
+        self.spec, self.banks = spec, banks
+        self.layout: ExpertLayout = banks.layout  # each layer's slot layout, one slot size
         self._slots: dict[int, torch.Tensor] = {}  # row -> its view, made once (a slice costs microseconds)
 
     @classmethod
@@ -45,8 +46,8 @@ def expert_weights(layout: SlotLayout, slot: torch.Tensor, dtype: torch.dtype) -
     out = []
     for p in layout.parts:
         t = p.view(slot)
-        if p.dtype == Q8_0:
-            t = dequantize_q8_0(t).reshape(p.shape)
+        if p.dtype in BLOCK_FORMATS:  # exact, as the CPU kernel's float32 weights
+            t = dequantize(t, p.dtype).reshape(p.shape)
         out.append(t if t.dtype == dtype else t.to(dtype))
     return tuple(out)
 

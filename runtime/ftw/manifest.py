@@ -1,5 +1,6 @@
-"""FTW v1: the manifest schema and the fingerprint (spec: docs/ftw.md); the slot layout it
-records is `ftkit.vocab.slot_layout`."""
+"""FTW v2: the manifest schema and the fingerprint (spec: docs/ftw.md); the slot layout it
+records is `ftkit.vocab.expert_layout`. Version 1 directories (one format for every part of
+every layer) are still read."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ftkit.errors import InputError, shown
-from ftkit.vocab import DENSE_FORMATS, FormatError, SlotLayout, slot_layout
+from ftkit.vocab import DENSE_FORMATS, EXPERT_PARTS, ExpertLayout, FormatError, expert_layout
 
 from ..checkpoint.base import inside
 from ..checkpoint.jsonfile import type_name
 from ..spec import ModelSpec, SpecError
 
 FORMAT = "ftw"
-VERSION = 1
+VERSION = 2  # 2: each MoE layer's parts have their own format (GGUF blocks kept as stored)
+OLDEST = 1  # 1: one format for every slot part, `experts.layout` that one slot's parts
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 ROW_ORDER = "moe_layer * num_experts + expert"
@@ -37,11 +39,12 @@ class Bank:
     sha256: str
 
 
-def fingerprint(spec: dict[str, Any], layout: dict[str, Any], banks: list[dict[str, Any]]) -> str:
+def fingerprint(spec: dict[str, Any], layout: dict[str, Any], banks: list[dict[str, Any]],
+                version: int = VERSION) -> str:
     """What the banks were packed for: spec, slot layout, row order and bank split."""
     what = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": version,
         "spec": spec,
         "layout": layout,
         "row_order": ROW_ORDER,
@@ -53,7 +56,7 @@ def fingerprint(spec: dict[str, Any], layout: dict[str, Any], banks: list[dict[s
 @dataclass
 class Manifest:
     spec: ModelSpec
-    layout: SlotLayout
+    layout: ExpertLayout
     banks: list[Bank]
     dense: dict[str, Any]  # {"file", "sha256", "tensors": {name: {"dtype", "shape"}}}
     files: dict[str, str]  # carried side files: relative path -> sha256
@@ -89,7 +92,7 @@ class Manifest:
                 f"{where}: FTW version {shown(version)} was written by a newer ftkit ({shown(d.get('writer'))}); "
                 f"this ftkit reads version {VERSION}: upgrade ftkit, or reconvert with this one"
             )
-        if version < VERSION:
+        if version < OLDEST:
             raise FTWError(f"{where}: FTW version {version} is no longer read; reconvert with ftw-convert")
         m = _Fields(where)
         if "spec" not in d:
@@ -101,16 +104,17 @@ class Manifest:
         ex = m.object(d.get("experts"), "experts")
         lay = m.object(ex.get("layout"), "experts.layout")
         try:
-            layout = slot_layout(spec, lay.get("dtype"))
+            layout = expert_layout(spec, m.formats(lay, spec.num_moe_layers) if version > 1 else lay.get("dtype"))
         except FormatError as e:
             raise FTWError(f"{where}: expert layout: {e}") from None
-        if layout.to_dict() != lay or ex.get("row_order") != ROW_ORDER:
+        recomputed = layout.to_dict() if version > 1 else layout.layers[0].to_dict()
+        if recomputed != lay or ex.get("row_order") != ROW_ORDER:
             raise FTWError(
                 f"{where}: expert banks use a slot layout this ftkit does not produce "
                 f"(written by {shown(d.get('writer'))}); reconvert with ftw-convert"
             )
         banks = m.banks(ex.get("banks"), spec.num_expert_rows)
-        if type(d.get("fingerprint")) is not str or fingerprint(d["spec"], lay, ex["banks"]) != d["fingerprint"]:
+        if type(d.get("fingerprint")) is not str or fingerprint(d["spec"], lay, ex["banks"], version) != d["fingerprint"]:
             raise FTWError(f"{where}: manifest fingerprint mismatch (edited or corrupt); reconvert")
         m.rows(banks, spec.num_expert_rows)
         if ex.get("rows") != spec.num_expert_rows:
@@ -147,6 +151,20 @@ class _Fields:
         if not inside(value):
             self.fail(f"{what} {shown(value)} is not a file name inside the directory")
         return value
+
+    def formats(self, layout: dict[str, Any], layers: int) -> list[tuple[str, ...]]:
+        """Each MoE layer's part formats, from a v2 layout's `layers` (checked against the
+        layout recomputed from them afterwards)."""
+        value = layout.get("layers")
+        if type(value) is not list or len(value) != layers:
+            self.fail(f"experts.layout.layers is not a list of {layers} layers")
+        out = []
+        for i, lay in enumerate(value):
+            parts = self.object(lay, f"layout layer #{i}").get("parts")
+            if type(parts) is not list or len(parts) != len(EXPERT_PARTS) or not all(type(p) is dict for p in parts):
+                self.fail(f"layout layer #{i} parts is not a list of {len(EXPERT_PARTS)} objects")
+            out.append(tuple(p.get("dtype") for p in parts))
+        return out
 
     def sha(self, value: Any, what: str) -> str:
         if type(value) is not str or not _HEX64.fullmatch(value):

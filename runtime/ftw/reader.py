@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ftkit.vocab import SLOT_ALIGN, SlotLayout
+from ftkit.vocab import SLOT_ALIGN, ExpertLayout
 
 from ..checkpoint.base import CheckpointError, TensorRef, read_ref
 from ..checkpoint.jsonfile import read_object
@@ -55,7 +55,7 @@ def probe_odirect(path: Path) -> bool:
 class HostBanks:
     """The host expert pool's bytes: one uint8 buffer per bank, in row order."""
 
-    layout: SlotLayout
+    layout: ExpertLayout
     banks: list[Bank]
     buffers: list[torch.Tensor]
     pinned: bool = False
@@ -79,7 +79,7 @@ class HostBanks:
 
     def parts(self, row: int) -> dict[str, torch.Tensor]:
         slot = self.slot(row)
-        return {p.name: p.view(slot) for p in self.layout.parts}
+        return {p.name: p.view(slot) for p in self.layout.for_row(row).parts}
 
 
 class FTWModel:

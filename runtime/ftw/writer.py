@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ftkit.vocab import SLOT_ALIGN, SlotLayout, storage_dtype, stored_nbytes
+from ftkit.vocab import SLOT_ALIGN, ExpertLayout, storage_dtype, stored_nbytes
 
 from ..checkpoint.safetensors import ST_DTYPES
 from .manifest import Bank
@@ -82,9 +82,10 @@ class DenseWriter:
 
 
 class BankWriter:
-    """Writes expert slots in row order, `rows_per_bank` rows per bank file."""
+    """Writes expert slots in row order, `rows_per_bank` rows per bank file, each row's parts
+    where its layer's layout puts them."""
 
-    def __init__(self, out_dir: Path, layout: SlotLayout, rows: int, rows_per_bank: int):
+    def __init__(self, out_dir: Path, layout: ExpertLayout, rows: int, rows_per_bank: int):
         self.dir, self.layout, self.rows, self.per_bank = out_dir, layout, rows, max(1, rows_per_bank)
         self.banks: list[Bank] = []
         self.row = 0
@@ -98,7 +99,7 @@ class BankWriter:
             self.file = HashingFile(self.dir / f"experts-{len(self.banks):05d}.ftwb")
             self.first = row
         self.slot.zero_()
-        for p in self.layout.parts:
+        for p in self.layout.for_row(row).parts:
             t = parts[p.name]
             want = storage_dtype(p.dtype)
             if t.dtype != want:

@@ -9,16 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import islice
 
-from ftkit.vocab import BLOCK_FORMATS, DENSE_FORMATS, EXPERT_FORMATS
+from ftkit.vocab import BLOCK_FORMATS, DENSE_FORMATS, EXPERT_FORMATS, EXPERT_PARTS
 
 from ..checkpoint.base import CheckpointError, Source
 from ..spec import ModelSpec
 from . import Family, Mapped, config_name, resolve
 
 PER_EXPERT, STACKED = "per-expert", "stacked"
-# What experts stored in blocks a slot cannot hold become without --dtype: FTW does not keep
-# those blocks yet, so they are dequantized, to the dtype a float checkpoint's experts would be.
-DEQUANTIZED_EXPERTS = "bfloat16"
 # Dense tensors convert from these: cast as they are, and GGUF's blocks dequantized exactly.
 GGUF_DENSE_FORMATS = (*DENSE_FORMATS, *BLOCK_FORMATS)
 
@@ -41,6 +38,7 @@ class Inventory:
     unexpected: list[str] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)
     expert_dtypes: set[str] = field(default_factory=set)
+    part_formats: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # (layer, part) -> stored formats
     layouts: set[str] = field(default_factory=set)
 
     @property
@@ -55,8 +53,11 @@ class Inventory:
         out += [f"missing tensor: {m}" for m in self.missing]
         out += [f"wrong shape: {m}" for m in self.mismatched]
         out += self._dtype_problems()
-        if len(self.expert_dtypes) > 1 and not self.dequantized_experts:
-            out.append(f"experts mix dtypes {sorted(self.expert_dtypes)}; convert with --dtype to unify them")
+        # a slot layout gives each layer's part one format: its experts must agree on it
+        for (layer, part), formats in sorted(self.part_formats.items()):
+            if len(formats) > 1:
+                out.append(f"layer {layer} experts' {part} projections mix formats {sorted(formats)}; "
+                           f"convert with --dtype to unify them")
         return out
 
     def _dtype_problems(self) -> list[str]:
@@ -66,8 +67,7 @@ class Inventory:
         dense_ok = GGUF_DENSE_FORMATS if self.gguf else DENSE_FORMATS
         out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {', '.join(dense_ok)}"
                for name, _ in self.dense.values() if tensors[name].dtype not in dense_ok]
-        # GGUF experts in a block format a slot cannot hold are dequantized at conversion
-        bad = self.expert_dtypes - set(EXPERT_FORMATS) - (set(BLOCK_FORMATS) if self.gguf else set())
+        bad = self.expert_dtypes - set(EXPERT_FORMATS)
         for le in self.experts.values():
             for name in (*le.stacked.values(), *le.per.values()):
                 if tensors[name].dtype in bad:
@@ -76,18 +76,19 @@ class Inventory:
                                f"expected one of {', '.join(EXPERT_FORMATS)}")
         return out
 
-    @property
-    def dequantized_experts(self) -> list[str]:
-        """The stored expert formats that are GGUF blocks a slot cannot hold (all but q8_0):
-        conversion dequantizes every expert then, whatever mix of formats they come in."""
-        return sorted(d for d in self.expert_dtypes if d in BLOCK_FORMATS and d not in EXPERT_FORMATS)
+    def layer_formats(self, layer: int) -> tuple[str, ...]:
+        """The stored format of model layer `layer`'s gate, up and down (what its slots keep;
+        call only without problems, when each part has one)."""
+        return tuple(next(iter(self.part_formats[(layer, part)])) for part in EXPERT_PARTS)
 
-    def dequantize_note(self, dtype: str) -> str | None:
-        """The one line that says experts are dequantized to `dtype`, or None when none are."""
-        if not self.dequantized_experts:
+    def dense_note(self, dtype: str | None = None) -> str | None:
+        """The one line that says the dense tensors stored in GGUF blocks are dequantized (to
+        float32, exactly, or to `dtype`), or None where none are."""
+        blocks = sorted({self.source.tensors[name].dtype for name, _ in self.dense.values()} & set(BLOCK_FORMATS))
+        if not blocks:
             return None
-        blocks = sorted(d for d in self.expert_dtypes if d in BLOCK_FORMATS)  # q8_0 ones go along
-        return f"experts stored as {'/'.join(blocks)} are dequantized to {dtype} (FTW does not keep these blocks yet)"
+        return (f"dense tensors stored as {'/'.join(blocks)} are dequantized to {dtype or 'float32'} "
+                f"(FTW keeps dense tensors as floats)")
 
     @property
     def expert_layout(self) -> str:
@@ -138,6 +139,8 @@ def _add_expert(inv: Inventory, name: str, m: Mapped, shape: tuple[int, ...], dt
     le = inv.experts.setdefault(m.layer, LayerExperts())
     part_shapes = spec.expert_part_shapes()
     inv.expert_dtypes.add(dtype)
+    for part in (("gate", "up") if m.part == "gate_up" else (m.part,)):
+        inv.part_formats.setdefault((m.layer, part), set()).add(dtype)
     if m.expert is None:
         inv.layouts.add(STACKED)
         want = (spec.num_experts, 2 * spec.moe_intermediate_size, spec.hidden_size) if m.part == "gate_up" \

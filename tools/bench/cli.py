@@ -23,11 +23,13 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.profile import cache_dir
 from ftkit.runtime.random_model import write_random_ftw
+from ftkit.tools.convert.quant_presets import PRESETS as QUANT_PRESETS
+from ftkit.vocab import expert_layout, human_bytes
 
 from . import agent_trace, hostmem, run, soak
 from . import serve as serve_bench
 from . import sweep as sweep_bench
-from .presets import PRESETS, preset_spec
+from .presets import PRESETS, preset_spec, quant_expert_formats
 from .routing import Recorder, Replayer, RoutingOverride, Synthetic
 
 console = Console()
@@ -56,19 +58,23 @@ def write(
     layers: Annotated[int | None, typer.Option(help="keep the first N layers (fit the disk)")] = None,
     dtype: Annotated[str, typer.Option(help="expert and dense dtype: bfloat16, float16, float32 (q8_0: experts only)")] = "bfloat16",
     distinct_experts: Annotated[int, typer.Option(help="random experts drawn, then cycled")] = 64,
+    quant: Annotated[str | None, typer.Option(
+        help=f"experts in GGUF blocks, laid out as llama-quantize's preset lays them: {', '.join(QUANT_PRESETS)}"
+    )] = None,
     force: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
 ) -> None:
-    """Write a random-weight FTW at a preset's shapes."""
+    """Write a random-weight FTW at a preset's shapes (its experts quantized with --quant)."""
 
     def body() -> None:
         spec = preset_spec(preset, layers)
+        formats = quant_expert_formats(spec, quant) if quant else None
+        layout = expert_layout(spec, formats or dtype)
         with Progress("writing", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console) as bar:
-            from ftkit.vocab import slot_layout
-
-            task = bar.add_task("", total=spec.num_expert_rows * slot_layout(spec, dtype).slot_bytes)
+            task = bar.add_task("", total=spec.num_expert_rows * layout.slot_bytes)
             write_random_ftw(out, spec, dtype, force=force, distinct_experts=distinct_experts,
-                             on_bytes=lambda n: bar.advance(task, n))
-        console.print(f"wrote {out}: {spec.num_layers} layers x {spec.num_experts} experts ({preset})")
+                             on_bytes=lambda n: bar.advance(task, n), expert_formats=formats)
+        console.print(f"wrote {out}: {spec.num_layers} layers x {spec.num_experts} experts ({preset}), "
+                      f"experts {layout.describe()}, {human_bytes(spec.num_expert_rows * layout.slot_bytes)}")
 
     guarded(body)
 

@@ -3,6 +3,9 @@
 GB/s (expert bytes read / time) of the ftkit CPU kernel, of the same SwiGLU through torch matmuls,
 and of a plain parallel read of the same buffer (the DRAM ceiling), per thread count, on a working
 set of bf16 qwen3-30b-a3b experts much larger than the caches, cycled so no expert is reused warm.
+`--dtype` takes the GGUF block formats ftkit quantizes too, and `q4_k_m` (llama-quantize's mix
+for most layers: gate and up q4_k, down q6_k): the GB/s are then of the quantized bytes, as the
+kernel reads them, and GFLOP/s count the SwiGLU's 6 H I flops per token and expert.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftkit.kernels.cpu import load
+from ftkit.kernels.quantize import QUANTIZERS
 from ftkit.tools.calibrate.measure import (
     QWEN3_30B_A3B,
     Copier,
@@ -30,6 +34,9 @@ from ftkit.tools.calibrate.measure import (
     working_set,
 )
 from ftkit.tools.calibrate.sysinfo import cpu_model
+from ftkit.vocab import FLOAT_FORMATS
+
+MIXES = {"q4_k_m": ("q4_k", "q4_k", "q6_k")}  # a mix of formats by part: gate, up, down
 
 
 def main() -> None:
@@ -37,7 +44,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--gib", type=float, default=2.0, help="working set in GiB (>> L3)")
     ap.add_argument("--shape", default=",".join(map(str, QWEN3_30B_A3B)), help="H,I of one expert")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "q8_0"))
+    ap.add_argument("--dtype", default="bfloat16", choices=(*FLOAT_FORMATS, *QUANTIZERS, *MIXES))
     ap.add_argument("--tokens", type=int, default=1, help="tokens per expert (decode: 1)")
     ap.add_argument("--experts-per-call", type=int, default=8, help="experts per kernel call (a layer's CPU set)")
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement")
@@ -53,12 +60,13 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the CPU kernel cannot be built here (see the warning above)")
     hidden, inter = (int(v) for v in args.shape.split(","))
-    layout = layout_for(hidden, inter, args.dtype)
+    layout = layout_for(hidden, inter, MIXES.get(args.dtype, args.dtype))
     slots = working_set(layout, int(args.gib * 2**30))
     cycle = ExpertCycle(layout, slots, args.tokens, args.experts_per_call)
     runner = kernel.runner() if args.shared else None
     copier = _copier(args.overlap, args.gib)
     rows = []
+    flop_per_byte = 6 * hidden * inter * args.tokens / expert_bytes(layout)  # GFLOP/s per GB/s
     with console.status("measuring") as status:
         for t in (int(v) for v in args.threads.split(",")):
             status.update(f"{t} thread(s)")
@@ -79,6 +87,7 @@ def main() -> None:
         runner.close()
     result = {
         "cpu": cpu_model(), "host": platform.node(), "isa": kernel.isa, "dtype": args.dtype,
+        "formats": list(layout.formats), "gflop_per_gb": flop_per_byte,
         "shape": [hidden, inter], "expert_bytes": expert_bytes(layout), "working_set_bytes": slots.nbytes,
         "tokens": args.tokens, "experts_per_call": cycle.per_call, "rows": rows,
     }
@@ -86,12 +95,12 @@ def main() -> None:
                         f"{cycle.per_call} per call, {slots.nbytes / 2**30:.1f} GiB working set, {kernel.isa}")
     extra = [c for c in ("shared_gbps", "ftkit_overlapped_gbps", "pcie_with_ftkit_gbps", "shared_overlapped_gbps",
                          "pcie_with_shared_gbps") if c in rows[0]]
-    for col in ("threads", "ftkit GB/s", "torch GB/s", "DRAM read GB/s", "ftkit / DRAM",
+    for col in ("threads", "ftkit GB/s", "ftkit GFLOP/s", "torch GB/s", "DRAM read GB/s", "ftkit / DRAM",
                 *(c.removesuffix("_gbps").replace("_", " ") + " GB/s" for c in extra)):
         table.add_column(col, justify="right")
     for r in rows:
         torch_gbps = "-" if r["torch_gbps"] is None else f"{r['torch_gbps']:.1f}"
-        table.add_row(str(r["threads"]), f"{r['ftkit_gbps']:.1f}", torch_gbps, f"{r['dram_read_gbps']:.1f}",
+        table.add_row(str(r["threads"]), f"{r['ftkit_gbps']:.1f}", f"{r['ftkit_gbps'] * flop_per_byte:.1f}", torch_gbps, f"{r['dram_read_gbps']:.1f}",
                       f"{r['ftkit_gbps'] / r['dram_read_gbps']:.0%}", *(f"{r[c]:.1f}" for c in extra))
     console.print(table)
     if args.json:

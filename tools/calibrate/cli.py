@@ -45,7 +45,9 @@ def pick_layout(model: Path | None, slot_bytes: str | None, shape: str | None, d
     if model is not None:
         from ftkit.runtime.ftw.reader import FTWModel
 
-        return FTWModel(model, allow_stub=True).layout
+        # one layer's slots: a model whose layers differ in format is measured at its first
+        # (ft-calibrate does not measure per format yet)
+        return FTWModel(model, allow_stub=True).layout.layers[0]
     if slot_bytes is not None:
         hidden = measure.QWEN3_30B_A3B[0]
         inter = parse_bytes(slot_bytes, "--slot-bytes") // (3 * hidden * 2) // 32 * 32

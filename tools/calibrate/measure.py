@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ftkit.kernels.cpu import Kernel, Runner
+from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.experts.pool import expert_forward, expert_weights
 from ftkit.runtime.random_model import demo_spec
-from ftkit.vocab import SlotLayout, slot_layout
+from ftkit.vocab import BLOCK_FORMATS, FLOAT_FORMATS, SlotLayout, slot_layout
 
 if TYPE_CHECKING:
     from ftkit.runtime.ftw.manifest import Part
@@ -37,12 +38,11 @@ def expert_bytes(layout: SlotLayout) -> int:
 
 
 def _part_bytes(p: Part, gen: torch.Generator) -> torch.Tensor:
-    if p.dtype == "q8_0":
-        rows, blocks = p.shape[0], p.shape[1] // 32
-        scale = torch.full((rows, blocks, 1), 0.01).half().view(torch.uint8)
-        q = torch.randint(-128, 128, (rows, blocks, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
-        return torch.cat([scale, q], dim=-1).reshape(-1)
     w = torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5  # normal numbers: no denormal stalls
+    if p.dtype in BLOCK_FORMATS:
+        if p.dtype not in QUANTIZERS:
+            raise ValueError(f"no quantizer writes {p.dtype} experts here; measure a model stored in it (--model)")
+        return quantize(w, p.dtype).reshape(-1)
     return w.to(getattr(torch, p.dtype)).reshape(-1).view(torch.uint8)
 
 
@@ -142,7 +142,7 @@ class ExpertCycle:
 
     def torch_step(self) -> Callable[[], int]:
         """The same experts through torch matmuls in the stored dtype (what the runtime did)."""
-        dtype = torch.float32 if self.layout.dtype == "q8_0" else getattr(torch, self.layout.dtype)
+        dtype = getattr(torch, self.layout.dtype) if self.layout.dtype in FLOAT_FORMATS else torch.float32
         x = self.x.to(dtype)
 
         def step() -> int:

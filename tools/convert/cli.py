@@ -34,7 +34,7 @@ def plan_table(plan: Plan, out: Path) -> Table:
     t.add_row("layers", f"{spec.num_layers} ({spec.num_moe_layers} MoE), hidden {spec.hidden_size}")
     t.add_row("experts", f"{spec.num_experts} per layer, top-{spec.top_k}, FFN {spec.moe_intermediate_size}, "
                          f"stored {inv.expert_layout}")
-    t.add_row("expert dtype", f"{'/'.join(sorted(inv.expert_dtypes))} -> {plan.layout.dtype}")
+    t.add_row("expert dtype", f"{'/'.join(sorted(inv.expert_dtypes))} -> {plan.layout.describe()}")
     t.add_row("expert slot", f"{human_bytes(plan.layout.slot_bytes)} ({plan.layout.slot_bytes} bytes, 4096-aligned)")
     t.add_row("expert pool", f"{human_bytes(plan.expert_bytes)} in {plan.num_banks} bank file(s), "
                              f"{spec.num_expert_rows} rows")
@@ -66,7 +66,7 @@ def main(
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))
-        if note := plan.inventory.dequantize_note(plan.layout.dtype):
+        if note := plan.inventory.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")

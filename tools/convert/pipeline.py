@@ -20,8 +20,15 @@ from ftkit.runtime.ftw.manifest import (
     write_json_atomic,
 )
 from ftkit.runtime.ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
-from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, Inventory, take_inventory
-from ftkit.vocab import BLOCK_FORMATS, SlotLayout, slot_layout, storage_dtype, stored_nbytes
+from ftkit.runtime.models.inventory import Inventory, take_inventory
+from ftkit.vocab import (
+    BLOCK_FORMATS,
+    EXPERT_PARTS,
+    ExpertLayout,
+    expert_layout,
+    storage_dtype,
+    stored_nbytes,
+)
 
 DEFAULT_BANK_BYTES = 4 << 30
 CAST_DTYPES = ("float32", "float16", "bfloat16")
@@ -32,7 +39,7 @@ class Plan:
     inventory: Inventory
     dense: list[tuple[str, str, tuple[int, ...]]]  # (canonical, out dtype, shape), write order
     dense_bytes: int
-    layout: SlotLayout
+    layout: ExpertLayout  # each MoE layer's parts in their stored formats (GGUF blocks kept), or --dtype
     rows_per_bank: int
     side_files: list[tuple[Path, str]]
 
@@ -73,8 +80,7 @@ def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BAN
         name, _ = inv.dense[canonical]
         keep = canonical.endswith(inv.family.float32_suffixes)  # the family routes these in float32
         dense.append((canonical, _out_dtype(source.tensors[name].dtype, None if keep else dtype), shape))
-    expert_dtype = dtype or (DEQUANTIZED_EXPERTS if inv.dequantized_experts else next(iter(inv.expert_dtypes)))
-    layout = slot_layout(inv.spec, expert_dtype)
+    layout = expert_layout(inv.spec, dtype or [inv.layer_formats(layer) for layer in inv.spec.moe_layers])
     side_files = source.side_files()
     for path, rel in side_files:  # the tokenizer ft-run will load, loaded now (a bad one refused)
         if rel == TOKENIZER_JSON:
@@ -138,10 +144,11 @@ def convert(plan: Plan, out: Path, force: bool = False, on_bytes: Callable[[int]
 
 
 def _layer_experts(plan: Plan, layer: int, on_bytes: Callable[[int], None]):
-    """Yield each expert's {part: tensor in the bank dtype} for one model layer, in order."""
+    """Yield each expert's {part: tensor in its slot format} for one model layer, in order:
+    blocks as stored (raw rows), floats cast, or all cast to --dtype."""
     inv, spec = plan.inventory, plan.spec
     le = inv.experts[layer]
-    dst = plan.layout.dtype
+    dst = dict(zip(EXPERT_PARTS, plan.layout.for_layer(spec.moe_index(layer)).formats, strict=True))
     stacked: dict[str, tuple[torch.Tensor, str]] = {}
     for part, name in le.stacked.items():
         ref = inv.source.tensors[name]
@@ -163,7 +170,7 @@ def _layer_experts(plan: Plan, layer: int, on_bytes: Callable[[int], None]):
                 ref = inv.source.tensors[name]
                 t, src = inv.family.sanitize(_mapped(inv, name), inv.source.read(name), spec, inv.gguf), ref.dtype
                 on_bytes(ref.nbytes)
-            parts[part] = _cast(t, src, dst)
+            parts[part] = _cast(t, src, dst[part])
         yield parts
 
 

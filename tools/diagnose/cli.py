@@ -43,7 +43,8 @@ def render(r: dict[str, Any]) -> Group:
                              f"as {r['expert_dtype'] or '?'}")
     m = r["memory"]
     if m:
-        t.add_row("expert slot", f"{_bytes(m['expert_slot_bytes'])}, {m['expert_dtype']}")
+        t.add_row("expert slot", f"{_bytes(m['expert_slot_bytes'])}, {m['expert_dtype']} "
+                                 f"({_bytes(m['expert_data_bytes'])} of weights)")
         t.add_row("host expert pool", _bytes(m["host_expert_pool_bytes"]))
         t.add_row("dense (GPU)", f"{_bytes(m['dense_bytes'])}, {m['dtype']}")
         t.add_row("KV per 1,000 tokens", f"{_bytes(m['kv_bytes_per_1k_tokens'])}, {m['dtype']}")

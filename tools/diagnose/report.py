@@ -23,10 +23,18 @@ from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer, compile_template
 from ftkit.runtime.ftw.manifest import MANIFEST
 from ftkit.runtime.models import Family, family_for_config, located
-from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, take_inventory
+from ftkit.runtime.models.inventory import Inventory, take_inventory
 from ftkit.runtime.models.kv_size import kv_bytes_per_token
 from ftkit.runtime.spec import ModelSpec
-from ftkit.vocab import EXPERT_FORMATS, FORMATS, FormatError, slot_layout
+from ftkit.vocab import (
+    EXPERT_FORMATS,
+    EXPERT_PARTS,
+    FORMATS,
+    ExpertLayout,
+    FormatError,
+    cpu_only_note,
+    expert_layout,
+)
 
 PLAN_DTYPE = FORMATS["bfloat16"]  # the memory plan's compute dtype: dense weights and KV cache
 KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
@@ -49,6 +57,7 @@ class Diagnosis:
     spec: ModelSpec | None = None
     expert_layout: str | None = None
     expert_dtype: str | None = None
+    slots: ExpertLayout | None = None  # what the expert slots hold (an FTW's, or what ftw-convert writes)
     problems: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)  # tensors the family does not use (not a failure)
     notes: list[str] = field(default_factory=list)  # what conversion will do that the user should know
@@ -101,7 +110,9 @@ def diagnose(path: Path) -> dict[str, Any]:
     else:
         _check_checkpoint(d)
     if d.family and d.spec:
-        d.memory = d.attempt(lambda: memory_plan(d.family, d.spec, d.expert_dtype))
+        d.memory = d.attempt(lambda: memory_plan(d.family, d.spec, d.slots or expert_layout(d.spec, "bfloat16")))
+    if d.slots is not None and d.slots.blocks:
+        d.notes.append(cpu_only_note(d.slots))
     return d.to_dict()
 
 
@@ -123,23 +134,22 @@ def kv_bytes(spec: ModelSpec, tokens: int) -> int:
     return tokens * kv_bytes_per_token(spec, PLAN_DTYPE)
 
 
-def memory_plan(family: Family, spec: ModelSpec, expert_dtype: str | None) -> dict[str, Any]:
-    """Host and GPU bytes to serve the model. `min_gpu_bytes` is the smallest `--gpu-budget`
-    that `ft-run` accepts on CUDA with `--kv-tokens` KV_TOKENS and `--no-prefix-cache`: the
-    runtime's own plan (engine/memory.py) with top_k expert slots, one token's experts for the
-    layer being computed. The CUDA context and allocator slack come on top; more slots mean
-    fewer expert fetches."""
-    # what ftw-convert writes: the stored format a slot holds, else bfloat16 (blocks it dequantizes,
-    # or a mix that --dtype unifies)
-    dtype = expert_dtype if expert_dtype in EXPERT_FORMATS else DEQUANTIZED_EXPERTS
-    slot = slot_layout(spec, dtype).slot_bytes
+def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout) -> dict[str, Any]:
+    """Host and GPU bytes to serve the model with its experts in `layout`. `min_gpu_bytes` is
+    the smallest `--gpu-budget` that `ft-run` accepts on CUDA with `--kv-tokens` KV_TOKENS and
+    `--no-prefix-cache`: the runtime's own plan (engine/memory.py) with top_k expert slots, one
+    token's experts for the layer being computed. The CUDA context and allocator slack come on
+    top; more slots mean fewer expert fetches."""
+    slot = layout.slot_bytes
     dense = dense_device_bytes(family.dense_shapes(spec), PLAN_DTYPE, spec.family)
     least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=True,
                       flash=cuda_flash(spec)).with_sizes(expert_slots=spec.top_k)
     return {
         "dtype": PLAN_DTYPE.name,
-        "expert_dtype": dtype,
+        "expert_dtype": layout.describe(),
+        "expert_formats": list(layout.formats),
         "expert_slot_bytes": slot,
+        "expert_data_bytes": max(lay.data_bytes for lay in layout.layers),
         "host_expert_pool_bytes": spec.num_expert_rows * slot,
         "dense_bytes": dense,
         "kv_bytes_per_1k_tokens": kv_bytes(spec, KV_TOKENS),
@@ -180,8 +190,24 @@ def _check_checkpoint(d: Diagnosis) -> None:
     d.unexpected = inv.unexpected
     d.expert_layout = inv.expert_layout
     d.expert_dtype = "/".join(sorted(inv.expert_dtypes)) or None
-    if note := inv.dequantize_note(DEQUANTIZED_EXPERTS):
+    d.slots = _converted_layout(inv)
+    if note := inv.dense_note():
         d.notes.append(note)
+
+
+def _converted_layout(inv: Inventory) -> ExpertLayout:
+    """The slots ftw-convert writes: each layer's parts in their stored formats; a part that is
+    missing, mixes formats, or is in one a slot cannot hold at the spec's shape priced as
+    bfloat16 (`--dtype`)."""
+    shapes = inv.spec.expert_part_shapes()
+
+    def one(layer: int, part: str) -> str:
+        formats = inv.part_formats.get((layer, part), set())
+        fmt = next(iter(formats)) if len(formats) == 1 else None
+        fits = fmt in EXPERT_FORMATS and shapes[part][-1] % FORMATS[fmt].block == 0
+        return fmt if fits else "bfloat16"
+
+    return expert_layout(inv.spec, [tuple(one(layer, p) for p in EXPERT_PARTS) for layer in inv.spec.moe_layers])
 
 
 def _read_config(d: Diagnosis, root: Path) -> None:
@@ -228,7 +254,8 @@ def _check_ftw(d: Diagnosis) -> None:
     model = d.attempt(lambda: FTWModel(d.path, allow_stub=True))
     if model is None:
         return
-    d.spec, d.header_only, d.expert_dtype = model.spec, model.header_only, model.layout.dtype
+    d.spec, d.header_only, d.expert_dtype = model.spec, model.header_only, model.layout.describe()
+    d.slots = model.layout
     d.files, d.tensors = len(model.manifest.banks) + 1, len(model.dense_refs)
     d.family = d.attempt(lambda: stored_family(model))
     if d.family is None:
