@@ -122,7 +122,7 @@ _GGUF_NAMES = [(r"embed\.weight", "token_embd.weight"), (r"final_norm\.weight", 
 SOURCE_FAMILIES = ("qwen3_moe",)  # the families these writers lay out (the demo's)
 
 
-def _stored(name: str, table: list[tuple[str, str]]) -> str:
+def _source_name(name: str, table: list[tuple[str, str]]) -> str:
     for pattern, template in table:
         if re.fullmatch(pattern, name):
             return re.sub(pattern, template, name)
@@ -166,7 +166,7 @@ def write_random_hf(out: Path, spec: ModelSpec, seed: int = 0, side_files: Calla
     from safetensors.torch import save_file
 
     dense, experts = _weights(spec, seed)
-    tensors = {_stored(n, _HF_NAMES): t for n, t in dense.items()}
+    tensors = {_source_name(n, _HF_NAMES): t for n, t in dense.items()}
     for layer, parts in experts.items():
         for part, stacked in parts.items():
             for e in range(spec.num_experts):
@@ -201,7 +201,7 @@ def write_random_gguf(out: Path, spec: ModelSpec, seed: int = 0, force: bool = F
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", spec.rope_theta)
     for name, t in dense.items():
-        w.add_tensor(_stored(name, _GGUF_NAMES), t.numpy())
+        w.add_tensor(_source_name(name, _GGUF_NAMES), t.numpy())
     for layer, parts in experts.items():
         for part, stacked in parts.items():
             w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", stacked.numpy())
