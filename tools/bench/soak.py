@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -253,13 +254,15 @@ def soak(url: str, key: str | None, plan: Plan, pid: int | None = None, say: Cal
 
     def maybe_rebuild(completed: int) -> None:
         """Half the start-up expert cache, then the start-up size again, and so on."""
-        if plan.rebuild_every and completed % plan.rebuild_every == 0:
+        if plan.rebuild_every and start and completed % plan.rebuild_every == 0:  # start 0: no cache to resize
             experts = max(1, start // 2) if completed // plan.rebuild_every % 2 else start
             try:
                 call(url, "POST", "/v1/cache/rebuild", key, {"experts": experts})
                 tally.add("rebuilds applied")
             except ValueError as e:  # an HTTP error: a refused rebuild is a 409 (reported), a 5xx a failure
-                tally.add("rebuilds refused" if "HTTP 409" in str(e) else "5xx", str(e))
+                status = re.search(r"HTTP (\d{3})", str(e))
+                kind = "5xx" if status is None or status[1] >= "500" else "rebuilds refused" if status[1] == "409" else "4xx"
+                tally.add(kind, str(e))
 
     sessions = [Session(i, "openai" if i % 2 == 0 else "anthropic", clients, model, context, plan, tally,
                         maybe_rebuild) for i in range(plan.sessions)]
