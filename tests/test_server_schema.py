@@ -4,7 +4,7 @@ and no dropped connection, and every body it calls invalid gets a 4xx.
 
 The generated run is seeded and bounded (FTKIT_SCHEMA_EXAMPLES per operation and mode, 10 in
 CI); the model is a one-layer one with a 128-token context, so that what a generated request
-may ask to generate stays short. A long run (docs/api.md):
+may ask to generate stays short. A long run (its figures: docs/benchmarks.md):
     FTKIT_SCHEMA_EXAMPLES=200 python -m pytest -q tests/test_server_schema.py -k generated -s
 """
 
