@@ -95,8 +95,12 @@ def storage_dtype(fmt: str) -> torch.dtype:
     return getattr(torch, fmt) if format_of(fmt).plain else torch.uint8
 
 
-# Expert slot parts, in slot order. `gate` and `up` are [I, H]; `down` is [H, I].
+# Expert slot parts, in slot order. `gate` and `up` are [I, H]; `down` is [H, I]. Experts with
+# biases (gpt-oss) add the BIAS_PARTS after them: `gate_bias`, `up_bias` [I], `down_bias` [H],
+# float32 whatever the slot's dtype (a q8_0 block needs rows of 32; they are a few KB a slot).
 EXPERT_PARTS = ("gate", "up", "down")
+BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
+BIAS_DTYPE = "float32"
 SLOT_ALIGN = 4096  # one slot = one DMA = one O_DIRECT read
 PART_ALIGN = 64  # each part starts on a cache line, so kernels can load it with full-width vectors
 
@@ -120,18 +124,34 @@ class Part:
 
 
 @dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation in place of silu(g) * u: g = min(g, limit), u clamped to
+    [-limit, limit], then (u + 1) * g * sigmoid(alpha * g) (transformers' GptOssExperts)."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True)
 class SlotLayout:
-    """How one (layer, expert) is laid out in its slot: gate, up, down, padded to SLOT_ALIGN."""
+    """How one (layer, expert) is laid out in its slot and what its kernels compute from it:
+    gate, up, down (and their biases, where the experts have them), padded to SLOT_ALIGN;
+    `activation` None is SwiGLU, silu(gate x) * (up x)."""
 
     dtype: str
     parts: tuple[Part, ...]
     slot_bytes: int
+    activation: ClampedSwiGLU | None = None
 
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
 
+    @property
+    def biased(self) -> bool:
+        return len(self.parts) > len(EXPERT_PARTS)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "dtype": self.dtype,
             "alignment": SLOT_ALIGN,
             "slot_bytes": self.slot_bytes,
@@ -140,23 +160,31 @@ class SlotLayout:
                 for p in self.parts
             ],
         }
+        if self.activation is not None:  # absent for SwiGLU: earlier manifests stay what they were
+            out["activation"] = {"kind": "clamped_swiglu", "alpha": self.activation.alpha,
+                                 "limit": self.activation.limit}
+        return out
 
 
 class HasExpertShapes(Protocol):
     def expert_part_shapes(self) -> dict[str, tuple[int, ...]]: ...
 
+    def expert_activation(self) -> ClampedSwiGLU | None: ...
+
 
 def slot_layout(spec: HasExpertShapes, dtype: str) -> SlotLayout:
-    """The one slot layout for `spec`'s experts stored in `dtype`."""
+    """The one slot layout for `spec`'s experts stored in `dtype`: EXPERT_PARTS, then the
+    BIAS_PARTS where `expert_part_shapes` names them."""
     if dtype not in EXPERT_FORMATS:
         raise FormatError(f"expert dtype {dtype} is not one of {', '.join(EXPERT_FORMATS)}")
     parts, off = [], 0
     shapes = spec.expert_part_shapes()
-    for name in EXPERT_PARTS:
-        n = stored_nbytes(dtype, shapes[name])
-        parts.append(Part(name, dtype, shapes[name], off, n))
+    for name in (*EXPERT_PARTS, *(b for b in BIAS_PARTS if b in shapes)):
+        fmt = BIAS_DTYPE if name in BIAS_PARTS else dtype
+        n = stored_nbytes(fmt, shapes[name])
+        parts.append(Part(name, fmt, shapes[name], off, n))
         off = align_up(off + n, PART_ALIGN)
-    return SlotLayout(dtype, tuple(parts), align_up(off, SLOT_ALIGN))
+    return SlotLayout(dtype, tuple(parts), align_up(off, SLOT_ALIGN), spec.expert_activation())
 
 
 # Where routed experts run (docs/architecture.md, "Strategies"): all on the device, missing ones

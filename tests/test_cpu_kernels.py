@@ -53,8 +53,8 @@ def make_slots(dtype: str, h: int, i: int, n: int, seed: int) -> tuple[SlotLayou
 
 
 def reference(layout, slot, x, w, idx, k):
-    g, u, d = expert_weights(layout, slot, torch.float64)
-    return expert_forward(x.double()[idx // k], g, u, d) * w.double()[idx, None]
+    weights = expert_weights(layout, slot, torch.float64)
+    return expert_forward(x.double()[idx // k], weights, layout.activation) * w.double()[idx, None]
 
 
 def test_matches_float64_reference_and_writes_every_element():

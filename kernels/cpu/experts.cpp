@@ -1,4 +1,5 @@
-// CPU expert kernels: gate-weighted SwiGLU experts read straight from host-pool slots.
+// CPU expert kernels: gate-weighted SwiGLU experts read straight from host-pool slots (with
+// gpt-oss's biases and clamped SwiGLU where the slot layout has them).
 //
 // Built by ftkit.kernels.cpu with -O3 -march=native -fopenmp -ffp-contract=off and called through
 // ctypes (plain C ABI, raw pointers, GIL released). Decode is memory-bound: each weight byte is
@@ -296,7 +297,9 @@ void dot_n(int tb, const uint8_t* const* rows, int n, const float* const* xs, fl
 
 struct Call {
   int H, I;
-  const int64_t* part_off;  // byte offsets of gate [I,H], up [I,H], down [H,I] within a slot
+  // byte offsets within a slot of gate [I,H], up [I,H], down [H,I], then of the float32 biases
+  // of gate [I], up [I], down [H], or -1 where the experts have none
+  const int64_t* part_off;
   int n;                    // experts in this call
   const uint8_t* const* slots;
   const int64_t* start;    // [n + 1]: expert e owns assignments start[e] .. start[e+1]
@@ -308,7 +311,22 @@ struct Call {
   int threads;
   int64_t* claim;          // null: run every expert; else the split shared with the GPU (`take`)
   Team* team = nullptr;    // the threads to run on (the graph-decode worker's); null: OpenMP's
+  const float* clamp = nullptr;  // null: silu(g) * u; else {alpha, limit} of gpt-oss's clamped SwiGLU
 };
+
+// Part `p` of a slot as float32 biases, or null where the layout has none.
+inline const float* bias(const Call& c, long e, int p) {
+  return c.part_off[p] < 0 ? nullptr : (const float*)(c.slots[e] + c.part_off[p]);
+}
+
+// The activation of gate and up pre-activations g and u (transformers' order of operations).
+inline float activate(const float* clamp, float g, float u) {
+  if (!clamp) return g / (1.0f + std::exp(-g)) * u;
+  const float alpha = clamp[0], limit = clamp[1];
+  g = std::min(g, limit);
+  u = std::max(-limit, std::min(u, limit));
+  return (u + 1.0f) * (g / (1.0f + std::exp(-g * alpha)));
+}
 
 // A split of experts 0..n-1 shared by two branches while they run: the GPU's side takes fills
 // from the front (the most-used experts first), the CPU takes experts from the back, one at a
@@ -346,13 +364,15 @@ void token_blocks(const Call& c, long e, F f) {
   }
 }
 
-// h[a] = silu(gate x) * (up x) for expert e's assignments a, rows i0..i1-1 of gate and up.
+// h[a] = act(gate x + gate_bias, up x + up_bias) for expert e's assignments a, rows i0..i1-1 of
+// gate and up (act: `activate`; the biases where the layout has them).
 template <class L>
 void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const int H = c.H, I = c.I;
   const size_t rb = L::row_bytes(H);
   const uint8_t* gate = c.slots[e] + c.part_off[0];
   const uint8_t* up = c.slots[e] + c.part_off[1];
+  const float *gb = bias(c, e, 3), *ub = bias(c, e, 4);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* xs[TBMAX];
     for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
@@ -360,17 +380,20 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
       const uint8_t* rows[2] = {gate + i * rb, up + i * rb};
       float s[2][TBMAX];
       dot_n<L, 2>(tb, rows, H, xs, s);
-      for (int t = 0; t < tb; ++t) h[size_t(a0 + t) * I + i] = s[0][t] / (1.0f + std::exp(-s[0][t])) * s[1][t];
+      if (gb)
+        for (int t = 0; t < tb; ++t) s[0][t] += gb[i], s[1][t] += ub[i];
+      for (int t = 0; t < tb; ++t) h[size_t(a0 + t) * I + i] = activate(c.clamp, s[0][t], s[1][t]);
     }
   });
 }
 
-// out[out_row[a]][j0..j1-1] = weight[a] * (down h[a]) for expert e's assignments a.
+// out[out_row[a]][j0..j1-1] = weight[a] * (down h[a] + down_bias) for expert e's assignments a.
 template <class L>
 void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   const int H = c.H, I = c.I;
   const size_t rb = L::row_bytes(I);
   const uint8_t* down = c.slots[e] + c.part_off[2];
+  const float* db = bias(c, e, 5);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* hs[TBMAX];
     for (int t = 0; t < tb; ++t) hs[t] = h + size_t(a0 + t) * I;
@@ -382,7 +405,7 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
       else dot_n<L, 1>(tb, rows, I, hs, s);
       for (int t = 0; t < tb; ++t) {
         float* o = c.out + size_t(c.out_row[a0 + t]) * H;
-        for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * s[q][t];
+        for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * (db ? s[q][t] + db[j + q] : s[q][t]);
       }
     }
   });
@@ -494,7 +517,9 @@ int dispatch(int dtype, const Call& c) {
 // one expert (several tokens routed to it) are run as one expert, its weights read once.
 struct Worker {
   int dtype, H, I, items, tokens, k, threads;
-  int64_t part_off[3];
+  int64_t part_off[6];
+  float clamp[2];
+  bool clamped;
   std::vector<const uint8_t*> row_ptr;  // host address of every expert row
   volatile int32_t* bell;
   volatile int32_t* done;
@@ -547,7 +572,7 @@ struct Worker {
       }
       start[n] = m;
       const Call c{H, I, part_off, n, slots.data(), start.data(), tok.data(), w.data(), row.data(), x, out,
-                   threads, nullptr, &team};
+                   threads, nullptr, &team, clamped ? clamp : nullptr};
       dispatch(dtype, c);
       const auto t1 = std::chrono::steady_clock::now();
       if (n > 0) {
@@ -623,13 +648,16 @@ struct Runner {
 
 extern "C" {
 
+// part_off: 6 offsets (see Call); clamp: null, or {alpha, limit} (copied).
 void* ftk_worker_start(int dtype, int H, int I, const int64_t* part_off, int64_t rows, const int64_t* row_ptr,
                        int items, int tokens, int k, int32_t* bell, int32_t* done, const float* payload, float* out,
-                       int64_t* busy_ns, int threads) {
+                       int64_t* busy_ns, int threads, const float* clamp) {
   auto* w = new Worker();
   w->dtype = dtype, w->H = H, w->I = I, w->items = items, w->tokens = tokens, w->k = k;
   w->threads = std::max(1, threads);
-  std::copy(part_off, part_off + 3, w->part_off);
+  std::copy(part_off, part_off + 6, w->part_off);
+  w->clamped = clamp != nullptr;
+  if (clamp) std::copy(clamp, clamp + 2, w->clamp);
   w->row_ptr.assign((const uint8_t* const*)row_ptr, (const uint8_t* const*)row_ptr + rows);
   w->bell = bell, w->done = done, w->payload = payload, w->out = out, w->busy_ns = busy_ns;
   w->thread = std::thread([w] { w->loop(); });
@@ -646,13 +674,14 @@ void ftk_worker_stop(void* handle) {
 const char* ftk_isa() { return ISA; }
 
 // out[out_row[a]] = weight[a] * down(silu(gate x[tok[a]]) * up x[tok[a]]) for every assignment a
-// of every expert; rows of out that no assignment names are left untouched. Returns 0, or -1 for
-// an unknown dtype.
+// of every expert (with the biases part_off[3..5] names and, `clamp` not null, the clamped
+// SwiGLU: see Call); rows of out that no assignment names are left untouched. Returns 0, or -1
+// for an unknown dtype.
 int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const uint8_t* const* slots,
                 const int64_t* start, const int64_t* tok, const float* weight, const int64_t* out_row,
-                const float* x, float* out, int threads) {
+                const float* x, float* out, int threads, const float* clamp) {
   return dispatch(dtype, Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads),
-                              nullptr});
+                              nullptr, nullptr, clamp});
 }
 
 // The GPU side's turn at a shared split (see `take`): the next expert to fill, or -1 once the
@@ -672,12 +701,13 @@ void* ftk_runner_start() {
 // written, so a GPU can wait for them with no host thread in between.
 void ftk_runner_submit(void* handle, int dtype, int H, int I, const int64_t* part_off, int n,
                        const uint8_t* const* slots, const int64_t* start, const int64_t* tok, const float* weight,
-                       const int64_t* out_row, const float* x, float* out, int threads, int64_t* claim,
-                       int32_t* done, int32_t done_value) {
+                       const int64_t* out_row, const float* x, float* out, int threads, const float* clamp,
+                       int64_t* claim, int32_t* done, int32_t done_value) {
   auto* r = static_cast<Runner*>(handle);
   r->dtype = dtype;
   r->done = done, r->done_value = done_value;
-  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim};
+  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim,
+                 nullptr, clamp};
   r->busy.store(true);
   r->pending.store(true, std::memory_order_release);
   r->wake();

@@ -70,6 +70,8 @@ MAX_BATCH = 8
 
 def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
     """Why this model cannot decode through graphs here, or None."""
+    if reason := decoder.graphs_unsupported():
+        return reason
     if decoder.rope.dynamic:
         return "dynamic NTK rope changes with the sequence length"
     if store.stats.trace:

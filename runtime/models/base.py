@@ -48,7 +48,10 @@ class Mapped:
     canonical: str | None = None  # dense tensors
     layer: int | None = None  # model layer, for expert tensors
     expert: int | None = None  # None: stacked over all experts of the layer
-    part: str | None = None  # gate | up | down | gate_up (stacked gate rows then up rows)
+    # gate | up | down | gate_up (stacked gate rows then up rows), or the biases of those:
+    # gate_bias | up_bias | down_bias | gate_up_bias
+    part: str | None = None
+    transposed: bool = False  # stored [in, out] (for x @ W, gpt-oss), not torch's [out, in]
 
 
 Rule = tuple[re.Pattern[str], str]

@@ -75,6 +75,11 @@ class MoEDecoder:
         self.last_routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.snapshots: dict[int, CacheSnapshot] = {}  # the last forward's `snapshot_at` snapshots
 
+    def graphs_unsupported(self) -> str | None:
+        """Why this family's forward cannot run through the engine's CUDA graphs and fused
+        kernels (one line), or None."""
+        return None
+
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 

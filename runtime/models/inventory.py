@@ -16,6 +16,9 @@ from ..spec import ModelSpec
 from . import Family, Mapped, config_name, resolve
 
 PER_EXPERT, STACKED = "per-expert", "stacked"
+# Stacked tensors that hold two slot parts: gate's rows, then up's (their biases alike).
+FUSED_INTO = {"gate": "gate_up", "up": "gate_up", "gate_bias": "gate_up_bias", "up_bias": "gate_up_bias"}
+FUSED_FROM = {"gate_up": "gate", "gate_up_bias": "gate_bias"}  # a fused tensor's first part
 # What experts stored in blocks a slot cannot hold become without --dtype: FTW does not keep
 # those blocks yet, so they are dequantized, to the dtype a float checkpoint's experts would be.
 DEQUANTIZED_EXPERTS = "bfloat16"
@@ -66,8 +69,8 @@ class Inventory:
         dense_ok = GGUF_DENSE_FORMATS if self.gguf else DENSE_FORMATS
         out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {', '.join(dense_ok)}"
                for name, _ in self.dense.values() if tensors[name].dtype not in dense_ok]
-        # GGUF experts in a block format a slot cannot hold are dequantized at conversion
-        bad = self.expert_dtypes - set(EXPERT_FORMATS) - (set(BLOCK_FORMATS) if self.gguf else set())
+        # experts in a block format a slot cannot hold (GGUF's, HF's MXFP4) are dequantized at conversion
+        bad = self.expert_dtypes - set(EXPERT_FORMATS) - set(BLOCK_FORMATS)
         for le in self.experts.values():
             for name in (*le.stacked.values(), *le.per.values()):
                 if tensors[name].dtype in bad:
@@ -137,19 +140,28 @@ def _add_expert(inv: Inventory, name: str, m: Mapped, shape: tuple[int, ...], dt
     spec = inv.spec
     le = inv.experts.setdefault(m.layer, LayerExperts())
     part_shapes = spec.expert_part_shapes()
-    inv.expert_dtypes.add(dtype)
+    if not m.part.endswith("_bias"):  # biases are kept float32 in every slot (ftkit.vocab.BIAS_DTYPE)
+        inv.expert_dtypes.add(dtype)
     if m.expert is None:
         inv.layouts.add(STACKED)
-        want = (spec.num_experts, 2 * spec.moe_intermediate_size, spec.hidden_size) if m.part == "gate_up" \
-            else (spec.num_experts, *part_shapes[m.part])
+        one = part_shapes.get(FUSED_FROM.get(m.part, m.part))  # a gate_up tensor: gate's rows, then up's
+        if one is not None:
+            want = (spec.num_experts, 2 * one[0], *one[1:]) if m.part in FUSED_FROM else (spec.num_experts, *one)
+            if m.transposed:
+                want = (*want[:-2], want[-1], want[-2])
         le.stacked[m.part] = name
     else:
         inv.layouts.add(PER_EXPERT)
-        want = part_shapes[m.part]
+        one = want = part_shapes.get(m.part)
         if m.expert >= spec.num_experts:
             inv.unexpected.append(name)
             return
         le.per[(m.expert, m.part)] = name
+    if one is None:  # a part these experts do not have (a bias where they have none)
+        inv.unexpected.append(name)
+        le.stacked.pop(m.part, None)
+        le.per.pop((m.expert, m.part), None)
+        return
     if tuple(shape) != want:
         inv.mismatched.append(f"{name} is {list(shape)}, expected {list(want)}")
 
@@ -157,8 +169,8 @@ def _add_expert(inv: Inventory, name: str, m: Mapped, shape: tuple[int, ...], dt
 def _check_layer(inv: Inventory, layer: int, unreadable: set[str]) -> None:
     le = inv.experts.get(layer, LayerExperts())
     have = set(le.stacked) | unreadable
-    for part in ("gate", "up", "down"):
-        if part in have or (part != "down" and "gate_up" in have):
+    for part in inv.spec.expert_part_shapes():
+        if part in have or FUSED_INTO.get(part) in have:
             continue
         present = sum((e, part) in le.per for e in {e for e, _ in le.per})
         if present == 0:

@@ -1,0 +1,157 @@
+"""gpt-oss (OpenAI's open-weight MoE): attention with q/k/v/o biases and a learned sink logit per
+head in the softmax denominator, sliding-window layers alternating with full ones (`layer_types`),
+YaRN rope; a router with a bias whose top-k logits are softmaxed; experts with biases and a
+clamped SwiGLU (transformers' GptOssExperts; ftkit.vocab.ClampedSwiGLU).
+
+HF checkpoints store each layer's experts stacked and transposed for x @ W: `gate_up_proj`
+[E, H, 2I] with gate and up interleaved along the last dimension (gate the even columns),
+`gate_up_proj_bias` [E, 2I] interleaved alike, `down_proj` [E, I, H], `down_proj_bias` [E, H].
+The released checkpoints hold the expert matrices as MXFP4 instead (`*_blocks`, `*_scales`,
+[out, in]); the safetensors source pairs those into one mxfp4 tensor (checkpoint/safetensors.py),
+which conversion dequantizes. Sliding-window layers keep every K/V row (the window is a mask), so
+a prefix reused from the cache restores exactly what a fresh prefill would have.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from ..spec import FULL_ATTENTION, MAX_POSITIONS, SLIDING_ATTENTION, ModelSpec, SpecError
+from .base import HF_RULES, Family, Mapped, apply_rules, layer_count, llama_dense_shapes, moe_spec, rules, text_config
+from .config import count, number, section
+from .decoder import KVAttend, MoEDecoder
+from .kv import KVCache
+
+HF_GPT_OSS_RULES = rules(
+    (r"model\.layers\.(\d+)\.self_attn\.sinks", "layers.{1}.attn.sinks"),
+    (r"model\.layers\.(\d+)\.mlp\.router\.(weight|bias)", "layers.{1}.router.{2}"),
+) + HF_RULES
+# the stacked experts: gate_up or down; their biases, the bf16 matrices ([in, out]) or MXFP4 blocks
+EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_bias|_blocks)?")
+# transformers' GptOssConfig defaults, for the keys a config may leave out
+DEFAULT_THETA = 150000.0
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+SCORES_PER_BLOCK = 1 << 24  # attention scores materialised at once (queries are taken in blocks)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int | None,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention whose softmax also counts one sink logit per head: q [T, H, D] at
+    positions offset..offset+T over k, v [S, KvH, D] (positions 0..S); `window`: keys within the
+    last `window` positions only. transformers' eager gpt-oss attention, op for op (scores in the
+    activations' dtype, the max subtracted, the sink's column dropped after the softmax); queries
+    run in blocks so the scores stay SCORES_PER_BLOCK at most."""
+    t, heads, d = q.shape
+    s, kv_heads = k.shape[0], k.shape[1]
+    rep = heads // kv_heads
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KvH, S, D]
+    k_pos = torch.arange(s, device=q.device)[None]
+    out = torch.empty_like(q)
+    block = max(1, SCORES_PER_BLOCK // (heads * s))
+    for a in range(0, t, block):
+        b = min(t, a + block)
+        # the query heads of one kv head together: [KvH, rep * Tb, D], no repeated K/V
+        qg = q[a:b].transpose(0, 1).reshape(kv_heads, rep * (b - a), d)
+        scores = (qg @ kh.transpose(1, 2)).view(heads, b - a, s) * d**-0.5
+        q_pos = torch.arange(offset + a, offset + b, device=q.device)[:, None]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        scores = scores + torch.where(visible, 0.0, torch.finfo(scores.dtype).min).to(scores.dtype)
+        logits = torch.cat([scores, sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, b - a, 1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+        pg = probs.reshape(kv_heads, rep * (b - a), s)
+        out[a:b] = (pg @ vh).view(heads, b - a, d).transpose(0, 1)
+    return out
+
+
+class GptOssDecoder(MoEDecoder):
+    def graphs_unsupported(self) -> str | None:
+        return "attention sinks are not in the graph kernels"
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        # transformers keeps these weights float32 and multiplies before the cast back
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return (self.w[name] * h).to(x.dtype)
+
+    def cached(self, cache: KVCache) -> KVAttend:
+        def kv(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            offset = cache.length
+            return sink_attention(q, *cache.append(i, k, v), offset, self.window(i), self.w[f"layers.{i}.attn.sinks"])
+        return kv
+
+    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k of the biased router logits, softmaxed over those k (in the logits' dtype)."""
+        p = f"layers.{i}.router."
+        logits = torch.nn.functional.linear(x, self.w[p + "weight"], self.w[p + "bias"])
+        top, ids = torch.topk(logits, self.spec.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
+
+
+class GptOss(Family):
+    name = "gpt_oss"
+    architectures = ("GptOssForCausalLM",)
+    hf_rules = HF_GPT_OSS_RULES
+    decoder_class = GptOssDecoder
+    float32_suffixes = ("_norm.weight",)  # transformers' _keep_in_fp32_modules: every RMSNorm
+
+    def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
+        cfg = dict(text_config(cfg))
+        layers = layer_count(cfg)
+        if not section(cfg, "rope_parameters") and not section(cfg, "rope_scaling"):
+            cfg["rope_parameters"] = DEFAULT_ROPE
+        if cfg.get("rope_theta") is None and section(cfg, "rope_parameters").get("rope_theta") is None:
+            cfg["rope_theta"] = DEFAULT_THETA
+        if cfg.get("layer_types") is None:  # transformers' default: even layers slide
+            cfg["layer_types"] = [SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(layers)]
+        for key, value in (("head_dim", 64), ("rms_norm_eps", 1e-5)):
+            if cfg.get(key) is None:
+                cfg[key] = value
+        return moe_spec(
+            self, cfg, "intermediate_size", dense_ffn=False,
+            attention_bias=True, attention_out_bias=True, expert_bias=True,
+            swiglu_alpha=number(cfg, "swiglu_alpha", 1.702, 0.0, 1e30, open_lo=True),
+            swiglu_limit=number(cfg, "swiglu_limit", 7.0, 0.0, 1e30, open_lo=True),
+            sliding_window=count(cfg, "sliding_window", 128, lo=1, hi=MAX_POSITIONS),
+        )
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        """The forward pass needs the biases, sinks and clamped experts a gpt-oss spec says it has."""
+        super().check_spec(spec)
+        if not (spec.attention_bias and spec.attention_out_bias and spec.expert_bias) or spec.swiglu_limit is None:
+            raise SpecError("gpt-oss: the spec lacks the attention or expert biases or the clamped SwiGLU")
+
+    def map_name(self, name: str, gguf: bool) -> Mapped | None:
+        m = None if gguf else EXPERTS.fullmatch(name)
+        if m is None:
+            return apply_rules(name, self.gguf_rules if gguf else self.hf_rules)
+        layer, part, suffix = int(m[1]), m[2], m[3]
+        if suffix == "_bias":
+            return Mapped(layer=layer, part=part + "_bias")
+        return Mapped(layer=layer, part=part, transposed=suffix is None)  # MXFP4 blocks are [out, in]
+
+    def sanitize(self, mapped: Mapped, tensor: torch.Tensor, spec: ModelSpec, gguf: bool) -> torch.Tensor:
+        """gate/up interleaved (gate first of each pair) -> every gate row, then every up row; on
+        raw MXFP4 rows too (rows are whole blocks)."""
+        if mapped.part not in ("gate_up", "gate_up_bias"):
+            return tensor
+        dim = -1 if mapped.transposed or mapped.part == "gate_up_bias" else -2
+        n = tensor.shape[dim]
+        return tensor.index_select(dim, torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)]))
+
+    def dense_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+        out = llama_dense_shapes(spec)
+        for i in range(spec.num_layers):
+            out[f"layers.{i}.attn.sinks"] = (spec.num_heads,)
+            if spec.is_moe(i):
+                out[f"layers.{i}.router.bias"] = (spec.num_experts,)
+        return out
+
+
+FAMILY = GptOss()
