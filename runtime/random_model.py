@@ -67,7 +67,7 @@ def write_random_ftw(
         cycle: list[dict[str, torch.Tensor]] = []
         for row in range(spec.num_expert_rows):
             if distinct_experts is None or len(cycle) < distinct_experts:
-                parts = {p.name: _random(p.name, p.shape, gen).to(tdt) for p in layout.parts}
+                parts = {p.name: _random(p.name, p.shape, gen).to(storage_dtype(p.dtype)) for p in layout.parts}
                 if distinct_experts is not None:
                     cycle.append(parts)
             else:

@@ -26,6 +26,7 @@ import fixtures as fx
 from ftkit.kernels.dequant import dequantize, mxfp4_rows_from_hf
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.memory import longest_request, prefill_workspace_bytes
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.models.inventory import take_inventory
@@ -223,6 +224,11 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
         assert m["kv_bytes_per_1k_tokens"] == 1000 * kv_bytes_per_token(spec, torch.bfloat16) == 1000 * 2 * 2 * 2 * 16 * 2
         assert m["expert_slot_bytes"] == slot_layout(spec, m["expert_dtype"]).slot_bytes
         assert m["host_expert_pool_bytes"] == spec.num_expert_rows * m["expert_slot_bytes"]
+        # no graph K/V (gpt-oss decodes eagerly); sink attention's score blocks in the workspace
+        assert not any(label.startswith("graph") for label in m["min_gpu_terms"])
+        context = longest_request(spec, 1000)  # the tiny model's 512 positions
+        want = prefill_workspace_bytes(spec, context, torch.bfloat16)
+        assert m["min_gpu_terms"]["prefill workspace"] == want > 5 * 4 * context * (context + 1) * 2
     kv = KVCache(spec, 10)
     assert set(kv.k) == {0, 1} and kv.k[0].shape == (10, 2, 16)
 

@@ -70,7 +70,7 @@ MAX_BATCH = 8
 
 def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
     """Why this model cannot decode through graphs here, or None."""
-    if reason := decoder.graphs_unsupported():
+    if reason := type(decoder).graphs_unsupported(decoder.spec):
         return reason
     if decoder.rope.dynamic:
         return "dynamic NTK rope changes with the sequence length"

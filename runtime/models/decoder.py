@@ -75,10 +75,22 @@ class MoEDecoder:
         self.last_routing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.snapshots: dict[int, CacheSnapshot] = {}  # the last forward's `snapshot_at` snapshots
 
-    def graphs_unsupported(self) -> str | None:
+    @classmethod
+    def graphs_unsupported(cls, spec: ModelSpec) -> str | None:
         """Why this family's forward cannot run through the engine's CUDA graphs and fused
-        kernels (one line), or None."""
+        kernels (one line), or None; the memory plans reserve no graph K/V then."""
         return None
+
+    @classmethod
+    def attention_workspace(cls, spec: ModelSpec, t: int, context: int, itemsize: int, flash: bool) -> int:
+        """Transient bytes of `attention` for a piece of t queries behind `context` keys (a GPU
+        prefill's, engine/memory.py): the projections and the output, with flash its float32
+        log-sum-exp; without, the float mask, the boolean mask and its negation and the K/V heads
+        repeated to the query heads for SDPA's memory-efficient kernel (models/layers.py)."""
+        qkv = t * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * itemsize
+        if flash:
+            return qkv + t * spec.num_heads * 4
+        return t * context * (itemsize + 2) + 2 * context * spec.num_heads * spec.head_dim * itemsize + qkv
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))

@@ -20,7 +20,17 @@ from typing import Any
 import torch
 
 from ..spec import FULL_ATTENTION, MAX_POSITIONS, SLIDING_ATTENTION, ModelSpec, SpecError
-from .base import HF_RULES, Family, Mapped, apply_rules, layer_count, llama_dense_shapes, moe_spec, rules, text_config
+from .base import (
+    HF_RULES,
+    Family,
+    Mapped,
+    apply_rules,
+    layer_count,
+    llama_dense_shapes,
+    moe_spec,
+    rules,
+    text_config,
+)
 from .config import count, number, section
 from .decoder import KVAttend, MoEDecoder
 from .kv import KVCache
@@ -71,8 +81,19 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: in
 
 
 class GptOssDecoder(MoEDecoder):
-    def graphs_unsupported(self) -> str | None:
+    @classmethod
+    def graphs_unsupported(cls, spec: ModelSpec) -> str | None:
         return "attention sinks are not in the graph kernels"
+
+    @classmethod
+    def attention_workspace(cls, spec: ModelSpec, t: int, context: int, itemsize: int, flash: bool) -> int:
+        """sink_attention's: the projections and the output, and per query block its scores, the
+        logits with the sink column, those less their maximum, the softmax and its cast, and
+        the masks."""
+        qkv = t * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * itemsize
+        block = max(1, min(t, SCORES_PER_BLOCK // (spec.num_heads * context)))
+        scores = spec.num_heads * block * (context + 1)
+        return qkv + 5 * scores * itemsize + block * context * (itemsize + 1)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # transformers keeps these weights float32 and multiplies before the cast back

@@ -20,7 +20,12 @@ from ftkit.runtime.ftw.manifest import (
     write_json_atomic,
 )
 from ftkit.runtime.ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
-from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, FUSED_FROM, Inventory, take_inventory
+from ftkit.runtime.models.inventory import (
+    DEQUANTIZED_EXPERTS,
+    FUSED_FROM,
+    Inventory,
+    take_inventory,
+)
 from ftkit.vocab import BLOCK_FORMATS, SlotLayout, slot_layout, storage_dtype, stored_nbytes
 
 DEFAULT_BANK_BYTES = 4 << 30

@@ -129,7 +129,9 @@ def memory_plan(family: Family, spec: ModelSpec, expert_dtype: str | None) -> di
     dtype = expert_dtype if expert_dtype in EXPERT_FORMATS else DEQUANTIZED_EXPERTS
     slot = slot_layout(spec, dtype).slot_bytes
     dense = dense_device_bytes({n: t.shape for n, t in expected_dense(family, spec).items()}, PLAN_DTYPE, spec.family)
-    least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=True).with_sizes(expert_slots=spec.top_k)
+    graphs = family.decoder_class.graphs_unsupported(spec) is None  # the runtime decodes through them
+    least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=graphs).with_sizes(
+        expert_slots=spec.top_k)
     return {
         "dtype": str(PLAN_DTYPE).removeprefix("torch."),
         "expert_dtype": dtype,
