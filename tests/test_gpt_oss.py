@@ -16,13 +16,16 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import fixtures as fx
+import gguf_fixtures as gfx
 from ftkit.kernels.dequant import dequantize, mxfp4_rows_from_hf
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
@@ -308,3 +311,91 @@ def test_mxfp4_model_greedy_matches_transformers(mxfp4_dirs, tmp_path):
                                                     bandwidth_ratio=0.5))
     assert greedy(rt, n=8)[0] == want
     rt.close()
+
+
+# ---- GGUF, as llama.cpp's converter writes gpt-oss -------------------------------------------
+def write_gpt_oss_gguf(hf_dir: Path, out: Path) -> None:
+    """GptOssModel (convert_hf_to_gguf.py) on bf16/f32 experts, F32: TextModel's parameters plus
+    the window and the expert width; the sinks named `.weight`; gate_up_proj transposed to
+    [E, 2I, H] and split into its even (gate) and odd (up) rows, its bias alike; down_proj
+    transposed; everything else through the arch's tensor map."""
+    arch = gguf.MODEL_ARCH.GPT_OSS
+    hp = AutoConfig.from_pretrained(hf_dir).to_dict()
+    tmap = gguf.get_tensor_name_map(arch, hp["num_hidden_layers"])
+    w = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
+    for name, t in gfx._hf_tensors(hf_dir):
+        if name.endswith("sinks"):
+            name += ".weight"
+        if name.endswith("experts.gate_up_proj"):
+            t = t.transpose(-1, -2)
+            out_pairs = (("gate_proj.weight", t[:, ::2, :]), ("up_proj.weight", t[:, 1::2, :]))
+        elif name.endswith("experts.gate_up_proj_bias"):
+            out_pairs = (("gate_proj.bias", t[..., ::2]), ("up_proj.bias", t[..., 1::2]))
+        elif name.endswith("experts.down_proj"):
+            out_pairs = (("down_proj.weight", t.transpose(-1, -2)),)
+        elif name.endswith("experts.down_proj_bias"):
+            out_pairs = (("down_proj.bias", t),)
+        else:
+            w.add_tensor(gfx._map(tmap, name), t.float().numpy())
+            continue
+        base = name[: name.index("experts.") + len("experts.")]
+        for suffix, part in out_pairs:
+            w.add_tensor(gfx._map(tmap, base + suffix), part.float().contiguous().numpy())
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(hf_dir.name)
+    gfx._set_parameters(w, hp, arch, gguf.LlamaFileType.ALL_F32)
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_expert_feed_forward_length(hp["intermediate_size"])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_tokenizer_model("gpt2")
+    w.write_header_to_file(path=out)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gpt_oss_gguf(hf_dir, path)
+    r = diagnose(path)
+    assert (r["verdict"], r["problems"], r["unexpected"], r["family"]) == ("PASS", [], [], NAME), r
+    convert(make_plan(path), tmp_path / "ftw")
+    spec, want = FTWModel(tmp_path / "ftw").spec, FTWModel(ftw).spec
+    same = ("layer_kinds", "sliding_window", "rope_theta", "rope_scaling", "moe_layers", "num_experts", "top_k",
+            "moe_intermediate_size", "head_dim", "expert_bias", "swiglu_alpha", "attention_out_bias")
+    assert [getattr(spec, f) for f in same] == [getattr(want, f) for f in same]
+    # the GGUF carries no limit (llama.cpp fixes transformers' default, 7.0); the fixture's 1.0
+    # is its HF config's own, so the reference here is transformers with 7.0
+    assert spec.swiglu_limit == 7.0
+    src = FTWModel(ftw).read_banks(pin=False)
+    rt = Runtime(tmp_path / "ftw", RuntimeOptions(threads=2, strategy="hybrid", cache_experts=2, bandwidth_ratio=0.5))
+    assert all(torch.equal(t, src.parts(row)[n]) for row in range(spec.num_expert_rows)
+               for n, t in rt.pool.banks.parts(row).items())
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", experts_implementation="eager",
+                                               dtype=torch.float32, swiglu_limit=7.0).eval()
+    with torch.no_grad():
+        gen = ref.generate(PROMPT[None], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                           eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    tokens, logits = greedy(rt)
+    rt.close()
+    assert tokens == gen.sequences[0, len(PROMPT):].tolist()
+    assert max(_rel_err(a, b[0]) for a, b in zip(logits, gen.logits, strict=True)) <= 1e-4
+
+
+def test_gguf_mxfp4_experts_dequantize(hf_dir, tmp_path):
+    """The experts as MXFP4 blocks (what the converter writes from the released checkpoints):
+    diagnose passes, conversion says it dequantizes them, and the model is the one the gguf
+    package's own dequantization gives."""
+    f32 = tmp_path / "f32.gguf"
+    write_gpt_oss_gguf(hf_dir, f32)
+    names = [t.name for t in gguf.GGUFReader(f32).tensors if t.name.endswith("_exps.weight")]
+    quant = gfx.requantize_gguf(f32, tmp_path / "q.gguf", {n: "mxfp4" for n in names})
+    plain = gfx.dequantized_gguf(quant, tmp_path / "d.gguf")
+    assert diagnose(quant)["verdict"] == "PASS"
+    plan = make_plan(quant)
+    assert plan.inventory.dequantized_experts == ["mxfp4"] and plan.layout.dtype == "bfloat16"
+    convert(plan, tmp_path / "q.ftw")
+    convert(make_plan(plain, dtype="bfloat16"), tmp_path / "d.ftw")
+    a, b = FTWModel(tmp_path / "q.ftw").read_banks(pin=False), FTWModel(tmp_path / "d.ftw").read_banks(pin=False)
+    for row in range(FTWModel(tmp_path / "q.ftw").spec.num_expert_rows):
+        assert all(torch.equal(t, b.parts(row)[n]) for n, t in a.parts(row).items()), row

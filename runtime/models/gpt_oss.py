@@ -21,10 +21,12 @@ import torch
 
 from ..spec import FULL_ATTENTION, MAX_POSITIONS, SLIDING_ATTENTION, ModelSpec, SpecError
 from .base import (
+    GGUF_RULES,
     HF_RULES,
     Family,
     Mapped,
     apply_rules,
+    gguf_common,
     layer_count,
     llama_dense_shapes,
     moe_spec,
@@ -35,6 +37,14 @@ from .config import count, number, section
 from .decoder import KVAttend, MoEDecoder
 from .kv import KVCache
 
+# As llama.cpp's converter writes arch `gpt-oss`: the experts split into gate/up/down and their
+# biases, [out, in] (MXFP4 blocks or floats), the post-attention norm under its own name.
+GGUF_GPT_OSS_RULES = rules(
+    (r"blk\.(\d+)\.attn_sinks\.weight", "layers.{1}.attn.sinks"),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{1}.mlp_norm.weight"),
+    (r"blk\.(\d+)\.ffn_gate_inp\.bias", "layers.{1}.router.bias"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias", "stacked:{1}:{2}_bias"),
+) + GGUF_RULES
 HF_GPT_OSS_RULES = rules(
     (r"model\.layers\.(\d+)\.self_attn\.sinks", "layers.{1}.attn.sinks"),
     (r"model\.layers\.(\d+)\.mlp\.router\.(weight|bias)", "layers.{1}.router.{2}"),
@@ -118,7 +128,9 @@ class GptOssDecoder(MoEDecoder):
 class GptOss(Family):
     name = "gpt_oss"
     architectures = ("GptOssForCausalLM",)
+    gguf_archs = ("gpt-oss",)
     hf_rules = HF_GPT_OSS_RULES
+    gguf_rules = GGUF_GPT_OSS_RULES
     decoder_class = GptOssDecoder
     float32_suffixes = ("_norm.weight",)  # transformers' _keep_in_fp32_modules: every RMSNorm
 
@@ -141,6 +153,20 @@ class GptOss(Family):
             swiglu_limit=number(cfg, "swiglu_limit", 7.0, 0.0, 1e30, open_lo=True),
             sliding_window=count(cfg, "sliding_window", 128, lo=1, hi=MAX_POSITIONS),
         )
+
+    def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
+        """llama.cpp's keys: the window, YaRN's betas, the expert width; the layer pattern (even
+        layers slide) and the activation's constants are llama.cpp's fixed ones, transformers'
+        defaults too, and YaRN is not truncated, as the released config says."""
+        arch = meta.get("general.architecture")
+        g = gguf_common(meta, tensor_shapes)
+        rope = {**DEFAULT_ROPE, **(g.pop("rope_scaling", None) or {})}
+        for key in ("beta_fast", "beta_slow"):
+            rope[key] = meta.get(f"{arch}.rope.scaling.yarn_{key}", rope[key])
+        g.update(architectures=list(self.architectures), num_local_experts=g["experts"],
+                 num_experts_per_tok=g["experts_used"], intermediate_size=g["expert_ffn"],
+                 sliding_window=meta.get(f"{arch}.attention.sliding_window"), rope_scaling=rope)
+        return self.spec_from_config(g)
 
     def check_spec(self, spec: ModelSpec) -> None:
         """The forward pass needs the biases, sinks and clamped experts a gpt-oss spec says it has."""
