@@ -133,6 +133,10 @@ TINY_CONFIGS["gpt_oss"] = {
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
 }
 
+# Families whose save_pretrained writes the experts stacked (transformers has no per-expert names
+# for them).
+STACKED_ON_DISK = frozenset({"gpt_oss"})
+
 # Rows of 256 for the K-quants and IQ4_XS (their blocks are 256 weights): hidden, expert and
 # dense FFN widths 256, four experts (llama-quantize special-cases models of exactly eight).
 _WIDE = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256}

@@ -149,6 +149,21 @@ def test_greedy_matches_transformers_every_strategy(ftw, reference, opts):
     assert err <= 1e-4, f"decode-step logits relative error {err:.2e}"
 
 
+def test_bfloat16_logits_close_to_transformers(hf_dir, tmp_path):
+    """A bf16 conversion run in bf16 against transformers in bf16 (which keeps the RMSNorm weights
+    float32, as the runtime does): the logits agree to bf16 noise amplified by random weights."""
+    convert(make_plan(hf_dir, dtype="bfloat16"), tmp_path / "bf16.ftw")
+    rt = Runtime(tmp_path / "bf16.ftw", RuntimeOptions(threads=2, strategy="cpu"))
+    assert rt.decoder.w["layers.0.attn_norm.weight"].dtype == torch.float32
+    assert rt.decoder.w["layers.0.attn.sinks"].dtype == torch.bfloat16
+    with torch.inference_mode():
+        got = rt.step.forward(PROMPT, rt.new_kv(len(PROMPT)))
+    rt.close()
+    with torch.no_grad():
+        want = fx.load_reference(hf_dir, dtype=torch.bfloat16)(PROMPT[None]).logits[0]
+    assert got.dtype == torch.bfloat16 and _rel_err(got, want) < 2e-2  # 6.6e-3 here; bf16 vs f32 alike
+
+
 def test_the_torch_expert_path_matches_too(ftw, reference, monkeypatch):
     """Without the compiled CPU kernel (FTKIT_CPU_KERNEL=torch) the torch path computes the same."""
     from ftkit.kernels import cpu
@@ -297,6 +312,8 @@ def test_mxfp4_experts_convert_to_their_dequantized_values(mxfp4_dirs, tmp_path,
     assert all(torch.equal(t, b.dense_state()[n]) for n, t in a.dense_state().items())
     r = diagnose(quant)
     assert (r["verdict"], r["problems"]) == ("PASS", []), r
+    stub = diagnose(fx.header_only_stub(quant, tmp_path / "stub"))  # what CI fetches: headers alone
+    assert (stub["verdict"], stub["header_only"], stub["memory"]) == ("PASS", True, r["memory"]), stub
 
 
 def test_mxfp4_model_greedy_matches_transformers(mxfp4_dirs, tmp_path):
