@@ -30,7 +30,7 @@ import torch
 
 from ftkit.kernels.cpu import load as load_cpu_kernel
 from ftkit.kernels.triton import optional
-from ftkit.vocab import CPU, FUSED, HYBRID, OFFLOAD, SlotLayout
+from ftkit.vocab import CPU, FUSED, HYBRID, OFFLOAD
 
 from ..spec import ModelSpec
 from .cache import SlotCache
@@ -78,11 +78,6 @@ class ExpertStore:
         kernel = load_cpu_kernel()
         float_slots = pool.layout.dtype != "q8_0"
         grouped = optional("experts") if self.device.type == "cuda" and float_slots else None
-        if grouped is not None and _unfused_experts(pool.layout):
-            # torch runs the device tier's experts instead, one expert at a time
-            print(f"ftkit: the grouped GPU expert kernels do not take {_unfused_experts(pool.layout)}: "
-                  "device experts run through torch", file=sys.stderr)
-            grouped = None
         self.kernels = ExpertKernels(pool.layout, self.device, kernel, threads or CPUExecutor.default_threads(), grouped)
         self.cpu = CPUBranch(spec, pool, self.strategy, self.device, self.kernels, threads)
         # its layer's fills (start and end events) and how long after they started the CPU did
@@ -346,8 +341,6 @@ class ExpertStore:
         k = self.spec.top_k
         if importlib.util.find_spec("triton") is None:
             return "Triton is not installed"
-        if _unfused_experts(self.pool.layout):
-            return f"the grouped GPU expert kernels do not take {_unfused_experts(self.pool.layout)}"
         if self.pool.layout.dtype == "q8_0" and self.strategy != CPU:
             return "the grouped GEMV reads float expert slots, not q8_0"
         if not self.pool.pinned and self.device.type == "cuda":
@@ -405,14 +398,6 @@ class ExpertStore:
     def close(self) -> None:
         self._drop_device_plan()
         self.cpu.close()
-
-
-def _unfused_experts(layout: SlotLayout) -> str | None:
-    """What of this layout's experts the grouped Triton kernels do not compute (biases, the
-    clamped SwiGLU), or None."""
-    missing = [what for what, has in (("expert biases", layout.biased),
-                                      ("the clamped SwiGLU", layout.activation is not None)) if has]
-    return " or ".join(missing) or None
 
 
 def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
