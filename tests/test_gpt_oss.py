@@ -193,6 +193,16 @@ def test_sinks_and_clamps_matter(ftw):
     assert (g > limit).float().mean() > 0.05 and (u.abs() > limit).float().mean() > 0.05
 
 
+def test_graph_decode_is_refused_in_one_line(ftw):
+    """The graph kernels' attention has no sinks: CUDA decodes gpt-oss eagerly, saying why, and
+    its memory plan reserves no graph K/V (what `ft-run` prints from `unsupported`)."""
+    from ftkit.runtime.engine.graphs import unsupported
+
+    rt = Runtime(ftw, RuntimeOptions(threads=1, strategy="cpu"))
+    assert unsupported(rt.decoder, rt.store) == "attention sinks are not in the graph kernels"
+    rt.close()
+
+
 def test_every_strategy_matches_fused_bitwise(ftw):
     from test_store import assert_strategies_match_fused
 
