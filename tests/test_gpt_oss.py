@@ -426,3 +426,57 @@ def test_gguf_mxfp4_experts_dequantize(hf_dir, tmp_path):
     a, b = FTWModel(tmp_path / "q.ftw").read_banks(pin=False), FTWModel(tmp_path / "d.ftw").read_banks(pin=False)
     for row in range(FTWModel(tmp_path / "q.ftw").spec.num_expert_rows):
         assert all(torch.equal(t, b.parts(row)[n]) for n, t in a.parts(row).items()), row
+
+
+def test_a_stub_of_the_released_20b_checkpoint_passes(tmp_path):
+    """gpt-oss-20b as published (config.json keys, MXFP4 experts, bf16 biases, tensor names and
+    shapes), cut to 2 layers, as a header-only stub: diagnose passes with the slot and pool sizes
+    of its bf16-dequantized experts."""
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+           "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+           "initial_context_length": 4096, "intermediate_size": 2880, "layer_types": ["sliding_attention",
+           "full_attention"], "max_position_embeddings": 131072, "num_attention_heads": 64,
+           "num_experts_per_tok": 4, "num_hidden_layers": 2, "num_key_value_heads": 8, "num_local_experts": 32,
+           "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                              "model.embed_tokens", "lm_head"],
+                                   "quant_method": "mxfp4"},
+           "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                   "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                   "truncate": False},
+           "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+           "vocab_size": 201088, "eos_token_id": 200002, "pad_token_id": 199999}
+    shapes: dict[str, tuple[str, list[int]]] = {"model.embed_tokens.weight": ("BF16", [201088, 2880]),
+                                                "lm_head.weight": ("BF16", [201088, 2880]),
+                                                "model.norm.weight": ("BF16", [2880])}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": ("BF16", [2880]), p + "post_attention_layernorm.weight": ("BF16", [2880]),
+            p + "self_attn.q_proj.weight": ("BF16", [4096, 2880]), p + "self_attn.q_proj.bias": ("BF16", [4096]),
+            p + "self_attn.k_proj.weight": ("BF16", [512, 2880]), p + "self_attn.k_proj.bias": ("BF16", [512]),
+            p + "self_attn.v_proj.weight": ("BF16", [512, 2880]), p + "self_attn.v_proj.bias": ("BF16", [512]),
+            p + "self_attn.o_proj.weight": ("BF16", [2880, 4096]), p + "self_attn.o_proj.bias": ("BF16", [2880]),
+            p + "self_attn.sinks": ("BF16", [64]),
+            p + "mlp.router.weight": ("BF16", [32, 2880]), p + "mlp.router.bias": ("BF16", [32]),
+            p + "mlp.experts.gate_up_proj_blocks": ("U8", [32, 5760, 90, 16]),
+            p + "mlp.experts.gate_up_proj_scales": ("U8", [32, 5760, 90]),
+            p + "mlp.experts.gate_up_proj_bias": ("BF16", [32, 5760]),
+            p + "mlp.experts.down_proj_blocks": ("U8", [32, 2880, 90, 16]),
+            p + "mlp.experts.down_proj_scales": ("U8", [32, 2880, 90]),
+            p + "mlp.experts.down_proj_bias": ("BF16", [32, 2880]),
+        })
+    header, at = {}, 0
+    for name, (dtype, shape) in shapes.items():
+        n = (1 if dtype == "U8" else 2) * int(torch.tensor(shape).prod())
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    stub = tmp_path / "gpt-oss-20b"
+    stub.mkdir()
+    (stub / "config.json").write_text(json.dumps(cfg))
+    fx._write_with_header(stub / "model.safetensors", header, b"")
+    r = diagnose(stub)
+    assert (r["verdict"], r["problems"], r["unexpected"], r["header_only"]) == ("PASS", [], [], True), r
+    m = r["memory"]
+    slot = -(-(3 * 2880 * 2880 * 2 + 3 * 2880 * 4) // 4096) * 4096
+    assert (m["expert_dtype"], m["expert_slot_bytes"], m["host_expert_pool_bytes"]) == ("bfloat16", slot, 64 * slot)
+    assert m["kv_bytes_per_1k_tokens"] == 1000 * 2 * 2 * 8 * 64 * 2
