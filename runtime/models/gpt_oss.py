@@ -8,7 +8,8 @@ HF checkpoints store each layer's experts stacked and transposed for x @ W: `gat
 `gate_up_proj_bias` [E, 2I] interleaved alike, `down_proj` [E, I, H], `down_proj_bias` [E, H].
 The released checkpoints hold the expert matrices as MXFP4 instead (`*_blocks`, `*_scales`,
 [out, in]); the safetensors source pairs those into one mxfp4 tensor (checkpoint/safetensors.py),
-which conversion dequantizes. Sliding-window layers keep every K/V row (the window is a mask), so
+which conversion dequantizes. GGUF (llama.cpp's arch `gpt-oss`) stores them split into gate, up
+and down [out, in], biases alike. Sliding-window layers keep every K/V row (the window is a mask), so
 a prefix reused from the cache restores exactly what a fresh prefill would have.
 """
 
