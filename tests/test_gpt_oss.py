@@ -33,7 +33,8 @@ from ftkit.runtime.engine.memory import longest_request, prefill_workspace_bytes
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.models.inventory import take_inventory
-from ftkit.runtime.models.kv import KVCache, kv_bytes_per_token
+from ftkit.runtime.models.kv import KVCache
+from ftkit.runtime.models.kv_size import kv_bytes_per_token
 from ftkit.tools.convert.pipeline import convert, make_plan
 from ftkit.tools.diagnose.report import diagnose
 from ftkit.vocab import slot_layout
@@ -409,23 +410,38 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     assert max(_rel_err(a, b[0]) for a, b in zip(logits, gen.logits, strict=True)) <= 1e-4
 
 
-def test_gguf_mxfp4_experts_dequantize(hf_dir, tmp_path):
-    """The experts as MXFP4 blocks (what the converter writes from the released checkpoints):
-    diagnose passes, conversion says it dequantizes them, and the model is the one the gguf
-    package's own dequantization gives."""
+def test_gguf_mxfp4_experts_stay_blocks(hf_dir, tmp_path):
+    """The experts as MXFP4 blocks (what the converter writes from the released checkpoints): FTW
+    keeps a GGUF's blocks as stored, beside their float32 biases; diagnose passes and prices them;
+    the slots hold the gguf package's dequantized values; and the CPU kernel, reading the blocks
+    with the biases and the clamped SwiGLU, gives the float32 twin's logits bit for bit."""
     f32 = tmp_path / "f32.gguf"
     write_gpt_oss_gguf(hf_dir, f32)
     names = [t.name for t in gguf.GGUFReader(f32).tensors if t.name.endswith("_exps.weight")]
     quant = gfx.requantize_gguf(f32, tmp_path / "q.gguf", {n: "mxfp4" for n in names})
     plain = gfx.dequantized_gguf(quant, tmp_path / "d.gguf")
-    assert diagnose(quant)["verdict"] == "PASS"
+    r = diagnose(quant)
+    assert (r["verdict"], r["memory"]["expert_dtype"]) == ("PASS", "mxfp4"), r
     plan = make_plan(quant)
-    assert plan.inventory.dequantized_experts == ["mxfp4"] and plan.layout.dtype == "bfloat16"
+    assert plan.inventory.dequantized_experts == [] and plan.layout.dtype == "mxfp4" and plan.layout.biased
     convert(plan, tmp_path / "q.ftw")
-    convert(make_plan(plain, dtype="bfloat16"), tmp_path / "d.ftw")
-    a, b = FTWModel(tmp_path / "q.ftw").read_banks(pin=False), FTWModel(tmp_path / "d.ftw").read_banks(pin=False)
-    for row in range(FTWModel(tmp_path / "q.ftw").spec.num_expert_rows):
-        assert all(torch.equal(t, b.parts(row)[n]) for n, t in a.parts(row).items()), row
+    convert(make_plan(plain), tmp_path / "d.ftw")  # float32 experts
+    q, d = FTWModel(tmp_path / "q.ftw"), FTWModel(tmp_path / "d.ftw")
+    assert d.layout.dtype == "float32" and q.layout.activation == d.layout.activation is not None
+    a, b = q.read_banks(pin=False), d.read_banks(pin=False)
+    for row in range(q.spec.num_expert_rows):
+        lay = q.layout.for_row(row)
+        for n, t in a.parts(row).items():
+            p = lay.part(n)
+            got = dequantize(t, p.dtype).reshape(p.shape) if p.dtype == "mxfp4" else t
+            assert torch.equal(got, b.parts(row)[n]), (row, n)
+    outs = []
+    for path in (tmp_path / "q.ftw", tmp_path / "d.ftw"):
+        rt = Runtime(path, RuntimeOptions(threads=2, strategy="cpu"))
+        outs.append(greedy(rt, n=6))
+        rt.close()
+    assert outs[0][0] == outs[1][0]
+    assert all(torch.equal(x, y) for x, y in zip(outs[0][1], outs[1][1], strict=True))
 
 
 def test_a_stub_of_the_released_20b_checkpoint_passes(tmp_path):
