@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -496,3 +498,8 @@ def test_a_stub_of_the_released_20b_checkpoint_passes(tmp_path):
     slot = -(-(3 * 2880 * 2880 * 2 + 3 * 2880 * 4) // 4096) * 4096
     assert (m["expert_dtype"], m["expert_slot_bytes"], m["host_expert_pool_bytes"]) == ("bfloat16", slot, 64 * slot)
     assert m["kv_bytes_per_1k_tokens"] == 1000 * 2 * 2 * 8 * 64 * 2
+    # and with no torch loaded, as every header-only check (test_diagnose.py): the MXFP4 pairing too
+    code = "import sys\nfrom ftkit.tools.diagnose.report import diagnose\ndiagnose(sys.argv[1])\nprint('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code, str(stub)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.stdout.strip() == "False", done.stderr

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftkit.errors import shown
-from ftkit.kernels.dequant import mxfp4_rows_from_hf
 from ftkit.vocab import stored_nbytes
 
 from .base import CheckpointError, TensorRef, inside, read_ref
@@ -244,6 +243,8 @@ class SafetensorsSource:
     def read(self, name: str) -> torch.Tensor:
         ref = self.tensors[name]
         if isinstance(ref, MXFP4Ref):
+            from ftkit.kernels.dequant import mxfp4_rows_from_hf  # torch: not on the header path
+
             blocks = read_ref(TensorRef(ref.name, "uint8", (*ref.scales.shape, 16), ref.path, ref.offset,
                                         ref.nbytes - ref.scales.nbytes))
             return mxfp4_rows_from_hf(blocks, read_ref(ref.scales))
