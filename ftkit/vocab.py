@@ -107,8 +107,12 @@ def storage_dtype(fmt: str) -> torch.dtype:
     return getattr(torch, fmt) if format_of(fmt).plain else torch.uint8
 
 
-# Expert slot parts, in slot order. `gate` and `up` are [I, H]; `down` is [H, I].
+# Expert slot parts, in slot order. `gate` and `up` are [I, H]; `down` is [H, I]. Experts with
+# biases (gpt-oss) add the BIAS_PARTS after them: `gate_bias`, `up_bias` [I], `down_bias` [H],
+# float32 whatever the slot's dtype (a q8_0 block needs rows of 32; they are a few KB a slot).
 EXPERT_PARTS = ("gate", "up", "down")
+BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
+BIAS_DTYPE = "float32"
 SLOT_ALIGN = 4096  # one slot = one DMA = one O_DIRECT read
 PART_ALIGN = 64  # each part starts on a cache line, so kernels can load it with full-width vectors
 
@@ -132,30 +136,45 @@ class Part:
 
 
 @dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation in place of silu(g) * u: g = min(g, limit), u clamped to
+    [-limit, limit], then (u + 1) * g * sigmoid(alpha * g) (transformers' GptOssExperts)."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True)
 class SlotLayout:
-    """How one (layer, expert) is laid out in its slot: gate, up, down, padded to SLOT_ALIGN.
-    `dtype` is the parts' one format, or MIXED where they differ (a Q4_K_M layer: gate and up
-    q4_k, down q6_k)."""
+    """How one (layer, expert) is laid out in its slot and what its kernels compute from it:
+    gate, up, down (and their float32 biases, where the experts have them), padded to SLOT_ALIGN;
+    `activation` None is SwiGLU, silu(gate x) * (up x). `dtype` is gate, up and down's one
+    format, or MIXED where they differ (a Q4_K_M layer: gate and up q4_k, down q6_k)."""
 
     dtype: str
     parts: tuple[Part, ...]
     slot_bytes: int
+    activation: ClampedSwiGLU | None = None
 
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
 
     @property
     def formats(self) -> tuple[str, ...]:
-        """Each part's format, in slot order (gate, up, down)."""
-        return tuple(p.dtype for p in self.parts)
+        """The formats of gate, up and down, in slot order (bias parts are always BIAS_DTYPE)."""
+        return tuple(p.dtype for p in self.parts[: len(EXPERT_PARTS)])
 
     @property
     def data_bytes(self) -> int:
-        """The bytes the parts hold, without the padding between and after them."""
+        """The bytes the parts hold (biases included), without the padding between and after them."""
         return sum(p.nbytes for p in self.parts)
 
+    @property
+    def biased(self) -> bool:
+        return len(self.parts) > len(EXPERT_PARTS)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "dtype": self.dtype,
             "alignment": SLOT_ALIGN,
             "slot_bytes": self.slot_bytes,
@@ -164,10 +183,16 @@ class SlotLayout:
                 for p in self.parts
             ],
         }
+        if self.activation is not None:  # absent for SwiGLU: earlier manifests stay what they were
+            out["activation"] = {"kind": "clamped_swiglu", "alpha": self.activation.alpha,
+                                 "limit": self.activation.limit}
+        return out
 
 
 class HasExpertShapes(Protocol):
     def expert_part_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def expert_activation(self) -> ClampedSwiGLU | None: ...
 
 
 class HasExperts(HasExpertShapes, Protocol):
@@ -181,14 +206,17 @@ MIXED = "mixed"  # a layout's dtype where its parts (or its layers) differ in fo
 
 
 def _packed(spec: HasExpertShapes, formats: tuple[str, ...]) -> tuple[list[Part], int]:
-    """The parts in `formats` (gate, up, down) packed from offset 0, and the bytes they span."""
+    """The parts in `formats` (gate, up, down), then the BIAS_PARTS in BIAS_DTYPE where
+    `expert_part_shapes` names them, packed from offset 0, and the bytes they span."""
     if len(formats) != len(EXPERT_PARTS):
         raise FormatError(f"an expert slot has {len(EXPERT_PARTS)} parts, got formats {formats}")
-    parts, off = [], 0
-    shapes = spec.expert_part_shapes()
-    for name, fmt in zip(EXPERT_PARTS, formats, strict=True):
+    for fmt in formats:
         if fmt not in EXPERT_FORMATS:
             raise FormatError(f"expert dtype {fmt} is not one of {', '.join(EXPERT_FORMATS)}")
+    parts, off = [], 0
+    shapes = spec.expert_part_shapes()
+    named = [*zip(EXPERT_PARTS, formats, strict=True), *((b, BIAS_DTYPE) for b in BIAS_PARTS if b in shapes)]
+    for name, fmt in named:
         n = stored_nbytes(fmt, shapes[name])
         parts.append(Part(name, fmt, shapes[name], off, n))
         off = align_up(off + n, PART_ALIGN)
@@ -204,7 +232,7 @@ def slot_layout(spec: HasExpertShapes, dtype: str | tuple[str, ...], slot_bytes:
     if slot_bytes is not None and (slot_bytes < own or slot_bytes % SLOT_ALIGN):
         raise FormatError(f"slot of {slot_bytes} bytes cannot hold parts of {own}")
     one = formats[0] if len(set(formats)) == 1 else MIXED
-    return SlotLayout(one, tuple(parts), own if slot_bytes is None else slot_bytes)
+    return SlotLayout(one, tuple(parts), own if slot_bytes is None else slot_bytes, spec.expert_activation())
 
 
 @dataclass(frozen=True)
@@ -241,6 +269,16 @@ class ExpertLayout:
         """Whether some part is in a format the device tier does not take (DEVICE_FORMATS)."""
         return any(f not in DEVICE_FORMATS for f in self.formats)
 
+    @property
+    def biased(self) -> bool:
+        """Whether the experts have float32 biases after gate, up and down (every layer alike)."""
+        return self.layers[0].biased
+
+    @property
+    def activation(self) -> ClampedSwiGLU | None:
+        """The experts' activation (every layer alike: it is the spec's); None is SwiGLU."""
+        return self.layers[0].activation
+
     def for_layer(self, moe_index: int) -> SlotLayout:
         return self.layers[moe_index]
 
@@ -255,9 +293,13 @@ class ExpertLayout:
         return ", ".join(f"{name} {'|'.join(f)}" for name, f in zip(EXPERT_PARTS, by_part, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
-        """FTW v2's `experts.layout`: the common slot size, each layer's parts."""
-        return {"alignment": SLOT_ALIGN, "slot_bytes": self.slot_bytes, "packing": PACKING,
-                "layers": [{"parts": lay.to_dict()["parts"]} for lay in self.layers]}
+        """FTW v2's `experts.layout`: the common slot size, each layer's parts (biases included)
+        and, for the clamped SwiGLU, the activation (absent for SwiGLU, as before it existed)."""
+        out: dict[str, Any] = {"alignment": SLOT_ALIGN, "slot_bytes": self.slot_bytes, "packing": PACKING,
+                               "layers": [{"parts": lay.to_dict()["parts"]} for lay in self.layers]}
+        if "activation" in (first := self.layers[0].to_dict()):
+            out["activation"] = first["activation"]
+        return out
 
 
 # How block parts are laid out in a slot: ggml's blocks as GGUF stores them, row by row (a row of

@@ -154,6 +154,18 @@ def dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
     return e8m0_half(b[:, :1]) * _levels(E2M1_LEVELS_X2, _nibbles(b[:, 1:]).reshape(-1, 32))
 
 
+def mxfp4_rows_from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """HF's MXFP4 (transformers' integrations/mxfp4.py, as gpt-oss ships its experts) as ggml's
+    mxfp4 rows, which `dequantize` reads. HF: blocks [..., G, 16] uint8, element 2j of a block in
+    the low nibble of byte j and 2j + 1 in the high one; scales [..., G] e8m0 bytes; a weight is
+    its e2m1 value times 2**(scale - 127). ggml: per block the scale byte, then byte j holding
+    element j low and j + 16 high; its doubled levels times half the scale are the same values,
+    so the scale byte carries over and only the nibbles move. Returns [..., G * 17] uint8."""
+    pairs = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], 32)  # in element order
+    qs = pairs[..., :16] | (pairs[..., 16:] << 4)
+    return torch.cat((scales.unsqueeze(-1), qs), dim=-1).reshape(*blocks.shape[:-2], -1)
+
+
 # ---- 256-weight super-blocks -----------------------------------------------------------------
 @_rows("q2_k")
 def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:

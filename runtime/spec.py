@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Any
 
 from ftkit.errors import InputError, shown
+from ftkit.vocab import ClampedSwiGLU
 
 # Layer kinds (per layer, in order).
 FULL_ATTENTION = "full_attention"
@@ -100,6 +101,10 @@ class ModelSpec:
     qk_norm: str = QK_NORM_NONE
     attention_bias: bool = False  # bias on q, k, v projections
     attention_out_bias: bool = False  # bias on the output projection
+    expert_bias: bool = False  # routed experts add a bias to gate, up and down (gpt-oss)
+    # gpt-oss's clamped SwiGLU in the routed experts (ftkit.vocab.ClampedSwiGLU); None: SwiGLU
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
@@ -131,7 +136,7 @@ class ModelSpec:
         if self.top_k > self.num_experts:
             raise SpecError(f"{self.architecture}: top-k {self.top_k} is not within 1..{self.num_experts}")
         for name in ("norm_topk_prob", "shared_expert_gate", "attention_bias", "attention_out_bias",
-                     "tie_word_embeddings"):
+                     "expert_bias", "tie_word_embeddings"):
             if type(getattr(self, name)) is not bool:
                 raise SpecError(f"{name} is {shown(getattr(self, name))}, not true or false")
         self._check_layers()
@@ -140,6 +145,11 @@ class ModelSpec:
         real(self.rms_norm_eps, "rms_norm_eps", 0.0, 1.0, open_lo=True)
         real(self.rope_theta, "rope_theta", 0.0, 1e30, open_lo=True)
         real(self.partial_rotary_factor, "partial_rotary_factor", 0.0, 1.0, open_lo=True)
+        if (self.swiglu_alpha is None) != (self.swiglu_limit is None):
+            raise SpecError("swiglu_alpha and swiglu_limit come together (the clamped SwiGLU needs both)")
+        if self.swiglu_alpha is not None:
+            real(self.swiglu_alpha, "swiglu_alpha", 0.0, 1e30, open_lo=True)
+            real(self.swiglu_limit, "swiglu_limit", 0.0, 1e30, open_lo=True)
         if self.sliding_window is not None:
             whole(self.sliding_window, "sliding_window", 1, MAX_POSITIONS)
         if self.bos_token_id is not None:
@@ -199,9 +209,17 @@ class ModelSpec:
     def is_moe(self, layer: int) -> bool:
         return layer in self._moe_position
 
-    def expert_part_shapes(self) -> dict[str, tuple[int, int]]:
+    def expert_part_shapes(self) -> dict[str, tuple[int, ...]]:
         h, i = self.hidden_size, self.moe_intermediate_size
-        return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+        out: dict[str, tuple[int, ...]] = {"gate": (i, h), "up": (i, h), "down": (h, i)}
+        if self.expert_bias:
+            out.update(gate_bias=(i,), up_bias=(i,), down_bias=(h,))
+        return out
+
+    def expert_activation(self) -> ClampedSwiGLU | None:
+        if self.swiglu_limit is None:
+            return None
+        return ClampedSwiGLU(self.swiglu_alpha, self.swiglu_limit)
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -117,6 +117,26 @@ TINY_CONFIGS["qwen3_moe_rope"] = {
     },
 }
 
+# gpt-oss: a sliding layer (window 4, shorter than the test prompts) then a full one; YaRN as it
+# ships (not truncated), 8x over 64 positions; a swiglu_limit low enough that the clamps bite.
+TINY_CONFIGS["gpt_oss"] = {
+    **_COMMON,
+    "model_type": "gpt_oss",
+    "head_dim": 16,
+    "num_local_experts": 8,
+    "intermediate_size": 32,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "swiglu_limit": 1.0,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 8.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+}
+
+# Families whose save_pretrained writes the experts stacked (transformers has no per-expert names
+# for them).
+STACKED_ON_DISK = frozenset({"gpt_oss"})
+
 # Rows of 256 for the K-quants and IQ4_XS (their blocks are 256 weights): hidden, expert and
 # dense FFN widths 256, four experts (llama-quantize special-cases models of exactly eight).
 _WIDE = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256}
@@ -141,8 +161,10 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
         noise = torch.randn(p.shape, generator=gen)
         if "norm" in name:
             value = 1.0 + 0.1 * noise
-        elif name.endswith("mlp.gate.weight"):  # the router: spread scores, clear top-k
+        elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # the router: spread scores, clear top-k
             value = 0.5 * noise
+        elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share of the softmax
+            value = noise
         elif "embed_tokens" in name:
             value = noise
         elif "lm_head" in name:  # logit margins that survive bf16 noise in greedy comparisons

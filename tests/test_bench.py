@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.random_model import write_random_ftw
@@ -238,6 +239,28 @@ def test_presets_have_the_published_shapes():
     assert slot_layout(nxt, "bfloat16").slot_bytes == 3 * 2048 * 512 * 2  # 6.29 MB
     with pytest.raises(ValueError, match="--layers must be in 1..48"):
         preset_spec("qwen3-next-80b-a3b", 49)
+    oss = preset_spec("gpt-oss-20b", 4)
+    assert oss.layer_kinds == ("sliding_attention", "full_attention") * 2 and oss.sliding_window == 128
+    assert (oss.num_experts, oss.top_k, oss.expert_bias, oss.swiglu_limit) == (32, 4, True, 7.0)
+    layout = slot_layout(oss, "bfloat16")  # 49.8 MB of matrices, then 34.6 KB of float32 biases
+    matrices, bias = 3 * 2880 * 2880 * 2, 2880 * 4
+    assert layout.part("down_bias").offset == matrices + 2 * bias
+    assert layout.slot_bytes == -(-(matrices + 3 * bias) // 4096) * 4096
+    assert preset_spec("gpt-oss-120b").num_experts == 128
+
+
+def test_write_gpt_oss_at_toy_sizes(tmp_path):
+    """ft-bench write's path for gpt-oss (float32 bias parts in a bf16 slot), at toy sizes: the
+    model loads and decodes."""
+    oss = preset_spec("gpt-oss-20b", 2)
+    spec = dataclasses.replace(oss, hidden_size=64, moe_intermediate_size=32, vocab_size=512, num_heads=4,
+                               num_kv_heads=2, head_dim=16, num_experts=8)
+    write_random_ftw(tmp_path / "m.ftw", spec, "bfloat16", distinct_experts=4)
+    rt = runtime(tmp_path / "m.ftw", strategy="hybrid", cache_experts=2, bandwidth_ratio=0.5)
+    with torch.inference_mode():
+        logits = rt.step.forward(torch.arange(20), rt.new_kv(20))
+    assert logits.shape == (20, 512) and logits.isfinite().all()
+    rt.close()
 
 
 def test_record_then_replay_reproduces_routing(tiny, tmp_path):

@@ -21,6 +21,7 @@ from gguf_fixtures import random_blocks
 
 HIDDEN, INTER = 512, 256  # rows of two 256-weight super-blocks (HIDDEN) and one (INTER)
 TOKENS = (1, 3, 19)  # 19 > TBMAX (8): that expert's rows go through the decoded float32 tile
+GPT_OSS = dict(expert_bias=True, swiglu_alpha=1.702, swiglu_limit=0.7)  # a limit that clamps often
 
 
 def _kernel() -> Kernel:
@@ -30,18 +31,19 @@ def _kernel() -> Kernel:
     return kernel
 
 
-def block_slots(formats: tuple[str, str, str], n: int, seed: int) -> tuple[SlotLayout, list[torch.Tensor],
-                                                                         SlotLayout, list[torch.Tensor]]:
+def block_slots(formats: tuple[str, str, str], n: int, seed: int, **fields: object) -> tuple[
+        SlotLayout, list[torch.Tensor], SlotLayout, list[torch.Tensor]]:
     """`n` expert slots with parts in `formats` (quantized random weights, or valid random blocks
-    where ftkit has no quantizer), and the same experts dequantized into float32 slots."""
-    spec = dataclasses.replace(demo_spec(64), hidden_size=HIDDEN, moe_intermediate_size=INTER)
+    where ftkit has no quantizer), and the same experts dequantized into float32 slots; `fields`:
+    more ModelSpec fields (gpt-oss's float32 biases and clamped SwiGLU)."""
+    spec = dataclasses.replace(demo_spec(64), hidden_size=HIDDEN, moe_intermediate_size=INTER, **fields)
     layout, f32 = slot_layout(spec, formats), slot_layout(spec, "float32")
     rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
     slots, floats = [], []
     for _ in range(n):
         slot, fslot = torch.zeros(layout.slot_bytes, dtype=torch.uint8), torch.zeros(f32.slot_bytes, dtype=torch.uint8)
         for p, fp in zip(layout.parts, f32.parts, strict=True):
-            w = torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5
+            w = torch.randn(p.shape, generator=gen) * (p.shape[1] ** -0.5 if len(p.shape) == 2 else 0.5)
             if p.dtype not in BLOCK_FORMATS:
                 raw = w.to(getattr(torch, p.dtype)).view(torch.uint8)
             elif p.dtype in QUANTIZERS:
@@ -66,16 +68,16 @@ def _call(kernel: Kernel, layout: SlotLayout, slots: list[torch.Tensor], tokens:
     return out, x, w, groups
 
 
-def _check(kernel: Kernel, formats: tuple[str, str, str]) -> None:
-    layout, slots, f32, floats = block_slots(formats, 2, seed=len("".join(formats)))
+def _check(kernel: Kernel, formats: tuple[str, str, str], **fields: object) -> None:
+    layout, slots, f32, floats = block_slots(formats, 2, seed=len("".join(formats)), **fields)
     for tokens in TOKENS:
         out, x, w, groups = _call(kernel, layout, slots, tokens, tokens)
         ref_out, *_ = _call(kernel, f32, floats, tokens, tokens)
         assert not out.isnan().any(), (formats, tokens)
         assert torch.equal(out, ref_out), (formats, tokens, (out - ref_out).abs().max())
         for slot, idx in zip(slots, groups, strict=True):
-            g, u, d = expert_weights(layout, slot, torch.float64)  # dequant.py's values, in float64
-            ref = expert_forward(x.double()[idx // 2], g, u, d) * w.double()[idx, None]
+            weights = expert_weights(layout, slot, torch.float64)  # dequant.py's values, in float64
+            ref = expert_forward(x.double()[idx // 2], weights, layout.activation) * w.double()[idx, None]
             torch.testing.assert_close(out[idx].double(), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
 
 
@@ -88,6 +90,15 @@ def test_every_block_format_equals_its_float32_dequantization(fmt):
 def test_parts_in_different_formats(formats):
     """A Q4_K_M layer (gate and up q4_k, down q6_k), and gate and up that differ."""
     _check(_kernel(), formats)
+
+
+@pytest.mark.parametrize("formats", [("mxfp4",) * 3, ("q4_k", "q4_k", "q6_k"), ("bfloat16", "q8_0", "q4_0")])
+def test_blocks_with_biases_and_the_clamped_swiglu(formats):
+    """gpt-oss's experts in blocks (a GGUF's MXFP4 kept as stored): the float32 biases and the
+    clamped SwiGLU on the block path give the float32 path's bits too."""
+    layout, *_ = block_slots(formats, 1, seed=0, **GPT_OSS)
+    assert layout.biased and layout.activation is not None and layout.formats == formats
+    _check(_kernel(), formats, **GPT_OSS)
 
 
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-march=x86-64",)], ids=["avx2", "scalar"])

@@ -15,7 +15,7 @@ import torch
 from ftkit.kernels.cpu import load
 from ftkit.runtime.experts.pool import expert_forward, expert_weights
 from ftkit.runtime.random_model import demo_spec
-from ftkit.vocab import SlotLayout, slot_layout
+from ftkit.vocab import BIAS_PARTS, SlotLayout, slot_layout
 
 # (H, I): odd sizes leave tails after every vector width; q8_0 needs multiples of 32.
 SHAPES = {"float32": [(37, 23), (128, 64), (200, 77)], "float16": [(37, 23), (160, 61)],
@@ -31,15 +31,18 @@ def _kernel():
     return kernel
 
 
-def make_slots(dtype: str, h: int, i: int, n: int, seed: int) -> tuple[SlotLayout, list[torch.Tensor]]:
-    """`n` random expert slots of the FTW layout for (H, I) in `dtype`."""
-    layout = slot_layout(dataclasses.replace(demo_spec(64), hidden_size=h, moe_intermediate_size=i), dtype)
+def make_slots(dtype: str, h: int, i: int, n: int, seed: int, **spec: object) -> tuple[SlotLayout, list[torch.Tensor]]:
+    """`n` random expert slots of the FTW layout for (H, I) in `dtype`; `spec`: more ModelSpec
+    fields (gpt-oss's expert biases and clamped SwiGLU)."""
+    layout = slot_layout(dataclasses.replace(demo_spec(64), hidden_size=h, moe_intermediate_size=i, **spec), dtype)
     gen = torch.Generator().manual_seed(seed)
     slots = []
     for _ in range(n):
         slot = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
         for p in layout.parts:
-            if dtype == "q8_0":  # per 32-block: an fp16 scale, then 32 int8
+            if p.name in BIAS_PARTS:
+                raw = (torch.randn(p.shape, generator=gen) * 0.5).view(torch.uint8)
+            elif dtype == "q8_0":  # per 32-block: an fp16 scale, then 32 int8
                 rows, blocks = p.shape[0], p.shape[1] // 32
                 scale = (torch.rand(rows, blocks, 1, generator=gen) * 0.02 + 0.001).half().view(torch.uint8)
                 q = torch.randint(-128, 128, (rows, blocks, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
@@ -53,8 +56,8 @@ def make_slots(dtype: str, h: int, i: int, n: int, seed: int) -> tuple[SlotLayou
 
 
 def reference(layout, slot, x, w, idx, k):
-    g, u, d = expert_weights(layout, slot, torch.float64)
-    return expert_forward(x.double()[idx // k], g, u, d) * w.double()[idx, None]
+    weights = expert_weights(layout, slot, torch.float64)
+    return expert_forward(x.double()[idx // k], weights, layout.activation) * w.double()[idx, None]
 
 
 def test_matches_float64_reference_and_writes_every_element():
@@ -76,6 +79,27 @@ def test_matches_float64_reference_and_writes_every_element():
                         ref = reference(layout, slot, x, w, idx, k)
                         torch.testing.assert_close(out[idx].double(), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item(),
                                                    msg=lambda m, at=f"{dtype} H={h} I={i} T={n_tok}": f"{at}: {m}")
+
+
+def test_biases_and_the_clamped_swiglu_match_the_reference():
+    """gpt-oss's experts: biases on gate, up and down, and the clamped SwiGLU, for every slot
+    dtype (GGUF blocks with biases: test_cpu_block_kernels.py); a limit of 0.7 clamps a good share
+    of the values (without it the results differ)."""
+    kernel = _kernel()
+    for dtype in SHAPES:
+        h, i = SHAPES[dtype][0]
+        layout, slots = make_slots(dtype, h, i, 3, seed=h + i, expert_bias=True, swiglu_alpha=1.702,
+                                   swiglu_limit=0.7)
+        assert layout.biased and layout.activation is not None
+        x, w, k = torch.randn(7, h), torch.rand(14), 2
+        groups = [torch.arange(e, 14, 3) for e in range(3)]
+        out = torch.full((14, h), float("nan"))
+        kernel.experts(layout, slots, groups, x, w, out, k, 2)
+        for slot, idx in zip(slots, groups, strict=True):
+            ref = reference(layout, slot, x, w, idx, k)
+            torch.testing.assert_close(out[idx].double(), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+            plain = dataclasses.replace(layout, activation=None)
+            assert (reference(plain, slot, x, w, idx, k) - ref).abs().max() > 1e-2 * ref.abs().max()
 
 
 def test_untouched_rows_and_empty_experts():

@@ -21,7 +21,7 @@ from ftkit.tools.bench import agent_trace as trace
 from ftkit.tools.bench.agent_trace import HARNESSES, session
 from ftkit.tools.convert.pipeline import convert, make_plan
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_next")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_next", "gpt_oss")
 SLACK = 4  # tokens between an anchor before a marker and the edit just after it ("<tool_response>\n")
 
 

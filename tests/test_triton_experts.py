@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ftkit.runtime.experts.pool import expert_forward
 from ftkit.runtime.random_model import demo_spec
 from ftkit.vocab import slot_layout
 
@@ -21,27 +22,32 @@ pytestmark = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") 
 DEV = "cuda" if CUDA else "cpu"
 
 
-def _layout(dtype: str, hidden: int, inter: int):
-    spec = replace(demo_spec(64), hidden_size=hidden, moe_intermediate_size=inter, moe_layers=(0, 1, 2, 3))
+# gpt-oss's experts: biases on gate, up and down, the clamped SwiGLU (its limit bites here: the
+# random weights give pre-activations of several units)
+OSS = dict(expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+def _layout(dtype: str, hidden: int, inter: int, oss: bool = False):
+    spec = replace(demo_spec(64), hidden_size=hidden, moe_intermediate_size=inter, moe_layers=(0, 1, 2, 3),
+                   **(OSS if oss else {}))
     return slot_layout(spec, dtype)
 
 
 def _random_slots(layout, cap: int, gen: torch.Generator) -> tuple[torch.Tensor, list[dict]]:
     """[cap, slot_bytes] uint8 of random experts, and each one's parts as float64."""
-    dt = getattr(torch, layout.dtype)
     slots = torch.zeros((cap, layout.slot_bytes), dtype=torch.uint8)
     parts = []
     for c in range(cap):
-        p = {q.name: torch.randn(q.shape, generator=gen).to(dt) for q in layout.parts}
+        p = {q.name: torch.randn(q.shape, generator=gen).to(getattr(torch, q.dtype)) for q in layout.parts}
         for q in layout.parts:
             slots[c, q.offset:q.offset + q.nbytes] = p[q.name].contiguous().view(torch.uint8).reshape(-1)
         parts.append({k: v.double() for k, v in p.items()})
     return slots, parts
 
 
-def _expert(p: dict, x: torch.Tensor, w: float) -> torch.Tensor:
-    x = x.double()
-    return w * (p["down"] @ (torch.nn.functional.silu(p["gate"] @ x) * (p["up"] @ x)))
+def _expert(p: dict, x: torch.Tensor, w: float, act=None) -> torch.Tensor:
+    """The float64 reference: the parts in layout order, the layout's activation."""
+    return w * expert_forward(x.double()[None], tuple(p.values()), act)[0]
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -50,11 +56,11 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("hidden, inter", [(128, 64), (96, 40)])  # odd sizes: masked tails
-def test_grouped_gemv_matches_reference(dtype, hidden, inter):
+@pytest.mark.parametrize("hidden, inter, oss", [(128, 64, False), (96, 40, False), (96, 40, True)])  # odd: masked tails
+def test_grouped_gemv_matches_reference(dtype, hidden, inter, oss):
     from ftkit.kernels.triton.experts import grouped_expert_gemv
 
-    layout = _layout(dtype, hidden, inter)
+    layout = _layout(dtype, hidden, inter, oss)
     gen = torch.Generator().manual_seed(0)
     cap, tokens, items = 5, 3, 7
     slots, parts = _random_slots(layout, cap, gen)
@@ -65,17 +71,19 @@ def test_grouped_gemv_matches_reference(dtype, hidden, inter):
     count = torch.tensor([items - 2], dtype=torch.int32)  # the last two items are padding
     out = grouped_expert_gemv(*(t.to(DEV) for t in (x, slots)), layout,
                               *(t.to(DEV) for t in (sid, tid, wt, count))).cpu()
-    ref = torch.stack([_expert(parts[sid[i]], x[tid[i]], float(wt[i])) for i in range(items - 2)])
+    ref = torch.stack([_expert(parts[sid[i]], x[tid[i]], float(wt[i]), layout.activation) for i in range(items - 2)])
     assert _rel(out[: items - 2], ref) < (2e-2 if dtype == "bfloat16" else 1e-5)
 
 
-def test_gemv_fills_slots_as_it_reads():
+@pytest.mark.parametrize("oss", [False, True])
+def test_gemv_fills_slots_as_it_reads(oss):
     """Items flagged as fills read their expert from (mapped, pinned) host memory by address
-    and leave it in their slot; the others read their slot. Same results as all resident."""
+    and leave it in their slot (biases too); the others read their slot. Same results as all
+    resident."""
     from ftkit.kernels.triton import zero_copy
     from ftkit.kernels.triton.experts import grouped_expert_gemv
 
-    layout = _layout("bfloat16", 96, 40)
+    layout = _layout("bfloat16", 96, 40, oss)
     gen = torch.Generator().manual_seed(4)
     host, parts = _random_slots(layout, 6, gen)
     host = host.pin_memory() if CUDA else host
@@ -91,19 +99,19 @@ def test_gemv_fills_slots_as_it_reads():
     out = grouped_expert_gemv(*dev[:2], layout, *dev[2:], (flags.to(DEV), rows.to(DEV), addr.to(DEV))).cpu()
     assert torch.equal(dev[1].cpu()[0], host[2]) and torch.equal(dev[1].cpu()[2], host[4])
     assert torch.equal(dev[1].cpu()[1], host[5]) and not dev[1].cpu()[[1, 3]].ne(slots[[1, 3]]).any()
-    ref = torch.stack([_expert(parts[r], x[0], float(w)) for r, w in zip(rows.tolist(), wt, strict=True)])
+    ref = torch.stack([_expert(parts[r], x[0], float(w), layout.activation) for r, w in zip(rows.tolist(), wt, strict=True)])
     assert _rel(out, ref) < 2e-2
 
 
 @pytest.mark.parametrize("dtype, x_dtype", [("bfloat16", "bfloat16"), ("float32", "float32"),
                                             ("bfloat16", "float32")])  # a float32 runtime over bf16 slots
-@pytest.mark.parametrize("hidden, inter", [(128, 64), (96, 40)])
-def test_grouped_gemm_matches_reference(dtype, x_dtype, hidden, inter):
+@pytest.mark.parametrize("hidden, inter, oss", [(128, 64, False), (96, 40, False), (96, 40, True)])
+def test_grouped_gemm_matches_reference(dtype, x_dtype, hidden, inter, oss):
     """Prefill's grouped GEMM: items sorted by expert, several tiles per expert (one has more
     than a tile's worth of tokens), results scattered to their rows of y."""
     from ftkit.kernels.triton.experts import GEMM_M, gemm_tiles, grouped_expert_gemm
 
-    layout = _layout(dtype, hidden, inter)
+    layout = _layout(dtype, hidden, inter, oss)
     gen = torch.Generator().manual_seed(2)
     cap, t, k = 3, 110, 2
     slots, parts = _random_slots(layout, cap, gen)
@@ -118,7 +126,7 @@ def test_grouped_gemm_matches_reference(dtype, x_dtype, hidden, inter):
     y = torch.zeros((t * k, hidden), dtype=x.dtype).to(DEV)
     grouped_expert_gemm(x.to(DEV), slots.to(DEV), layout, tiles.to(DEV), (order // k).to(torch.int32).to(DEV),
                         order.to(torch.int32).to(DEV), wt[order].to(DEV), y)
-    ref = torch.stack([_expert(parts[int(flat[i])], x[i // k], float(wt[i])) for i in range(t * k)])
+    ref = torch.stack([_expert(parts[int(flat[i])], x[i // k], float(wt[i]), layout.activation) for i in range(t * k)])
     assert _rel(y.cpu(), ref) < (2e-2 if x_dtype == "bfloat16" else 1e-5)
 
 
@@ -145,14 +153,15 @@ def _gemm_case(layout, host_rows: list[int], segments: list[tuple[int, int]], ge
     return x, tiles, tok, dst, torch.rand(n, generator=gen), row
 
 
+@pytest.mark.parametrize("oss", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])  # float32: the upcast path on CUDA too
-def test_gemm_fills_slots_as_it_reads(x_dtype):
+def test_gemm_fills_slots_as_it_reads(x_dtype, oss):
     """Flagged GEMM tiles read their expert from (mapped, pinned) host memory by address and
     leave it in their slot (two tiles of one expert may both be flagged); the others read their
     slot. Same results as all resident."""
     from ftkit.kernels.triton.experts import grouped_expert_gemm
 
-    layout = _layout("bfloat16", 96, 40)
+    layout = _layout("bfloat16", 96, 40, oss)
     gen = torch.Generator().manual_seed(5)
     host, parts = _random_slots(layout, 5, gen)
     host, addr = _host_pool(host)
@@ -170,7 +179,7 @@ def test_gemm_fills_slots_as_it_reads(x_dtype):
         for q in layout.parts:
             assert torch.equal(got[s, q.offset:q.offset + q.nbytes], host[r, q.offset:q.offset + q.nbytes]), (s, q.name)
     assert torch.equal(got[[1, 3]], slots[[1, 3]])
-    ref = torch.stack([_expert(parts[int(row[i])], x[tok[i]], float(wt[i])) for i in range(len(row))])
+    ref = torch.stack([_expert(parts[int(row[i])], x[tok[i]], float(wt[i]), layout.activation) for i in range(len(row))])
     assert _rel(y.cpu()[dst.long()], ref) < (2e-2 if x_dtype == torch.bfloat16 else 1e-5)
 
 
@@ -197,7 +206,7 @@ def test_gemm_skips_tiles_past_the_device_count(fill):
                         count=torch.tensor([2], dtype=torch.int32, device=DEV), fills=fills)
     out = y.cpu()[dst.long()]
     assert (out[valid:] == 7.0).all()
-    ref = torch.stack([_expert(parts[int(row[i])], x[tok[i]], float(wt[i])) for i in range(valid)])
+    ref = torch.stack([_expert(parts[int(row[i])], x[tok[i]], float(wt[i]), layout.activation) for i in range(valid)])
     assert _rel(out[:valid], ref) < 2e-2
     if fill:
         assert torch.equal(d_slots.cpu()[0], host[0]) and not d_slots.cpu()[1].any()

@@ -1,4 +1,5 @@
-"""CPU expert kernels: SwiGLU experts computed straight from host-pool slots at DRAM speed.
+"""CPU expert kernels: SwiGLU experts (with biases and the clamped form where the slot layout
+says) computed straight from host-pool slots at DRAM speed.
 
 `experts.cpp` is compiled at first use with the system C++ compiler (`$CXX`, default g++) and
 `-O3 -march=native -fopenmp`, cached under `$XDG_CACHE_HOME/ftkit/kernels/` keyed by source,
@@ -29,15 +30,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ftkit.vocab import BIAS_DTYPE, BIAS_PARTS, EXPERT_PARTS
+
 if TYPE_CHECKING:
     from ftkit.vocab import SlotLayout
 
 
 def format_code(layout: SlotLayout) -> int:
-    """The parts' format codes as a call passes them: gate | up << 8 | down << 16."""
-    if any(p.dtype not in FORMAT_CODES for p in layout.parts):
+    """The format codes of gate, up and down as a call passes them: gate | up << 8 | down << 16
+    (the bias parts are always float32: `_expert_fn`)."""
+    if any(f not in FORMAT_CODES for f in layout.formats):
         raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
-    return sum(FORMAT_CODES[p.dtype] << (8 * i) for i, p in enumerate(layout.parts))
+    return sum(FORMAT_CODES[f] << (8 * i) for i, f in enumerate(layout.formats))
 
 SOURCE = Path(__file__).with_name("experts.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
@@ -106,11 +110,12 @@ class Kernel:
         self.lib.ftk_isa.restype = ctypes.c_char_p
         self.lib.ftk_experts.restype = ctypes.c_int
         self.lib.ftk_experts.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int, _ptr,
-                                         _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+                                         _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr]
         self.lib.ftk_read.restype = ctypes.c_double
         self.lib.ftk_worker_start.restype = _ptr
         self.lib.ftk_worker_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, ctypes.c_int,
-                                              ctypes.c_int, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+                                              ctypes.c_int, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int,
+                                              _ptr]
         self.lib.ftk_worker_stop.argtypes = [_ptr]
         self.lib.ftk_runner_start.restype = _ptr
         self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes, _ptr, _ptr, ctypes.c_int32]
@@ -203,11 +208,11 @@ class Kernel:
         flat = weights.reshape(-1)
         w = np.ascontiguousarray((flat if flat.dtype == torch.float32 else flat.float()).numpy()[a])
         ptrs = np.array([s.data_ptr() for s in slots], dtype=np.int64)
-        offsets = np.array([p.offset for p in layout.parts], dtype=np.int64)
-        keep = (rows, starts, tok, w, ptrs, offsets, x, out, *slots)
+        offsets, clamp = _expert_fn(layout)
+        keep = (rows, starts, tok, w, ptrs, offsets, clamp, x, out, *slots)
         return _Call((code, hidden, inter, offsets.ctypes.data, len(slots), ptrs.ctypes.data,
                       starts.ctypes.data, tok.ctypes.data, w.ctypes.data, rows.ctypes.data, x.data_ptr(),
-                      out.data_ptr(), threads), keep)
+                      out.data_ptr(), threads, None if clamp is None else clamp.ctypes.data), keep)
 
     def start_worker(self, layout: SlotLayout, row_ptrs: torch.Tensor, tokens: int, k: int, ctrl: torch.Tensor,
                      payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int) -> Worker:
@@ -223,11 +228,11 @@ class Kernel:
         if (payload.numel() != worker_payload(tokens, k, hidden) or out.shape != (n, hidden) or ctrl.numel() < 32
                 or busy_ns.numel() < 4):
             raise ValueError("worker buffers do not match the layout")
-        offsets = torch.tensor([p.offset for p in layout.parts], dtype=torch.int64)
+        offsets, clamp = _expert_fn(layout)  # both copied by the worker
         handle = self.lib.ftk_worker_start(
-            format_code(layout), hidden, inter, offsets.data_ptr(), row_ptrs.numel(), row_ptrs.data_ptr(), n,
+            format_code(layout), hidden, inter, offsets.ctypes.data, row_ptrs.numel(), row_ptrs.data_ptr(), n,
             tokens, k, ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(),
-            busy_ns.data_ptr(), threads)
+            busy_ns.data_ptr(), threads, None if clamp is None else clamp.ctypes.data)
         return Worker(self.lib, handle, (row_ptrs, ctrl, payload, out, busy_ns))
 
     def read(self, buf: torch.Tensor, threads: int) -> float:
@@ -235,6 +240,18 @@ class Kernel:
         if buf.nbytes % 64 or not buf.is_contiguous():
             raise ValueError("read() needs a contiguous buffer of a multiple of 64 bytes")
         return self.lib.ftk_read(buf.data_ptr(), buf.nbytes, threads)
+
+
+def _expert_fn(layout: SlotLayout) -> tuple[np.ndarray, np.ndarray | None]:
+    """What the kernel computes from a slot: the byte offsets of gate, up, down and of the
+    float32 biases (-1 for none; `Call` in experts.cpp), and the clamped SwiGLU's (alpha,
+    limit) or None for SwiGLU."""
+    by_name = {p.name: p.offset for p in layout.parts}
+    if layout.biased and any(p.dtype != BIAS_DTYPE for p in layout.parts if p.name in BIAS_PARTS):
+        raise ValueError(f"the CPU kernel reads {BIAS_DTYPE} expert biases")
+    offsets = np.array([by_name.get(n, -1) for n in (*EXPERT_PARTS, *BIAS_PARTS)], dtype=np.int64)
+    act = layout.activation
+    return offsets, None if act is None else np.array([act.alpha, act.limit], dtype=np.float32)
 
 
 class _Call:

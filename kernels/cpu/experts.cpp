@@ -1,4 +1,5 @@
-// CPU expert kernels: gate-weighted SwiGLU experts read straight from host-pool slots.
+// CPU expert kernels: gate-weighted SwiGLU experts read straight from host-pool slots (with
+// gpt-oss's biases and clamped SwiGLU where the slot layout has them).
 //
 // Built by ftkit.kernels.cpu with -O3 -march=native -fopenmp -ffp-contract=off and called through
 // ctypes (plain C ABI, raw pointers, GIL released). Decode is memory-bound: each weight byte is
@@ -542,7 +543,9 @@ const Format FORMATS[N_FORMATS] = {
 
 struct Call {
   int H, I;
-  const int64_t* part_off;  // byte offsets of gate [I,H], up [I,H], down [H,I] within a slot
+  // byte offsets within a slot of gate [I,H], up [I,H], down [H,I], then of the float32 biases
+  // of gate [I], up [I], down [H], or -1 where the experts have none
+  const int64_t* part_off;
   int n;                    // experts in this call
   const uint8_t* const* slots;
   const int64_t* start;    // [n + 1]: expert e owns assignments start[e] .. start[e+1]
@@ -554,8 +557,23 @@ struct Call {
   int threads;
   int64_t* claim;          // null: run every expert; else the split shared with the GPU (`take`)
   Team* team = nullptr;    // the threads to run on (the graph-decode worker's); null: OpenMP's
+  const float* clamp = nullptr;  // null: silu(g) * u; else {alpha, limit} of gpt-oss's clamped SwiGLU
   const Format* fmt[3] = {};  // each part's format (set by `dispatch`)
 };
+
+// Part `p` of a slot as float32 biases, or null where the layout has none.
+inline const float* bias(const Call& c, long e, int p) {
+  return c.part_off[p] < 0 ? nullptr : (const float*)(c.slots[e] + c.part_off[p]);
+}
+
+// The activation of gate and up pre-activations g and u (transformers' order of operations).
+inline float activate(const float* clamp, float g, float u) {
+  if (!clamp) return g / (1.0f + std::exp(-g)) * u;
+  const float alpha = clamp[0], limit = clamp[1];
+  g = std::min(g, limit);
+  u = std::max(-limit, std::min(u, limit));
+  return (u + 1.0f) * (g / (1.0f + std::exp(-g * alpha)));
+}
 
 // A split of experts 0..n-1 shared by two branches while they run: the GPU's side takes fills
 // from the front (the most-used experts first), the CPU takes experts from the back, one at a
@@ -615,7 +633,9 @@ const Format* rows_for(const Format* f, const uint8_t* part, int n, int i0, int 
   return &FORMATS[F32];
 }
 
-// h[a] = silu(gate x) * (up x) for expert e's assignments a, rows i0..i1-1 of gate and up.
+// h[a] = act(gate x + gate_bias, up x + up_bias) for expert e's assignments a, rows i0..i1-1 of
+// gate and up (act: `activate`; the biases where the layout has them, whatever gate and up's
+// formats).
 void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const int H = c.H, I = c.I;
   const bool many = c.start[e + 1] - c.start[e] > TBMAX;
@@ -625,6 +645,7 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const Format* fu = rows_for(c.fmt[1], c.slots[e] + c.part_off[1], H, i0, i1, many, &up,
                               tl ? tl + size_t(i1 - i0) * H : nullptr);
   const size_t gb = fg->row_bytes(H), ub = fu->row_bytes(H);
+  const float *gbias = bias(c, e, 3), *ubias = bias(c, e, 4);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* xs[TBMAX];
     for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
@@ -637,12 +658,14 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
         fg->dot1(tb, rows, H, xs, s);
         fu->dot1(tb, rows + 1, H, xs, s + 1);
       }
-      for (int t = 0; t < tb; ++t) h[size_t(a0 + t) * I + i] = s[0][t] / (1.0f + std::exp(-s[0][t])) * s[1][t];
+      if (gbias)
+        for (int t = 0; t < tb; ++t) s[0][t] += gbias[i], s[1][t] += ubias[i];
+      for (int t = 0; t < tb; ++t) h[size_t(a0 + t) * I + i] = activate(c.clamp, s[0][t], s[1][t]);
     }
   });
 }
 
-// out[out_row[a]][j0..j1-1] = weight[a] * (down h[a]) for expert e's assignments a.
+// out[out_row[a]][j0..j1-1] = weight[a] * (down h[a] + down_bias) for expert e's assignments a.
 void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   const int H = c.H, I = c.I;
   const bool many = c.start[e + 1] - c.start[e] > TBMAX;
@@ -650,6 +673,7 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   const Format* f = rows_for(c.fmt[2], c.slots[e] + c.part_off[2], I, j0, j1, many, &down,
                              many ? tile(size_t(j1 - j0) * I) : nullptr);
   const size_t rb = f->row_bytes(I);
+  const float* db = bias(c, e, 5);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* hs[TBMAX];
     for (int t = 0; t < tb; ++t) hs[t] = h + size_t(a0 + t) * I;
@@ -661,7 +685,7 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
       else f->dot1(tb, rows, I, hs, s);
       for (int t = 0; t < tb; ++t) {
         float* o = c.out + size_t(c.out_row[a0 + t]) * H;
-        for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * s[q][t];
+        for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * (db ? s[q][t] + db[j + q] : s[q][t]);
       }
     }
   });
@@ -770,7 +794,9 @@ int dispatch(int dtype, const Call& call) {
 // one expert (several tokens routed to it) are run as one expert, its weights read once.
 struct Worker {
   int dtype, H, I, items, tokens, k, threads;
-  int64_t part_off[3];
+  int64_t part_off[6];
+  float clamp[2];
+  bool clamped;
   std::vector<const uint8_t*> row_ptr;  // host address of every expert row
   volatile int32_t* bell;
   volatile int32_t* done;
@@ -823,7 +849,7 @@ struct Worker {
       }
       start[n] = m;
       const Call c{H, I, part_off, n, slots.data(), start.data(), tok.data(), w.data(), row.data(), x, out,
-                   threads, nullptr, &team};
+                   threads, nullptr, &team, clamped ? clamp : nullptr};
       dispatch(dtype, c);
       const auto t1 = std::chrono::steady_clock::now();
       if (n > 0) {
@@ -899,13 +925,16 @@ struct Runner {
 
 extern "C" {
 
+// part_off: 6 offsets (see Call); clamp: null, or {alpha, limit} (copied).
 void* ftk_worker_start(int dtype, int H, int I, const int64_t* part_off, int64_t rows, const int64_t* row_ptr,
                        int items, int tokens, int k, int32_t* bell, int32_t* done, const float* payload, float* out,
-                       int64_t* busy_ns, int threads) {
+                       int64_t* busy_ns, int threads, const float* clamp) {
   auto* w = new Worker();
   w->dtype = dtype, w->H = H, w->I = I, w->items = items, w->tokens = tokens, w->k = k;
   w->threads = std::max(1, threads);
-  std::copy(part_off, part_off + 3, w->part_off);
+  std::copy(part_off, part_off + 6, w->part_off);
+  w->clamped = clamp != nullptr;
+  if (clamp) std::copy(clamp, clamp + 2, w->clamp);
   w->row_ptr.assign((const uint8_t* const*)row_ptr, (const uint8_t* const*)row_ptr + rows);
   w->bell = bell, w->done = done, w->payload = payload, w->out = out, w->busy_ns = busy_ns;
   w->thread = std::thread([w] { w->loop(); });
@@ -922,13 +951,14 @@ void ftk_worker_stop(void* handle) {
 const char* ftk_isa() { return ISA; }
 
 // out[out_row[a]] = weight[a] * down(silu(gate x[tok[a]]) * up x[tok[a]]) for every assignment a
-// of every expert; rows of out that no assignment names are left untouched. Returns 0, or -1 for
-// an unknown dtype.
+// of every expert (with the biases part_off[3..5] names and, `clamp` not null, the clamped
+// SwiGLU: see Call); rows of out that no assignment names are left untouched. Returns 0, or -1
+// for an unknown dtype.
 int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const uint8_t* const* slots,
                 const int64_t* start, const int64_t* tok, const float* weight, const int64_t* out_row,
-                const float* x, float* out, int threads) {
+                const float* x, float* out, int threads, const float* clamp) {
   return dispatch(dtype, Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads),
-                              nullptr});
+                              nullptr, nullptr, clamp});
 }
 
 // The GPU side's turn at a shared split (see `take`): the next expert to fill, or -1 once the
@@ -948,12 +978,13 @@ void* ftk_runner_start() {
 // written, so a GPU can wait for them with no host thread in between.
 void ftk_runner_submit(void* handle, int dtype, int H, int I, const int64_t* part_off, int n,
                        const uint8_t* const* slots, const int64_t* start, const int64_t* tok, const float* weight,
-                       const int64_t* out_row, const float* x, float* out, int threads, int64_t* claim,
-                       int32_t* done, int32_t done_value) {
+                       const int64_t* out_row, const float* x, float* out, int threads, const float* clamp,
+                       int64_t* claim, int32_t* done, int32_t done_value) {
   auto* r = static_cast<Runner*>(handle);
   r->dtype = dtype;
   r->done = done, r->done_value = done_value;
-  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim};
+  r->call = Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads), claim,
+                 nullptr, clamp};
   r->busy.store(true);
   r->pending.store(true, std::memory_order_release);
   r->wake();

@@ -7,7 +7,9 @@ Decode runs a handful of tokens through a handful of experts per layer, and pref
 thousands of tokens through every expert: one launch per matrix per expert would spend more
 time launching (and, from Python, more host time) than reading weights. Item i computes
     y[i] = weight[i] * down_s (silu(gate_s x_t) * (up_s x_t)),   s = slot[i], t = token[i]
-with float32 accumulation.
+with float32 accumulation; where the slot layout has biases and the clamped SwiGLU (gpt-oss),
+    y[i] = weight[i] * (down_s act(gate_s x_t + gb_s, up_s x_t + ub_s) + db_s)
+with act the clamped form (ftkit.vocab.ClampedSwiGLU), the biases read as float32.
 
 The GEMV's work list has a fixed capacity and a valid count, so the same launch shapes serve
 every step (a prerequisite for capturing decode in a CUDA graph). It can also fill slots as it
@@ -62,16 +64,34 @@ def _copy_span(src, dst, lo, hi, BLOCK: tl.constexpr):
 
 @triton.jit
 def _copy_down(src, dst, down_off, total, p, COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
-    """Copy program p's share (of COPY_PROGS) of a fill's down matrix (`total` elements) into its
-    slot, so PCIe streams the whole expert in the gate/up launch; the down launch reads the slot."""
+    """Copy program p's share (of COPY_PROGS) of a fill's down matrix and the biases after it
+    (`total` elements from down's start) into its slot, so PCIe streams the whole expert in the
+    gate/up launch; the down launch reads the slot."""
     chunk = tl.cdiv(tl.cdiv(total, COPY_PROGS), COPY_BLOCK) * COPY_BLOCK
     lo = p * chunk
     _copy_span(src + down_off, dst + down_off, lo, tl.minimum(lo + chunk, total), COPY_BLOCK)
 
 
 @triton.jit
+def _bias(base, off, idx, mask):
+    """Float32 biases at element `off` (of the slot's dtype) from `base`, at indices idx."""
+    return tl.load((base + off).to(tl.pointer_type(tl.float32), bitcast=True) + idx, mask=mask, other=0.0)
+
+
+@triton.jit
+def _act(g, u, CLAMP: tl.constexpr, alpha, limit):
+    """silu(g) * u, or gpt-oss's clamped SwiGLU (transformers' order of operations)."""
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return (u + 1.0) * (g / (1.0 + tl.exp(-g * alpha)))
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741 (I: the FFN width)
-             slot_elems, up_off, down_off, n_gu, FILL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             slot_elems, up_off, down_off, tail, n_gu, gb_off, ub_off, alpha, limit, FILL: tl.constexpr,
+             BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
@@ -79,7 +99,7 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr
     src, dst, copy = _source(w_ptr, tl.load(slot_ptr + i), fill_ptr, row_ptr, addr_ptr, i, slot_elems, FILL)
     if FILL and tl.program_id(1) >= n_gu:  # the programs past the gate/up tiles copy a fill's down matrix
         if copy:
-            _copy_down(src, dst, down_off, H * I, tl.program_id(1) - n_gu, COPY_PROGS, COPY_BLOCK)
+            _copy_down(src, dst, down_off, tail, tl.program_id(1) - n_gu, COPY_PROGS, COPY_BLOCK)
         return
     t = tl.load(tok_ptr + i).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,13 +119,16 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr
             tl.store(dst + up_off + offs, u, mask=m2)
         acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
         acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if BIAS:  # from where the weights came (a fill's biases reach its slot through _copy_down)
+        acc_g += _bias(src, gb_off, n, nmask)
+        acc_u += _bias(src, ub_off, n, nmask)
+    h = _act(acc_g, acc_u, CLAMP, alpha, limit)
     tl.store(h_ptr + i * I + n, h, mask=nmask)
 
 
 @triton.jit
 def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I,  # noqa: E741
-          slot_elems, down_off, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+          slot_elems, down_off, db_off, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
         return
@@ -121,6 +144,8 @@ def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I,  # noqa: E741
         m2 = mmask[:, None] & kmask[None, :]
         d = tl.load(src + offs, mask=m2, other=0.0)
         acc += tl.sum(d.to(tl.float32) * hv[None, :], axis=1)
+    if BIAS:
+        acc += _bias(src, db_off, m, mmask)
     w = tl.load(wt_ptr + i).to(tl.float32)
     tl.store(y_ptr + i * H + m, (acc * w).to(y_ptr.dtype.element_ty), mask=mmask)
 
@@ -131,6 +156,20 @@ def _slot_view(slots: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, i
         raise ValueError(f"grouped expert kernels read float slots, not {layout.dtype}")
     dt = TORCH_FLOAT[layout.dtype]
     return slots.view(dt), torch.empty((), dtype=dt).element_size()
+
+
+def _expert_fn(layout: SlotLayout, esize: int) -> dict:
+    """The kernels' arguments for what the layout computes: the biases' element offsets (in the
+    slot's dtype) and the clamped SwiGLU's constants, and the elements a fill copies from down's
+    start (down and the biases after it)."""
+    last = layout.parts[-1]
+    out = dict(BIAS=layout.biased, CLAMP=layout.activation is not None,
+               alpha=layout.activation.alpha if layout.activation else 1.0,
+               limit=layout.activation.limit if layout.activation else 0.0,
+               tail=(last.offset + last.nbytes - layout.part("down").offset) // esize)
+    for name in ("gate_bias", "up_bias", "down_bias"):
+        out[name[0] + "b_off"] = layout.part(name).offset // esize if layout.biased else 0
+    return out
 
 
 def grouped_expert_gemv(
@@ -151,7 +190,8 @@ def grouped_expert_gemv(
     address `addr[rows[i]]` and copy it into their slot on the way.
     """
     w, esize = _slot_view(slots, layout)
-    gate, up, down = layout.parts
+    gate, up, down = layout.parts[:3]
+    fn = _expert_fn(layout, esize)
     i_dim, h_dim = gate.shape
     n = slot_ids.numel()
     h = torch.empty((n, i_dim), dtype=torch.float32, device=x.device)
@@ -162,12 +202,13 @@ def grouped_expert_gemv(
     n_gu = triton.cdiv(i_dim, 32)
     copy_progs = n_gu if fills is not None else 0  # as many as read gate/up: the down third in step
     _gate_up[(n, n_gu + copy_progs)](x, w, slot_ids, token_ids, count, flag, rows, addr, h, h_dim, i_dim,
-                                      slot_elems, up.offset // esize, down.offset // esize, n_gu,
-                                      FILL=fills is not None, BLOCK_N=32, BLOCK_K=128,
-                                      COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048)
+                                      slot_elems, up.offset // esize, down.offset // esize, fn["tail"], n_gu,
+                                      fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"],
+                                      FILL=fills is not None, BIAS=fn["BIAS"], CLAMP=fn["CLAMP"], BLOCK_N=32,
+                                      BLOCK_K=128, COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048)
     grid = (n, triton.cdiv(h_dim, 32))
-    _down[grid](h, w, slot_ids, weights, count, y, h_dim, i_dim, slot_elems, down.offset // esize,
-                BLOCK_M=32, BLOCK_K=128)
+    _down[grid](h, w, slot_ids, weights, count, y, h_dim, i_dim, slot_elems, down.offset // esize, fn["db_off"],
+                BIAS=fn["BIAS"], BLOCK_M=32, BLOCK_K=128)
     return y
 
 
@@ -184,7 +225,8 @@ def _tile(tile_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741
-                  slot_elems, up_off, down_off, COUNT: tl.constexpr, FILL: tl.constexpr, PREC: tl.constexpr,
+                  slot_elems, up_off, down_off, tail, gb_off, ub_off, alpha, limit, COUNT: tl.constexpr,
+                  FILL: tl.constexpr, BIAS: tl.constexpr, CLAMP: tl.constexpr, PREC: tl.constexpr,
                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
     t = tl.program_id(0)
@@ -193,10 +235,11 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr,
             return
     slot, first, m, mmask, n, nmask = _tile(tile_ptr, I, BLOCK_M, BLOCK_N)
     gate, dst, copy = _source(w_ptr, slot, fill_ptr, row_ptr, addr_ptr, t, slot_elems, FILL)
+    src = gate  # a fill's biases are read from the host: the copy programs may not have moved them yet
     n_gu = tl.cdiv(I, BLOCK_N)
     if FILL and tl.program_id(1) >= n_gu:  # the programs past the gate/up tiles copy a fill's down matrix
         if copy:
-            _copy_down(gate, dst, down_off, H * I, tl.program_id(1) - n_gu, COPY_PROGS, COPY_BLOCK)
+            _copy_down(gate, dst, down_off, tail, tl.program_id(1) - n_gu, COPY_PROGS, COPY_BLOCK)
         return
     if copy:  # a fill: this program's gate and up rows cross PCIe in contiguous blocks first,
         # then its products read them from the slot (a fill's loads inside the product loop
@@ -221,20 +264,24 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr,
             xt, g, u = xt.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(xt, g, acc_g, input_precision=PREC)
         acc_u = tl.dot(xt, u, acc_u, input_precision=PREC)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if BIAS:
+        acc_g += _bias(src, gb_off, n, nmask)[None, :]
+        acc_u += _bias(src, ub_off, n, nmask)[None, :]
+    h = _act(acc_g, acc_u, CLAMP, alpha, limit)
     out = h_ptr + (first + m)[:, None].to(tl.int64) * I + n[None, :]
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _gemm_down(h_ptr, w_ptr, tile_ptr, count_ptr, dst_ptr, wt_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
-               COUNT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               db_off, COUNT: tl.constexpr, BIAS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     if COUNT:
         if tl.program_id(0) >= tl.load(count_ptr):
             return
     slot, first, m, mmask, n, nmask = _tile(tile_ptr, H, BLOCK_M, BLOCK_N)
-    down = w_ptr + slot.to(tl.int64) * slot_elems + down_off  # fills are in their slots by now
+    base = w_ptr + slot.to(tl.int64) * slot_elems  # fills are in their slots by now
+    down = base + down_off
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -245,6 +292,8 @@ def _gemm_down(h_ptr, w_ptr, tile_ptr, count_ptr, dst_ptr, wt_ptr, y_ptr, H, I, 
         if UPCAST:
             ht, d = ht.to(tl.float32), d.to(tl.float32)
         acc = tl.dot(ht, d, acc, input_precision=PREC)
+    if BIAS:
+        acc += _bias(base, db_off, n, nmask)[None, :]
     wt = tl.load(wt_ptr + first + m, mask=mmask, other=0.0).to(tl.float32)
     dst = tl.load(dst_ptr + first + m, mask=mmask, other=0).to(tl.int64)
     out = y_ptr + dst[:, None] * H + n[None, :]
@@ -276,7 +325,8 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     `addr[rows[t]]` and copies it into its slot on the way. No host synchronisation either way.
     """
     w, esize = _slot_view(slots, layout)
-    gate, up, down = layout.parts
+    gate, up, down = layout.parts[:3]
+    fn = _expert_fn(layout, esize)
     i_dim, h_dim = gate.shape
     n_tiles = tiles.numel() // 3
     if not n_tiles:
@@ -299,8 +349,9 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     copy_progs = n_gu if fills is not None else 0  # as in the GEMV: the down third alongside gate/up
     x = x.contiguous()
     _gemm_gate_up[(n_tiles, n_gu + copy_progs)](x, w, tiles, tokens, count, flag, rows, addr, h, h_dim, i_dim,
-                                                slot_elems, up.offset // esize, down.offset // esize,
-                                                FILL=fills is not None, COPY_PROGS=max(copy_progs, 1),
-                                                COPY_BLOCK=2048, **gu)
+                                                slot_elems, up.offset // esize, down.offset // esize, fn["tail"],
+                                                fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"],
+                                                FILL=fills is not None, BIAS=fn["BIAS"], CLAMP=fn["CLAMP"],
+                                                COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048, **gu)
     _gemm_down[(n_tiles, triton.cdiv(h_dim, GEMM_N))](h, w, tiles, count, dst, weights, y, h_dim, i_dim, slot_elems,
-                                                      down.offset // esize, **cfg)
+                                                      down.offset // esize, fn["db_off"], BIAS=fn["BIAS"], **cfg)

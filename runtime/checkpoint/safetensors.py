@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -163,6 +164,38 @@ def _shard_name(index: Path, name: Any) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class MXFP4Ref(TensorRef):
+    """HF's MXFP4 pair `X_blocks` [..., G, 16] + `X_scales` [..., G] (uint8 both, as gpt-oss
+    ships its experts) as one mxfp4 tensor [..., G * 32] named `X_blocks`: `read` gives ggml's
+    mxfp4 rows (kernels/dequant.py, `mxfp4_rows_from_hf`). The fields locate the blocks."""
+
+    scales: TensorRef | None = None
+
+
+def pair_mxfp4(tensors: dict[str, TensorRef]) -> dict[str, TensorRef]:
+    """`tensors` with every `X_blocks`/`X_scales` pair replaced by one MXFP4Ref (see there)."""
+    out = dict(tensors)
+    for name, blocks in tensors.items():
+        if not name.endswith("_blocks"):
+            continue
+        scales = out.pop(name.removesuffix("_blocks") + "_scales", None)
+        if scales is None:
+            raise CheckpointError(f"MXFP4 tensor {name} has no {name.removesuffix('_blocks')}_scales")
+        if (blocks.dtype, scales.dtype) != ("uint8", "uint8") or blocks.shape[-1:] != (16,) \
+                or blocks.shape[:-1] != scales.shape:
+            raise CheckpointError(f"MXFP4 tensor {name}: blocks {blocks.dtype}{list(blocks.shape)} and scales "
+                                  f"{scales.dtype}{list(scales.shape)} are not uint8 [..., G, 16] and [..., G]")
+        out[name] = MXFP4Ref(name, "mxfp4", (*scales.shape[:-1], scales.shape[-1] * 32), blocks.path, blocks.offset,
+                             blocks.nbytes + scales.nbytes, scales)
+    return out
+
+
+def quant_method(config: dict[str, Any]) -> Any:
+    q = config.get("quantization_config")
+    return q.get("quant_method") if isinstance(q, dict) else None
+
+
 class SafetensorsSource:
     """An HF model directory: config plus one or several safetensors files."""
 
@@ -181,6 +214,8 @@ class SafetensorsSource:
             for name in refs.keys() & self.tensors.keys():
                 raise CheckpointError(f"tensor {name} appears in both {self.tensors[name].path.name} and {f.name}")
             self.tensors.update(refs)
+        if quant_method(self.config) == "mxfp4":  # transformers' Mxfp4HfQuantizer checkpoints
+            self.tensors = pair_mxfp4(self.tensors)
         self.header_only = any(stubs)
 
     @staticmethod
@@ -206,7 +241,14 @@ class SafetensorsSource:
         return files
 
     def read(self, name: str) -> torch.Tensor:
-        return read_ref(self.tensors[name])
+        ref = self.tensors[name]
+        if isinstance(ref, MXFP4Ref):
+            from ftkit.kernels.dequant import mxfp4_rows_from_hf  # torch: not on the header path
+
+            blocks = read_ref(TensorRef(ref.name, "uint8", (*ref.scales.shape, 16), ref.path, ref.offset,
+                                        ref.nbytes - ref.scales.nbytes))
+            return mxfp4_rows_from_hf(blocks, read_ref(ref.scales))
+        return read_ref(ref)
 
     def side_files(self) -> list[tuple[Path, str]]:
         out = []

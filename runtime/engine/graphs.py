@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from ftkit.kernels.triton import optional
 
 from ..experts.store import ExpertStore
+from ..models import FAMILIES
 from ..models.decoder import Experts, Mixer, MoEDecoder
 from ..models.kv import KVCache, attention_layers
 from ..models.layers import decode_attention, linear
@@ -70,6 +71,8 @@ MAX_BATCH = 8
 
 def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
     """Why this model cannot decode through graphs here, or None."""
+    if (family := FAMILIES.get(decoder.spec.family)) and (reason := family.graphs_unsupported(decoder.spec)):
+        return reason
     if decoder.rope.dynamic:
         return "dynamic NTK rope changes with the sequence length"
     if store.stats.trace:

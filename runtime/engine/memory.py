@@ -137,14 +137,7 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: 
     experts = t * spec.num_experts * 4 + items * (3 * 8 + b) + items * (spec.moe_intermediate_size + h) * b
     experts += 3 * t * spec.shared_expert_intermediate_size * b
     mlp = 3 * t * spec.intermediate_size * b if len(spec.moe_layers) < spec.num_layers else 0
-    # a chunk behind cached keys (models/layers.py): the projections and the output, with flash
-    # its float32 log-sum-exp; without, the float mask, the boolean mask and its negation and the
-    # K/V heads repeated to the query heads for SDPA's memory-efficient kernel
-    qkv = t * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * b
-    if flash:
-        attention = qkv + t * spec.num_heads * 4
-    else:
-        attention = t * context * (b + 2) + 2 * context * spec.num_heads * spec.head_dim * b + qkv
+    attention = FAMILIES[spec.family].attention_workspace(spec, t, context, b, flash)
     routes = context * spec.top_k * (3 * 8 + b)  # ids, weights, their sort and its copy, every piece
     return (context + 3 * t) * h * b + routes + max(experts, mlp, attention)
 

@@ -232,7 +232,7 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
         raise ValueError("give one of --cache-experts, --cache-bytes and --gpu-budget")
     if opts.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be at least 1 token, got {opts.prefill_chunk}")
-    stored_family(ftw)  # the spec read below, checked by its family as loading checks it
+    family = stored_family(ftw)  # the spec read below, checked by its family as loading checks it
     machine = machine or Machine.detect(opts.device)
     device, spec, slot_bytes = machine.device, ftw.spec, ftw.layout.slot_bytes
     rows = spec.num_expert_rows
@@ -247,7 +247,7 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
     plan = base_plan(spec, dense_device_bytes({name: t["shape"] for name, t in dense.items()}, dtype, spec.family),
                      slot_bytes, dtype, opts.kv_tokens, budget, prefix, cuda=device.type == "cuda",
-                     graphs=opts.graphs, chunk=opts.prefill_chunk,
+                     graphs=opts.graphs and family.graphs_unsupported(spec) is None, chunk=opts.prefill_chunk,
                      flash=flash_behind_cache(dtype, spec.head_dim, "cuda"))
     requested = opts.cache_experts if opts.cache_bytes is None else opts.cache_bytes // slot_bytes
     if device.type == "cuda" and not gpu_tier_takes(ftw.layout):

@@ -82,8 +82,8 @@ class ExpertKernels:
         out = torch.empty_like(xs)
         start = 0
         for (_, slot), end in zip(resident, ends, strict=True):
-            gate, up, down = expert_weights(self.layout, cache.slots[slot], x.dtype)
-            out[start:end] = expert_forward(xs[start:end], gate, up, down)
+            weights = expert_weights(self.layout, cache.slots[slot], x.dtype)
+            out[start:end] = expert_forward(xs[start:end], weights, self.layout.activation)
             start = end
         y[idx_d] = out * w[idx_d]
 
@@ -98,8 +98,8 @@ class ExpertKernels:
         if self.kernel is None:
             for slot, idx, row in zip(slots, idxs, rows, strict=True):
                 idx, row = torch.from_numpy(idx), torch.from_numpy(row)
-                gate, up, down = expert_weights(layout, slot, x.dtype)
-                y[row] = (expert_forward(x[idx // k], gate, up, down) * w[idx]).to(y.dtype)
+                weights = expert_weights(layout, slot, x.dtype)
+                y[row] = (expert_forward(x[idx // k], weights, layout.activation) * w[idx]).to(y.dtype)
             return
         row = np.concatenate(rows)
         if x.dtype == torch.float32 and y.dtype == torch.float32:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ftkit.kernels.dequant import dequantize
-from ftkit.vocab import BLOCK_FORMATS, ExpertLayout, SlotLayout
+from ftkit.vocab import BLOCK_FORMATS, ClampedSwiGLU, ExpertLayout, SlotLayout
 
 from ..ftw.reader import FTWModel, HostBanks
 from ..spec import ModelSpec
@@ -42,7 +42,8 @@ class HostPool:
 
 
 def expert_weights(layout: SlotLayout, slot: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """(gate, up, down) of one slot as `dtype` tensors; views when no conversion is needed."""
+    """The slot's parts in layout order (gate, up, down, then any biases) as `dtype` tensors;
+    views when no conversion is needed."""
     out = []
     for p in layout.parts:
         t = p.view(slot)
@@ -52,7 +53,18 @@ def expert_weights(layout: SlotLayout, slot: torch.Tensor, dtype: torch.dtype) -
     return tuple(out)
 
 
-def expert_forward(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU expert: down(silu(x gate^T) * (x up^T)). One function for every tier, so a result
-    never depends on where the expert ran."""
-    return torch.nn.functional.linear(torch.nn.functional.silu(x @ gate.T) * (x @ up.T), down)
+def expert_forward(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                   activation: ClampedSwiGLU | None = None) -> torch.Tensor:
+    """One expert on x: down(act(x gate^T + gate_bias, x up^T + up_bias)) + down_bias, the
+    biases where `weights` (expert_weights') has them, act SwiGLU or the clamped form. One
+    function for every tier, so a result never depends on where the expert ran."""
+    gate, up, down, *bias = weights
+    g, u = x @ gate.T, x @ up.T
+    if bias:
+        g, u = g + bias[0], u + bias[1]
+    if activation is None:
+        h = torch.nn.functional.silu(g) * u
+    else:
+        g, u = g.clamp(max=activation.limit), u.clamp(-activation.limit, activation.limit)
+        h = (u + 1) * (g * torch.sigmoid(g * activation.alpha))
+    return torch.nn.functional.linear(h, down, bias[2] if bias else None)

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ftkit.errors import InputError, shown
-from ftkit.vocab import DENSE_FORMATS, EXPERT_PARTS, ExpertLayout, FormatError, expert_layout
+from ftkit.vocab import (
+    BIAS_PARTS,
+    DENSE_FORMATS,
+    EXPERT_PARTS,
+    ExpertLayout,
+    FormatError,
+    expert_layout,
+)
 
 from ..checkpoint.base import inside
 from ..checkpoint.jsonfile import type_name
@@ -161,9 +168,12 @@ class _Fields:
         out = []
         for i, lay in enumerate(value):
             parts = self.object(lay, f"layout layer #{i}").get("parts")
-            if type(parts) is not list or len(parts) != len(EXPERT_PARTS) or not all(type(p) is dict for p in parts):
-                self.fail(f"layout layer #{i} parts is not a list of {len(EXPERT_PARTS)} objects")
-            out.append(tuple(p.get("dtype") for p in parts))
+            # gate, up, down, then (experts with biases) their three float32 biases
+            if (type(parts) is not list or len(parts) not in (len(EXPERT_PARTS), len(EXPERT_PARTS) + len(BIAS_PARTS))
+                    or not all(type(p) is dict for p in parts)):
+                self.fail(f"layout layer #{i} parts is not a list of {len(EXPERT_PARTS)} "
+                          f"or {len(EXPERT_PARTS) + len(BIAS_PARTS)} objects")
+            out.append(tuple(p.get("dtype") for p in parts[: len(EXPERT_PARTS)]))
         return out
 
     def sha(self, value: Any, what: str) -> str:

@@ -52,7 +52,10 @@ class Mapped:
     canonical: str | None = None  # dense tensors
     layer: int | None = None  # model layer, for expert tensors
     expert: int | None = None  # None: stacked over all experts of the layer
-    part: str | None = None  # gate | up | down | gate_up (stacked gate rows then up rows)
+    # gate | up | down | gate_up (stacked gate rows then up rows), or the biases of those:
+    # gate_bias | up_bias | down_bias | gate_up_bias
+    part: str | None = None
+    transposed: bool = False  # stored [in, out] (for x @ W, gpt-oss), not torch's [out, in]
 
 
 Rule = tuple[re.Pattern[str], str]
@@ -175,6 +178,21 @@ class Family:
     def recurrent_state_bytes(self, spec: ModelSpec, dtype: torch.dtype) -> int:
         """One sequence's recurrent-state bytes (linear-attention layers), whatever its length."""
         return 0
+
+    def graphs_unsupported(self, spec: ModelSpec) -> str | None:
+        """Why this family's forward cannot run through the engine's CUDA graphs and fused
+        kernels (one line), or None; the memory plans reserve no graph K/V then."""
+        return None
+
+    def attention_workspace(self, spec: ModelSpec, t: int, context: int, itemsize: int, flash: bool) -> int:
+        """Transient bytes of the forward's attention for a piece of t queries behind `context`
+        keys (a GPU prefill's, engine/memory.py): the projections and the output, with flash its
+        float32 log-sum-exp; without, the float mask, the boolean mask and its negation and the
+        K/V heads repeated to the query heads for SDPA's memory-efficient kernel (models/layers.py)."""
+        qkv = t * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * itemsize
+        if flash:
+            return qkv + t * spec.num_heads * 4
+        return t * context * (itemsize + 2) + 2 * context * spec.num_heads * spec.head_dim * itemsize + qkv
 
     # ---- forward ---------------------------------------------------------------------------
     def decoder(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts) -> MoEDecoder:

@@ -16,6 +16,13 @@ from ..spec import ModelSpec
 from . import Family, Mapped, config_name, resolve
 
 PER_EXPERT, STACKED = "per-expert", "stacked"
+# Stacked tensors that hold two slot parts: gate's rows, then up's (their biases alike).
+FUSED_INTO = {"gate": "gate_up", "up": "gate_up", "gate_bias": "gate_up_bias", "up_bias": "gate_up_bias"}
+FUSED_FROM = {"gate_up": "gate", "gate_up_bias": "gate_bias"}  # a fused tensor's first part
+# What an HF checkpoint's expert blocks (transformers' MXFP4, as gpt-oss ships) become without
+# --dtype: FTW keeps GGUF's blocks as stored, not these yet, so they are dequantized, to the
+# dtype a float checkpoint's experts would be.
+DEQUANTIZED_EXPERTS = "bfloat16"
 # Dense tensors convert from these: cast as they are, and GGUF's blocks dequantized exactly.
 GGUF_DENSE_FORMATS = (*DENSE_FORMATS, *BLOCK_FORMATS)
 
@@ -76,10 +83,27 @@ class Inventory:
                                f"expected one of {', '.join(EXPERT_FORMATS)}")
         return out
 
+    def slot_format(self, stored: str) -> str:
+        """The format a slot keeps an expert part stored in `stored`: GGUF's blocks and floats as
+        they are, an HF checkpoint's blocks (MXFP4) dequantized to DEQUANTIZED_EXPERTS."""
+        return DEQUANTIZED_EXPERTS if stored in BLOCK_FORMATS and not self.gguf else stored
+
     def layer_formats(self, layer: int) -> tuple[str, ...]:
-        """The stored format of model layer `layer`'s gate, up and down (what its slots keep;
-        call only without problems, when each part has one)."""
-        return tuple(next(iter(self.part_formats[(layer, part)])) for part in EXPERT_PARTS)
+        """The slot format of model layer `layer`'s gate, up and down (`slot_format` of what is
+        stored; call only without problems, when each part has one)."""
+        return tuple(self.slot_format(next(iter(self.part_formats[(layer, part)]))) for part in EXPERT_PARTS)
+
+    @property
+    def dequantized_experts(self) -> list[str]:
+        """The stored expert formats that conversion dequantizes (an HF checkpoint's MXFP4)."""
+        return sorted(d for d in self.expert_dtypes if self.slot_format(d) != d)
+
+    def dequantize_note(self, dtype: str) -> str | None:
+        """The one line that says experts are dequantized to `dtype`, or None when none are."""
+        if not self.dequantized_experts:
+            return None
+        return (f"experts stored as {'/'.join(self.dequantized_experts)} are dequantized to {dtype} "
+                f"(FTW does not keep these blocks yet)")
 
     def dense_note(self, dtype: str | None = None) -> str | None:
         """The one line that says the dense tensors stored in GGUF blocks are dequantized (to
@@ -138,21 +162,30 @@ def _add_expert(inv: Inventory, name: str, m: Mapped, shape: tuple[int, ...], dt
     spec = inv.spec
     le = inv.experts.setdefault(m.layer, LayerExperts())
     part_shapes = spec.expert_part_shapes()
-    inv.expert_dtypes.add(dtype)
-    for part in (("gate", "up") if m.part == "gate_up" else (m.part,)):
-        inv.part_formats.setdefault((m.layer, part), set()).add(dtype)
+    if not m.part.endswith("_bias"):  # biases are kept float32 in every slot (ftkit.vocab.BIAS_DTYPE)
+        inv.expert_dtypes.add(dtype)
+        for part in (("gate", "up") if m.part == "gate_up" else (m.part,)):
+            inv.part_formats.setdefault((m.layer, part), set()).add(dtype)
     if m.expert is None:
         inv.layouts.add(STACKED)
-        want = (spec.num_experts, 2 * spec.moe_intermediate_size, spec.hidden_size) if m.part == "gate_up" \
-            else (spec.num_experts, *part_shapes[m.part])
+        one = part_shapes.get(FUSED_FROM.get(m.part, m.part))  # a gate_up tensor: gate's rows, then up's
+        if one is not None:
+            want = (spec.num_experts, 2 * one[0], *one[1:]) if m.part in FUSED_FROM else (spec.num_experts, *one)
+            if m.transposed:
+                want = (*want[:-2], want[-1], want[-2])
         le.stacked[m.part] = name
     else:
         inv.layouts.add(PER_EXPERT)
-        want = part_shapes[m.part]
+        one = want = part_shapes.get(m.part)
         if m.expert >= spec.num_experts:
             inv.unexpected.append(name)
             return
         le.per[(m.expert, m.part)] = name
+    if one is None:  # a part these experts do not have (a bias where they have none)
+        inv.unexpected.append(name)
+        le.stacked.pop(m.part, None)
+        le.per.pop((m.expert, m.part), None)
+        return
     if tuple(shape) != want:
         inv.mismatched.append(f"{name} is {list(shape)}, expected {list(want)}")
 
@@ -160,8 +193,8 @@ def _add_expert(inv: Inventory, name: str, m: Mapped, shape: tuple[int, ...], dt
 def _check_layer(inv: Inventory, layer: int, unreadable: set[str]) -> None:
     le = inv.experts.get(layer, LayerExperts())
     have = set(le.stacked) | unreadable
-    for part in ("gate", "up", "down"):
-        if part in have or (part != "down" and "gate_up" in have):
+    for part in inv.spec.expert_part_shapes():
+        if part in have or FUSED_INTO.get(part) in have:
             continue
         present = sum((e, part) in le.per for e in {e for e, _ in le.per})
         if present == 0:

@@ -7,6 +7,22 @@ import dataclasses
 from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.spec import FULL_ATTENTION, QK_NORM_HEAD, ModelSpec
 
+
+def _gpt_oss(layers: int, experts: int) -> dict:
+    """openai/gpt-oss-20b's and -120b's config.json: they differ in layers and experts only."""
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": layers,
+        "num_local_experts": experts, "num_experts_per_tok": 4, "hidden_size": 2880, "intermediate_size": 2880,
+        "vocab_size": 201088, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 4096},
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "attention_bias": True, "eos_token_id": 200002, "pad_token_id": 199999,
+    }
+
+
 PRESETS: dict[str, ModelSpec] = {
     # 48 layers, 128 experts of 9.44 MB (bf16), top-8
     "qwen3-30b-a3b": ModelSpec(
@@ -35,6 +51,11 @@ PRESETS: dict[str, ModelSpec] = {
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rope_theta": 1e7, "partial_rotary_factor": 0.25,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
         "architectures": ["Qwen3NextForCausalLM"]}),
+    # 24 layers alternating sliding-window (128) and full attention, 32 experts of 49.8 MB (bf16),
+    # top-4, expert biases and the clamped SwiGLU: from the published config, through the family
+    "gpt-oss-20b": FAMILIES["gpt_oss"].spec_from_config(_gpt_oss(24, 32)),
+    # the same layers, 36 of them with 128 experts each
+    "gpt-oss-120b": FAMILIES["gpt_oss"].spec_from_config(_gpt_oss(36, 128)),
     # small enough for CI: the qwen3 layout at toy sizes
     "tiny": ModelSpec(
         family="qwen3_moe", architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=128,

@@ -147,8 +147,8 @@ class ExpertCycle:
 
         def step() -> int:
             for e, slot in enumerate(self.take()):
-                g, u, d = expert_weights(self.layout, slot, dtype)
-                self.out[self.groups[e]] = (expert_forward(x, g, u, d) * self.w[self.groups[e], None]).float()
+                weights = expert_weights(self.layout, slot, dtype)
+                self.out[self.groups[e]] = (expert_forward(x, weights, self.layout.activation) * self.w[self.groups[e], None]).float()
             return self.bytes_per_call
         return step
 

@@ -68,6 +68,8 @@ def main(
         console.print(plan_table(plan, out))
         if note := plan.inventory.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
+        if note := plan.inventory.dequantize_note(plan.layout.dtype):
+            console.print(f"[yellow]note:[/] {note}")
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")
             return

@@ -20,10 +20,9 @@ from ftkit.runtime.ftw.manifest import (
     write_json_atomic,
 )
 from ftkit.runtime.ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
-from ftkit.runtime.models.inventory import Inventory, take_inventory
+from ftkit.runtime.models.inventory import FUSED_FROM, Inventory, take_inventory
 from ftkit.vocab import (
     BLOCK_FORMATS,
-    EXPERT_PARTS,
     ExpertLayout,
     expert_layout,
     storage_dtype,
@@ -145,32 +144,36 @@ def convert(plan: Plan, out: Path, force: bool = False, on_bytes: Callable[[int]
 
 def _layer_experts(plan: Plan, layer: int, on_bytes: Callable[[int], None]):
     """Yield each expert's {part: tensor in its slot format} for one model layer, in order:
-    blocks as stored (raw rows), floats cast, or all cast to --dtype."""
+    blocks as stored (raw rows), floats cast (biases to float32), or all cast to --dtype."""
     inv, spec = plan.inventory, plan.spec
     le = inv.experts[layer]
-    dst = dict(zip(EXPERT_PARTS, plan.layout.for_layer(spec.moe_index(layer)).formats, strict=True))
+    slot = plan.layout.for_layer(spec.moe_index(layer))
     stacked: dict[str, tuple[torch.Tensor, str]] = {}
     for part, name in le.stacked.items():
         ref = inv.source.tensors[name]
-        t = inv.family.sanitize(_mapped(inv, name), inv.source.read(name), spec, inv.gguf)
+        mapped = _mapped(inv, name)
+        t = inv.family.sanitize(mapped, inv.source.read(name), spec, inv.gguf)
+        if mapped.transposed:  # stored for x @ W: torch's [out, in] per expert
+            t = t.transpose(-1, -2)
         on_bytes(ref.nbytes)
-        if part == "gate_up":
+        if part in FUSED_FROM:  # gate's rows, then up's
+            first, second = FUSED_FROM[part], FUSED_FROM[part].replace("gate", "up")
             i = spec.moe_intermediate_size
-            stacked["gate"], stacked["up"] = (t[:, :i], ref.dtype), (t[:, i:], ref.dtype)
+            stacked[first], stacked[second] = (t[:, :i], ref.dtype), (t[:, i:], ref.dtype)
         else:
             stacked[part] = (t, ref.dtype)
     for e in range(spec.num_experts):
         parts = {}
-        for part in ("gate", "up", "down"):
-            if part in stacked:
-                t, src = stacked[part]
+        for p in slot.parts:
+            if p.name in stacked:
+                t, src = stacked[p.name]
                 t = t[e]
             else:
-                name = le.per[(e, part)]
+                name = le.per[(e, p.name)]
                 ref = inv.source.tensors[name]
                 t, src = inv.family.sanitize(_mapped(inv, name), inv.source.read(name), spec, inv.gguf), ref.dtype
                 on_bytes(ref.nbytes)
-            parts[part] = _cast(t, src, dst[part])
+            parts[p.name] = _cast(t, src, p.dtype)
         yield parts
 
 

@@ -23,7 +23,7 @@ from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer, compile_template
 from ftkit.runtime.ftw.manifest import MANIFEST
 from ftkit.runtime.models import Family, family_for_config, located
-from ftkit.runtime.models.inventory import Inventory, take_inventory
+from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, Inventory, take_inventory
 from ftkit.runtime.models.kv_size import kv_bytes_per_token
 from ftkit.runtime.spec import ModelSpec
 from ftkit.vocab import (
@@ -142,7 +142,8 @@ def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout) -> dict[s
     top; more slots mean fewer expert fetches."""
     slot = layout.slot_bytes
     dense = dense_device_bytes(family.dense_shapes(spec), PLAN_DTYPE, spec.family)
-    least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=True,
+    graphs = family.graphs_unsupported(spec) is None  # the runtime decodes through them
+    least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=graphs,
                       flash=cuda_flash(spec)).with_sizes(expert_slots=spec.top_k)
     return {
         "dtype": PLAN_DTYPE.name,
@@ -193,17 +194,19 @@ def _check_checkpoint(d: Diagnosis) -> None:
     d.slots = _converted_layout(inv)
     if note := inv.dense_note():
         d.notes.append(note)
+    if note := inv.dequantize_note(DEQUANTIZED_EXPERTS):
+        d.notes.append(note)
 
 
 def _converted_layout(inv: Inventory) -> ExpertLayout:
-    """The slots ftw-convert writes: each layer's parts in their stored formats; a part that is
-    missing, mixes formats, or is in one a slot cannot hold at the spec's shape priced as
-    bfloat16 (`--dtype`)."""
+    """The slots ftw-convert writes: each layer's parts in their stored formats (an HF
+    checkpoint's blocks dequantized: Inventory.slot_format); a part that is missing, mixes
+    formats, or is in one a slot cannot hold at the spec's shape priced as bfloat16 (`--dtype`)."""
     shapes = inv.spec.expert_part_shapes()
 
     def one(layer: int, part: str) -> str:
         formats = inv.part_formats.get((layer, part), set())
-        fmt = next(iter(formats)) if len(formats) == 1 else None
+        fmt = inv.slot_format(next(iter(formats))) if len(formats) == 1 else None
         fits = fmt in EXPERT_FORMATS and shapes[part][-1] % FORMATS[fmt].block == 0
         return fmt if fits else "bfloat16"
 

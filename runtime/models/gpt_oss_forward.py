@@ -1,0 +1,64 @@
+"""gpt-oss's forward pass: attention with a learned sink logit per head (sliding windows as masks
+over full K/V rows), float32 RMSNorm weights, the biased router whose top-k logits are softmaxed.
+The experts' biases and clamped SwiGLU are the slot layout's (ftkit.vocab.ClampedSwiGLU)."""
+
+from __future__ import annotations
+
+import torch
+
+from .decoder import KVAttend, MoEDecoder
+from .gpt_oss import SCORES_PER_BLOCK
+from .kv import KVCache
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int | None,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention whose softmax also counts one sink logit per head: q [T, H, D] at
+    positions offset..offset+T over k, v [S, KvH, D] (positions 0..S); `window`: keys within the
+    last `window` positions only. transformers' eager gpt-oss attention, op for op (scores in the
+    activations' dtype, the max subtracted, the sink's column dropped after the softmax); queries
+    run in blocks so the scores stay SCORES_PER_BLOCK at most."""
+    t, heads, d = q.shape
+    s, kv_heads = k.shape[0], k.shape[1]
+    rep = heads // kv_heads
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [KvH, S, D]
+    k_pos = torch.arange(s, device=q.device)[None]
+    out = torch.empty_like(q)
+    block = max(1, SCORES_PER_BLOCK // (heads * s))
+    for a in range(0, t, block):
+        b = min(t, a + block)
+        # the query heads of one kv head together: [KvH, rep * Tb, D], no repeated K/V
+        qg = q[a:b].transpose(0, 1).reshape(kv_heads, rep * (b - a), d)
+        scores = (qg @ kh.transpose(1, 2)).view(heads, b - a, s) * d**-0.5
+        q_pos = torch.arange(offset + a, offset + b, device=q.device)[:, None]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        scores = scores + torch.where(visible, 0.0, torch.finfo(scores.dtype).min).to(scores.dtype)
+        logits = torch.cat([scores, sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, b - a, 1)], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype)
+        pg = probs.reshape(kv_heads, rep * (b - a), s)
+        out[a:b] = (pg @ vh).view(heads, b - a, d).transpose(0, 1)
+    return out
+
+
+class GptOssDecoder(MoEDecoder):
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        # transformers keeps these weights float32 and multiplies before the cast back
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return (self.w[name] * h).to(x.dtype)
+
+    def cached(self, cache: KVCache) -> KVAttend:
+        def kv(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            offset = cache.length
+            return sink_attention(q, *cache.append(i, k, v), offset, self.window(i), self.w[f"layers.{i}.attn.sinks"])
+        return kv
+
+    def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k of the biased router logits, softmaxed over those k (in the logits' dtype)."""
+        p = f"layers.{i}.router."
+        logits = torch.nn.functional.linear(x, self.w[p + "weight"], self.w[p + "bias"])
+        top, ids = torch.topk(logits, self.spec.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
