@@ -54,6 +54,9 @@ WAIT_SIG = {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64", "count_ptr"
 GEMV = {"w_ptr": "*bf16", "slot_ptr": "*i32", "count_ptr": "*i32", "fill_ptr": "*i32", "row_ptr": "*i64",
         "addr_ptr": "*i64", "H": "i32", "I": "i32", "slot_elems": "i32"}
 GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "count_ptr": "*i32", "H": "i32", "I": "i32", "slot_elems": "i32"}
+# the gate/up kernels' slot offsets and gpt-oss's bias offsets and clamped SwiGLU constants
+GATE_UP_EXTRA = {"up_off": "i32", "down_off": "i32", "tail": "i32", "gb_off": "i32", "ub_off": "i32",
+                 "alpha": "fp32", "limit": "fp32"}
 GEMM_CONSTS = dict(PREC="tf32", UPCAST=False, BLOCK_M=experts.GEMM_M, BLOCK_N=experts.GEMM_N, BLOCK_K=experts.GEMM_K)
 
 KERNELS = [
@@ -75,18 +78,22 @@ KERNELS = [
     (zero_copy._ring, {"ctrl_ptr": "*i32", "value": "i32", "stamp_ptr": "*i64", "count_ptr": "*i32"}, dict(TIMER=True)),
     (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
     (zero_copy._wait_word, {"ctrl_ptr": "*i32", "value": "i32"}, {}),
-    *((experts._gate_up, {**GEMV, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32", "up_off": "i32",
-                          "down_off": "i32", "n_gu": "i32"},
-       dict(FILL=fill, BLOCK_N=32, BLOCK_K=128, COPY_PROGS=24, COPY_BLOCK=2048)) for fill in (True, False)),
-    (experts._down, {"h_ptr": "*fp32", "w_ptr": "*bf16", "slot_ptr": "*i32", "wt_ptr": "*bf16", "count_ptr": "*i32",
-                     "y_ptr": "*bf16", "H": "i32", "I": "i32", "slot_elems": "i32", "down_off": "i32"},
-     dict(BLOCK_M=32, BLOCK_K=128)),
-    *((experts._gemm_gate_up, {**GEMM, "x_ptr": "*bf16", "tok_ptr": "*i32", "fill_ptr": "*i32", "row_ptr": "*i64",
-                               "addr_ptr": "*i64", "h_ptr": "*bf16", "up_off": "i32", "down_off": "i32"},
-       dict(GEMM_CONSTS, COUNT=count, FILL=fill, COPY_PROGS=copy, COPY_BLOCK=2048, **width))
-      for count, fill, copy, width in ((False, False, 1, {}), (True, True, 24, dict(BLOCK_N=experts.FILL_N)))),
+    *((experts._gate_up, {**GEMV, **GATE_UP_EXTRA, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32",
+                          "n_gu": "i32"},
+       dict(FILL=fill, BIAS=gpt_oss, CLAMP=gpt_oss, BLOCK_N=32, BLOCK_K=128, COPY_PROGS=24, COPY_BLOCK=2048))
+      for fill, gpt_oss in ((True, False), (False, False), (True, True))),
+    *((experts._down, {"h_ptr": "*fp32", "w_ptr": "*bf16", "slot_ptr": "*i32", "wt_ptr": "*bf16", "count_ptr": "*i32",
+                       "y_ptr": "*bf16", "H": "i32", "I": "i32", "slot_elems": "i32", "down_off": "i32", "db_off": "i32"},
+       dict(BIAS=bias, BLOCK_M=32, BLOCK_K=128)) for bias in (False, True)),
+    *((experts._gemm_gate_up, {**GEMM, **GATE_UP_EXTRA, "x_ptr": "*bf16", "tok_ptr": "*i32", "fill_ptr": "*i32",
+                               "row_ptr": "*i64", "addr_ptr": "*i64", "h_ptr": "*bf16"},
+       dict(GEMM_CONSTS, COUNT=count, FILL=fill, BIAS=gpt_oss, CLAMP=gpt_oss, COPY_PROGS=copy, COPY_BLOCK=2048, **width))
+      for count, fill, gpt_oss, copy, width in ((False, False, False, 1, {}),
+                                                (True, True, False, 24, dict(BLOCK_N=experts.FILL_N)),
+                                                (True, True, True, 24, dict(BLOCK_N=experts.FILL_N)))),
     *((experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
-                            "down_off": "i32"}, dict(GEMM_CONSTS, COUNT=count)) for count in (False, True)),
+                            "down_off": "i32", "db_off": "i32"}, dict(GEMM_CONSTS, COUNT=count, BIAS=bias))
+      for count, bias in ((False, False), (True, False), (True, True))),
     (gemv._gemv, {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"},
      dict(BN=16, BK=512, HAS_BIAS=True)),
     (router._softmax_topk, {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32"},
