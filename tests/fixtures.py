@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -234,6 +236,13 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32) -> PreTrained
     return AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="eager", experts_implementation="eager", dtype=dtype
     ).eval()
+
+
+def interpreter_starts_with_torch() -> bool:
+    """Whether a bare `python -c` here has torch loaded already (a site hook on some images, as the
+    GPU machine's): there a "no torch on the header path" check cannot tell anything."""
+    code = "import sys; print('torch' in sys.modules)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip() == "True"
 
 
 # --- safetensors byte-level helpers ---------------------------------------------------------
