@@ -66,9 +66,6 @@ BLOCK_FORMATS = tuple(n for n, f in FORMATS.items() if not f.plain)
 # stores them, which the CPU kernel dequantizes as it multiplies.
 FLOAT_FORMATS = ("float32", "float16", "bfloat16")
 EXPERT_FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS)
-# What the device tier (the grouped GPU kernels, the device planner, torch on a GPU) takes: the
-# other block formats run on the cpu strategy until GPU kernels read them (issue 38).
-DEVICE_FORMATS = (*FLOAT_FORMATS, Q8_0)
 # What FTW stores dense tensors (attention, norms, embeddings, routers) as: the compute dtypes.
 DENSE_FORMATS = ("float32", "float16", "bfloat16")
 
@@ -265,11 +262,6 @@ class ExpertLayout:
         return tuple(sorted({f for lay in self.layers for f in lay.formats}))
 
     @property
-    def blocks(self) -> bool:
-        """Whether some part is in a format the device tier does not take (DEVICE_FORMATS)."""
-        return any(f not in DEVICE_FORMATS for f in self.formats)
-
-    @property
     def biased(self) -> bool:
         """Whether the experts have float32 biases after gate, up and down (every layer alike)."""
         return self.layers[0].biased
@@ -303,14 +295,9 @@ class ExpertLayout:
 
 
 # How block parts are laid out in a slot: ggml's blocks as GGUF stores them, row by row (a row of
-# n weights is n / block blocks), not repacked; the CPU kernel reads them so.
+# n weights is n / block blocks), not repacked; the CPU kernel and the Triton kernels
+# (kernels/triton/blocks.py) read them so.
 PACKING = "ggml-rows"
-
-
-def cpu_only_note(layout: ExpertLayout) -> str:
-    """The one line that says why these experts run on the cpu strategy on a GPU machine."""
-    return (f"experts stored as {layout.describe()} run on the cpu strategy only: the GPU kernels do not "
-            f"read these blocks yet (issue 38); for offload, hybrid or fused reconvert with --dtype bfloat16")
 
 
 def expert_layout(spec: HasExperts, formats: str | list[tuple[str, ...]]) -> ExpertLayout:

@@ -12,6 +12,7 @@ the converter vendored in llama-cpp-python 0.3.36 (vocabulary step stubbed).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
+
+from ftkit.kernels.dequant import dequantize
+from ftkit.runtime.random_model import demo_spec
+from ftkit.vocab import BLOCK_FORMATS, SlotLayout, slot_layout
 
 QT = gguf.GGMLQuantizationType
 ARCHS = {
@@ -313,3 +318,34 @@ def dequantized_gguf(src: Path, out: Path) -> Path:
     return _rewrite_gguf(
         src, out, lambda t: (gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(_shape(t)), None)
     )
+
+
+def block_slots(formats: tuple[str, str, str], n: int, seed: int, hidden: int = 512, inter: int = 256,
+                **fields: object) -> tuple[
+        SlotLayout, list[torch.Tensor], SlotLayout, list[torch.Tensor]]:
+    """`n` expert slots with parts in `formats` (quantized random weights, or valid random blocks
+    where ftkit has no quantizer), and the same experts dequantized into float32 slots, of
+    `hidden` x `inter` experts (multiples of 256 for the K-quants); `fields`:
+    more ModelSpec fields (gpt-oss's float32 biases and clamped SwiGLU)."""
+    from ftkit.kernels.quantize import QUANTIZERS, quantize
+
+    spec = dataclasses.replace(demo_spec(64), hidden_size=hidden, moe_intermediate_size=inter, **fields)
+    layout, f32 = slot_layout(spec, formats), slot_layout(spec, "float32")
+    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+    slots, floats = [], []
+    for _ in range(n):
+        slot, fslot = torch.zeros(layout.slot_bytes, dtype=torch.uint8), torch.zeros(f32.slot_bytes, dtype=torch.uint8)
+        for p, fp in zip(layout.parts, f32.parts, strict=True):
+            w = torch.randn(p.shape, generator=gen) * (p.shape[1] ** -0.5 if len(p.shape) == 2 else 0.5)
+            if p.dtype not in BLOCK_FORMATS:
+                raw = w.to(getattr(torch, p.dtype)).view(torch.uint8)
+            elif p.dtype in QUANTIZERS:
+                raw = quantize(w, p.dtype)
+            else:
+                raw = torch.from_numpy(random_blocks(p.dtype, p.shape, rng, scale=0.5 / p.shape[1]))
+            slot[p.offset : p.offset + p.nbytes] = raw.reshape(-1)
+            value = dequantize(raw, p.dtype) if p.dtype in BLOCK_FORMATS else raw.view(getattr(torch, p.dtype)).float()
+            fslot[fp.offset : fp.offset + fp.nbytes] = value.reshape(-1).view(torch.uint8)
+        slots.append(slot)
+        floats.append(fslot)
+    return layout, slots, f32, floats

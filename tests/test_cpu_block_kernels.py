@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
 from ftkit.kernels.cpu import Kernel, build, load
-from ftkit.kernels.dequant import dequantize
-from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.experts.pool import expert_forward, expert_weights
-from ftkit.runtime.random_model import demo_spec
-from ftkit.vocab import BLOCK_FORMATS, SlotLayout, slot_layout
-from gguf_fixtures import random_blocks
+from ftkit.vocab import BLOCK_FORMATS, SlotLayout
+from gguf_fixtures import block_slots
 
 HIDDEN, INTER = 512, 256  # rows of two 256-weight super-blocks (HIDDEN) and one (INTER)
 TOKENS = (1, 3, 19)  # 19 > TBMAX (8): that expert's rows go through the decoded float32 tile
@@ -29,33 +25,6 @@ def _kernel() -> Kernel:
     if kernel is None:
         pytest.skip("the CPU kernel cannot be built here (no C++ compiler)")
     return kernel
-
-
-def block_slots(formats: tuple[str, str, str], n: int, seed: int, **fields: object) -> tuple[
-        SlotLayout, list[torch.Tensor], SlotLayout, list[torch.Tensor]]:
-    """`n` expert slots with parts in `formats` (quantized random weights, or valid random blocks
-    where ftkit has no quantizer), and the same experts dequantized into float32 slots; `fields`:
-    more ModelSpec fields (gpt-oss's float32 biases and clamped SwiGLU)."""
-    spec = dataclasses.replace(demo_spec(64), hidden_size=HIDDEN, moe_intermediate_size=INTER, **fields)
-    layout, f32 = slot_layout(spec, formats), slot_layout(spec, "float32")
-    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
-    slots, floats = [], []
-    for _ in range(n):
-        slot, fslot = torch.zeros(layout.slot_bytes, dtype=torch.uint8), torch.zeros(f32.slot_bytes, dtype=torch.uint8)
-        for p, fp in zip(layout.parts, f32.parts, strict=True):
-            w = torch.randn(p.shape, generator=gen) * (p.shape[1] ** -0.5 if len(p.shape) == 2 else 0.5)
-            if p.dtype not in BLOCK_FORMATS:
-                raw = w.to(getattr(torch, p.dtype)).view(torch.uint8)
-            elif p.dtype in QUANTIZERS:
-                raw = quantize(w, p.dtype)
-            else:
-                raw = torch.from_numpy(random_blocks(p.dtype, p.shape, rng, scale=0.5 / p.shape[1]))
-            slot[p.offset : p.offset + p.nbytes] = raw.reshape(-1)
-            value = dequantize(raw, p.dtype) if p.dtype in BLOCK_FORMATS else raw.view(getattr(torch, p.dtype)).float()
-            fslot[fp.offset : fp.offset + fp.nbytes] = value.reshape(-1).view(torch.uint8)
-        slots.append(slot)
-        floats.append(fslot)
-    return layout, slots, f32, floats
 
 
 def _call(kernel: Kernel, layout: SlotLayout, slots: list[torch.Tensor], tokens: int, seed: int) -> torch.Tensor:

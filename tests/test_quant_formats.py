@@ -277,9 +277,8 @@ def test_diagnose_passes_and_prices_the_quantized_bytes(quant_gguf, key):
     assert r["memory"]["expert_data_bytes"] == max(lay.data_bytes for lay in layout.layers)
     assert r["memory"]["host_expert_pool_bytes"] == spec.num_expert_rows * layout.slot_bytes
     assert r["memory"]["expert_dtype"] == layout.describe()
-    assert f"experts stored as {layout.describe()} run on the cpu strategy only" in " ".join(r["notes"])
-    out = " ".join(CliRunner().invoke(diagnose_app, [str(path)]).output.split())
-    assert out.count("run on the cpu strategy only") == 1 and "PASS" in out
+    assert not [n for n in r["notes"] if "cpu strategy only" in n]  # the GPU kernels read blocks too
+    assert "PASS" in " ".join(CliRunner().invoke(diagnose_app, [str(path)]).output.split())
 
 
 def test_every_format_is_in_the_every_format_model(quant_gguf):
@@ -347,7 +346,7 @@ def test_cpu_strategy_on_the_blocks_decodes_the_dequantized_twins_tokens(quant_g
     bit for bit)."""
     path, ref_path = quant_gguf(key)
     q, ref = _converted(path, tmp_path / "q.ftw"), _converted(ref_path, tmp_path / "r.ftw")
-    assert FTWModel(q).layout.blocks and FTWModel(ref).layout.dtype == "float32"
+    assert set(FTWModel(q).layout.formats) <= set(BLOCK_FORMATS) and FTWModel(ref).layout.dtype == "float32"
     prompt = [3, 17, 5, 42, 8, 11, 29, 2, 40, 7] * 2  # 20 tokens: experts past one pass of 8 (the tile path)
     runs = []
     for ftw in (q, ref):

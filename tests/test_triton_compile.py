@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ftkit.kernels.triton import (  # noqa: E402
     attention,
+    blocks,
     decode,
     delta_rule,
     experts,
@@ -56,7 +57,12 @@ GEMV = {"w_ptr": "*bf16", "slot_ptr": "*i32", "count_ptr": "*i32", "fill_ptr": "
 GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "count_ptr": "*i32", "H": "i32", "I": "i32", "slot_elems": "i32"}
 # the gate/up kernels' slot offsets and gpt-oss's bias offsets and clamped SwiGLU constants
 GATE_UP_EXTRA = {"up_off": "i32", "down_off": "i32", "tail": "i32", "gb_off": "i32", "ub_off": "i32",
-                 "alpha": "fp32", "limit": "fp32"}
+                 "alpha": "fp32", "limit": "fp32", "g_row": "i32", "u_row": "i32", "lut_ptr": "*fp32"}
+# the part formats: TYPED (float slots through their own pointer) or GGUF blocks through bytes
+# (Q4_K_M's q4_k gate/up and q6_k down, mxfp4, iq4_xs: the non-linear levels)
+TYPED = dict(FMT_G=blocks.TYPED, FMT_U=blocks.TYPED)
+Q4_K = dict(FMT_G=blocks.CODES["q4_k"], FMT_U=blocks.CODES["q4_k"])
+BYTES = {"w_ptr": "*u8"}
 GEMM_CONSTS = dict(PREC="tf32", UPCAST=False, BLOCK_M=experts.GEMM_M, BLOCK_N=experts.GEMM_N, BLOCK_K=experts.GEMM_K)
 
 KERNELS = [
@@ -79,21 +85,30 @@ KERNELS = [
     (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
     (zero_copy._wait_word, {"ctrl_ptr": "*i32", "value": "i32"}, {}),
     *((experts._gate_up, {**GEMV, **GATE_UP_EXTRA, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32",
-                          "n_gu": "i32"},
-       dict(FILL=fill, BIAS=gpt_oss, CLAMP=gpt_oss, BLOCK_N=32, BLOCK_K=128, COPY_PROGS=24, COPY_BLOCK=2048))
-      for fill, gpt_oss in ((True, False), (False, False), (True, True))),
+                          "n_gu": "i32", **(BYTES if fmt is Q4_K else {})},
+       dict(FILL=fill, BIAS=gpt_oss, CLAMP=gpt_oss, BLOCK_N=32, BLOCK_K=128, COPY_PROGS=24, COPY_BLOCK=2048, **fmt))
+      for fill, gpt_oss, fmt in ((True, False, TYPED), (False, False, TYPED), (True, True, TYPED),
+                                 (True, False, Q4_K), (False, True, Q4_K))),
     *((experts._down, {"h_ptr": "*fp32", "w_ptr": "*bf16", "slot_ptr": "*i32", "wt_ptr": "*bf16", "count_ptr": "*i32",
-                       "y_ptr": "*bf16", "H": "i32", "I": "i32", "slot_elems": "i32", "down_off": "i32", "db_off": "i32"},
-       dict(BIAS=bias, BLOCK_M=32, BLOCK_K=128)) for bias in (False, True)),
+                       "y_ptr": "*bf16", "H": "i32", "I": "i32", "slot_elems": "i32", "down_off": "i32", "db_off": "i32",
+                       "lut_ptr": "*fp32", **(BYTES if fmt else {})},
+       dict(BIAS=bias, BLOCK_M=32, BLOCK_K=128, FMT_D=fmt))
+      for bias, fmt in ((False, blocks.TYPED), (True, blocks.TYPED), (False, blocks.CODES["q6_k"]),
+                        (True, blocks.CODES["mxfp4"]), (False, blocks.CODES["iq4_xs"]))),
     *((experts._gemm_gate_up, {**GEMM, **GATE_UP_EXTRA, "x_ptr": "*bf16", "tok_ptr": "*i32", "fill_ptr": "*i32",
-                               "row_ptr": "*i64", "addr_ptr": "*i64", "h_ptr": "*bf16"},
-       dict(GEMM_CONSTS, COUNT=count, FILL=fill, BIAS=gpt_oss, CLAMP=gpt_oss, COPY_PROGS=copy, COPY_BLOCK=2048, **width))
-      for count, fill, gpt_oss, copy, width in ((False, False, False, 1, {}),
-                                                (True, True, False, 24, dict(BLOCK_N=experts.FILL_N)),
-                                                (True, True, True, 24, dict(BLOCK_N=experts.FILL_N)))),
+                               "row_ptr": "*i64", "addr_ptr": "*i64", "h_ptr": "*bf16", **(BYTES if fmt is Q4_K else {})},
+       dict(GEMM_CONSTS, COUNT=count, FILL=fill, BIAS=gpt_oss, CLAMP=gpt_oss, COPY_PROGS=copy, COPY_BLOCK=2048,
+            **width, **fmt))
+      for count, fill, gpt_oss, copy, width, fmt in ((False, False, False, 1, {}, TYPED),
+                                                     (True, True, False, 24, dict(BLOCK_N=experts.FILL_N), TYPED),
+                                                     (True, True, True, 24, dict(BLOCK_N=experts.FILL_N), TYPED),
+                                                     (False, False, False, 1, {}, Q4_K),
+                                                     (True, True, False, 24, dict(BLOCK_N=experts.FILL_N), Q4_K))),
     *((experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
-                            "down_off": "i32", "db_off": "i32"}, dict(GEMM_CONSTS, COUNT=count, BIAS=bias))
-      for count, bias in ((False, False), (True, False), (True, True))),
+                            "down_off": "i32", "db_off": "i32", "lut_ptr": "*fp32", **(BYTES if fmt else {})},
+       dict(GEMM_CONSTS, COUNT=count, BIAS=bias, FMT_D=fmt))
+      for count, bias, fmt in ((False, False, blocks.TYPED), (True, False, blocks.TYPED), (True, True, blocks.TYPED),
+                               (False, False, blocks.CODES["q6_k"]), (True, False, blocks.CODES["q8_0"]))),
     (gemv._gemv, {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"},
      dict(BN=16, BK=512, HAS_BIAS=True)),
     (router._softmax_topk, {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32"},

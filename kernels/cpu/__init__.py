@@ -33,7 +33,7 @@ import torch
 from ftkit.vocab import BIAS_DTYPE, BIAS_PARTS, EXPERT_PARTS
 
 if TYPE_CHECKING:
-    from ftkit.vocab import SlotLayout
+    from ftkit.vocab import ExpertLayout, SlotLayout
 
 
 def format_code(layout: SlotLayout) -> int:
@@ -113,9 +113,9 @@ class Kernel:
                                          _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr]
         self.lib.ftk_read.restype = ctypes.c_double
         self.lib.ftk_worker_start.restype = _ptr
-        self.lib.ftk_worker_start.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, ctypes.c_int,
-                                              ctypes.c_int, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int,
-                                              _ptr]
+        self.lib.ftk_worker_start.argtypes = [ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr,
+                                              ctypes.c_int, ctypes.c_int, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr,
+                                              ctypes.c_int, _ptr]
         self.lib.ftk_worker_stop.argtypes = [_ptr]
         self.lib.ftk_runner_start.restype = _ptr
         self.lib.ftk_runner_submit.argtypes = [_ptr, *self.lib.ftk_experts.argtypes, _ptr, _ptr, ctypes.c_int32]
@@ -214,24 +214,27 @@ class Kernel:
                       starts.ctypes.data, tok.ctypes.data, w.ctypes.data, rows.ctypes.data, x.data_ptr(),
                       out.data_ptr(), threads, None if clamp is None else clamp.ctypes.data), keep)
 
-    def start_worker(self, layout: SlotLayout, row_ptrs: torch.Tensor, tokens: int, k: int, ctrl: torch.Tensor,
+    def start_worker(self, layouts: ExpertLayout, row_ptrs: torch.Tensor, tokens: int, k: int, ctrl: torch.Tensor,
                      payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int) -> Worker:
         """Start the doorbell worker of device-planned layers (see `Worker` in experts.cpp), for
-        up to `tokens` tokens of `k` routed items each (n = tokens * k items).
-        row_ptrs: int64 host address of every expert row; ctrl: int32 control block (bell at
+        up to `tokens` tokens of `k` routed items each (n = tokens * k items), each MoE layer in
+        its own slot layout. row_ptrs: int64 host address of every expert row; ctrl: int32 control block (bell at
         word 0, done at word 16); payload: float32 [tokens * H + 4n + 1] (`worker_payload`);
         out: float32 [n, H]; busy_ns: int64 [4] (compute time and count of the layers that had
         CPU items: one-token layers, then multi-token ones). All are host tensors that must
         outlive the worker."""
+        layout = layouts.layers[0]
         inter, hidden = layout.parts[0].shape
         n = tokens * k
         if (payload.numel() != worker_payload(tokens, k, hidden) or out.shape != (n, hidden) or ctrl.numel() < 32
                 or busy_ns.numel() < 4):
             raise ValueError("worker buffers do not match the layout")
-        offsets, clamp = _expert_fn(layout)  # both copied by the worker
+        codes = np.array([format_code(lay) for lay in layouts.layers], dtype=np.int32)  # all copied by the worker
+        offsets = np.concatenate([_expert_fn(lay)[0] for lay in layouts.layers])
+        clamp = _expert_fn(layout)[1]
         handle = self.lib.ftk_worker_start(
-            format_code(layout), hidden, inter, offsets.ctypes.data, row_ptrs.numel(), row_ptrs.data_ptr(), n,
-            tokens, k, ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(),
+            len(codes), codes.ctypes.data, hidden, inter, offsets.ctypes.data, row_ptrs.numel(), row_ptrs.data_ptr(),
+            n, tokens, k, ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(),
             busy_ns.data_ptr(), threads, None if clamp is None else clamp.ctypes.data)
         return Worker(self.lib, handle, (row_ptrs, ctrl, payload, out, busy_ns))
 

@@ -789,12 +789,14 @@ int dispatch(int dtype, const Call& call) {
 // way). The GPU writes a layer's payload into mapped memory and rings `bell` with a nonzero
 // value; the worker clears the bell, runs the flagged items from the host pool into `out`
 // [items, H] (row j for item j) and writes the value to `done`, which the GPU polls. No Python
-// on the way. Payload, all float32: x [tokens, H], then per item its weight, expert row, CPU
+// on the way. The bell's value is the MoE layer's index + 1: layers may differ in format (a
+// llama-quantize mix), so the worker keeps each layer's format codes and part offsets. Payload, all float32: x [tokens, H], then per item its weight, expert row, CPU
 // flag and token (items sections of `items` each), then the number of valid items. Items of
 // one expert (several tokens routed to it) are run as one expert, its weights read once.
 struct Worker {
-  int dtype, H, I, items, tokens, k, threads;
-  int64_t part_off[6];
+  int H, I, items, tokens, k, threads;
+  std::vector<int> dtype;         // per MoE layer
+  std::vector<int64_t> part_off;  // per MoE layer, 6 each (see Call)
   float clamp[2];
   bool clamped;
   std::vector<const uint8_t*> row_ptr;  // host address of every expert row
@@ -848,9 +850,10 @@ struct Worker {
         tok[a] = int64_t(token[j]), w[a] = weight[j], row[a] = j;
       }
       start[n] = m;
-      const Call c{H, I, part_off, n, slots.data(), start.data(), tok.data(), w.data(), row.data(), x, out,
-                   threads, nullptr, &team, clamped ? clamp : nullptr};
-      dispatch(dtype, c);
+      const size_t layer = std::min(size_t(v - 1), dtype.size() - 1);
+      const Call c{H, I, part_off.data() + 6 * layer, n, slots.data(), start.data(), tok.data(), w.data(),
+                   row.data(), x, out, threads, nullptr, &team, clamped ? clamp : nullptr};
+      dispatch(dtype[layer], c);
       const auto t1 = std::chrono::steady_clock::now();
       if (n > 0) {
         int64_t* b = busy_ns + (n_valid > k ? 2 : 0);
@@ -925,14 +928,16 @@ struct Runner {
 
 extern "C" {
 
-// part_off: 6 offsets (see Call); clamp: null, or {alpha, limit} (copied).
-void* ftk_worker_start(int dtype, int H, int I, const int64_t* part_off, int64_t rows, const int64_t* row_ptr,
-                       int items, int tokens, int k, int32_t* bell, int32_t* done, const float* payload, float* out,
-                       int64_t* busy_ns, int threads, const float* clamp) {
+// dtype: `layers` format codes; part_off: 6 offsets per layer (see Call); clamp: null, or
+// {alpha, limit}. All copied.
+void* ftk_worker_start(int layers, const int* dtype, int H, int I, const int64_t* part_off, int64_t rows,
+                       const int64_t* row_ptr, int items, int tokens, int k, int32_t* bell, int32_t* done,
+                       const float* payload, float* out, int64_t* busy_ns, int threads, const float* clamp) {
   auto* w = new Worker();
-  w->dtype = dtype, w->H = H, w->I = I, w->items = items, w->tokens = tokens, w->k = k;
+  w->H = H, w->I = I, w->items = items, w->tokens = tokens, w->k = k;
   w->threads = std::max(1, threads);
-  std::copy(part_off, part_off + 6, w->part_off);
+  w->dtype.assign(dtype, dtype + layers);
+  w->part_off.assign(part_off, part_off + 6 * int64_t(layers));
   w->clamped = clamp != nullptr;
   if (clamp) std::copy(clamp, clamp + 2, w->clamp);
   w->row_ptr.assign((const uint8_t* const*)row_ptr, (const uint8_t* const*)row_ptr + rows);

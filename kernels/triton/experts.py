@@ -33,7 +33,10 @@ import triton
 import triton.language as tl
 
 from ftkit.kernels.triton import interpreting
+from ftkit.kernels.triton.blocks import CODES, TYPED, lut, row_bytes, weights
 from ftkit.vocab import SlotLayout
+
+_TYPED = tl.constexpr(TYPED)  # as the kernels compare it
 
 TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GEMM_M, GEMM_N, GEMM_K = 64, 128, 64  # prefill tile: items x output columns x reduction step
@@ -73,6 +76,19 @@ def _copy_down(src, dst, down_off, total, p, COPY_PROGS: tl.constexpr, COPY_BLOC
 
 
 @triton.jit
+def _copy_rows(src, dst, up_off, g_row, u_row, n0, I, BLOCK_N: tl.constexpr, COPY_BLOCK: tl.constexpr):  # noqa: E741
+    """Copy gate and up rows n0..n0+BLOCK_N-1 (of I; `g_row`, `u_row` bytes each) of a fill from
+    the host into its slot in contiguous blocks, then give the slot to read them from: block
+    formats are decoded from gathered bytes, which over PCIe would each be a round trip (the
+    float path's loads inside the product loop moved ~25 GB/s, block copies ~50)."""
+    hi = tl.minimum(n0 + BLOCK_N, I)
+    _copy_span(src, dst, n0 * g_row, hi * g_row, COPY_BLOCK)
+    _copy_span(src + up_off, dst + up_off, n0 * u_row, hi * u_row, COPY_BLOCK)
+    tl.debug_barrier()  # every thread's part of the rows is in the slot
+    return dst
+
+
+@triton.jit
 def _bias(base, off, idx, mask):
     """Float32 biases at element `off` (of the slot's dtype) from `base`, at indices idx."""
     return tl.load((base + off).to(tl.pointer_type(tl.float32), bitcast=True) + idx, mask=mask, other=0.0)
@@ -90,9 +106,9 @@ def _act(g, u, CLAMP: tl.constexpr, alpha, limit):
 
 @triton.jit
 def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741 (I: the FFN width)
-             slot_elems, up_off, down_off, tail, n_gu, gb_off, ub_off, alpha, limit, FILL: tl.constexpr,
-             BIAS: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
+             slot_elems, up_off, down_off, tail, n_gu, gb_off, ub_off, alpha, limit, g_row, u_row, lut_ptr,
+             FILL: tl.constexpr, BIAS: tl.constexpr, CLAMP: tl.constexpr, FMT_G: tl.constexpr, FMT_U: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
         return
@@ -104,19 +120,27 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr
     t = tl.load(tok_ptr + i).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < I
+    rows = src  # where the gate and up rows are read (a fill's biases stay read from the host:
+    # the copy programs may not have moved them yet)
+    if FMT_G != _TYPED and copy:  # a fill's block rows cross first, then are decoded from the slot
+        rows = _copy_rows(src, dst, up_off, g_row, u_row, tl.program_id(1) * BLOCK_N, I, BLOCK_N, COPY_BLOCK)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < H
         xv = tl.load(x_ptr + t * H + k, mask=kmask, other=0.0).to(tl.float32)
-        offs = n[:, None] * H + k[None, :]
         m2 = nmask[:, None] & kmask[None, :]
-        g = tl.load(src + offs, mask=m2, other=0.0)
-        u = tl.load(src + up_off + offs, mask=m2, other=0.0)
-        if copy:
-            tl.store(dst + offs, g, mask=m2)
-            tl.store(dst + up_off + offs, u, mask=m2)
+        if FMT_G == _TYPED:  # float slots: a fill stores each tile into its slot as it is read
+            offs = n[:, None] * H + k[None, :]
+            g = tl.load(src + offs, mask=m2, other=0.0)
+            u = tl.load(src + up_off + offs, mask=m2, other=0.0)
+            if copy:
+                tl.store(dst + offs, g, mask=m2)
+                tl.store(dst + up_off + offs, u, mask=m2)
+        else:
+            g = weights(rows, n[:, None], k[None, :], m2, H, FMT_G, lut_ptr)
+            u = weights(rows + up_off, n[:, None], k[None, :], m2, H, FMT_U, lut_ptr)
         acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
         acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
     if BIAS:  # from where the weights came (a fill's biases reach its slot through _copy_down)
@@ -128,7 +152,8 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr
 
 @triton.jit
 def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I,  # noqa: E741
-          slot_elems, down_off, db_off, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+          slot_elems, down_off, db_off, lut_ptr, BIAS: tl.constexpr, FMT_D: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_K: tl.constexpr):
     i = tl.program_id(0)
     if i >= tl.load(count_ptr):
         return
@@ -140,10 +165,9 @@ def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I,  # noqa: E741
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < I
         hv = tl.load(h_ptr + i * I + k, mask=kmask, other=0.0)
-        offs = down_off + m[:, None] * I + k[None, :]
         m2 = mmask[:, None] & kmask[None, :]
-        d = tl.load(src + offs, mask=m2, other=0.0)
-        acc += tl.sum(d.to(tl.float32) * hv[None, :], axis=1)
+        d = weights(src + down_off, m[:, None], k[None, :], m2, I, FMT_D, lut_ptr)
+        acc += tl.sum(d * hv[None, :], axis=1)
     if BIAS:
         acc += _bias(src, db_off, m, mmask)
     w = tl.load(wt_ptr + i).to(tl.float32)
@@ -151,22 +175,32 @@ def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I,  # noqa: E741
 
 
 def _slot_view(slots: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, int]:
-    """The slots as the layout's float dtype, and that dtype's element size."""
-    if layout.dtype not in TORCH_FLOAT:
-        raise ValueError(f"grouped expert kernels read float slots, not {layout.dtype}")
-    dt = TORCH_FLOAT[layout.dtype]
-    return slots.view(dt), torch.empty((), dtype=dt).element_size()
+    """The slots as the pointer the kernels take, and its element size: the layout's float dtype
+    where gate, up and down share one, else bytes (the parts decoded by their format codes)."""
+    if any(f not in CODES for f in layout.formats):
+        raise ValueError(f"grouped expert kernels do not read {layout.dtype} slots")
+    if layout.dtype in TORCH_FLOAT:
+        dt = TORCH_FLOAT[layout.dtype]
+        return slots.view(dt), torch.empty((), dtype=dt).element_size()
+    return slots, 1
 
 
-def _expert_fn(layout: SlotLayout, esize: int) -> dict:
-    """The kernels' arguments for what the layout computes: the biases' element offsets (in the
-    slot's dtype) and the clamped SwiGLU's constants, and the elements a fill copies from down's
-    start (down and the biases after it)."""
+def _expert_fn(layout: SlotLayout, esize: int, device: torch.device) -> dict:
+    """The kernels' arguments for what the layout computes: each part's format code (TYPED for
+    a float slot read as its dtype) and row length in the pointer's elements, the biases'
+    element offsets and the clamped SwiGLU's constants, the elements a fill copies from down's
+    start (down and the biases after it), and the levels the non-linear formats look up."""
     last = layout.parts[-1]
+    gate, up, down = layout.parts[:3]
+    typed = esize > 1
     out = dict(BIAS=layout.biased, CLAMP=layout.activation is not None,
                alpha=layout.activation.alpha if layout.activation else 1.0,
                limit=layout.activation.limit if layout.activation else 0.0,
-               tail=(last.offset + last.nbytes - layout.part("down").offset) // esize)
+               tail=(last.offset + last.nbytes - down.offset) // esize,
+               g_row=gate.shape[1] if typed else row_bytes(gate.dtype, gate.shape[1]),
+               u_row=up.shape[1] if typed else row_bytes(up.dtype, up.shape[1]), lut_ptr=lut(device))
+    for name, part in (("FMT_G", gate), ("FMT_U", up), ("FMT_D", down)):
+        out[name] = TYPED if typed else CODES[part.dtype]
     for name in ("gate_bias", "up_bias", "down_bias"):
         out[name[0] + "b_off"] = layout.part(name).offset // esize if layout.biased else 0
     return out
@@ -191,7 +225,7 @@ def grouped_expert_gemv(
     """
     w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts[:3]
-    fn = _expert_fn(layout, esize)
+    fn = _expert_fn(layout, esize, x.device)
     i_dim, h_dim = gate.shape
     n = slot_ids.numel()
     h = torch.empty((n, i_dim), dtype=torch.float32, device=x.device)
@@ -203,12 +237,13 @@ def grouped_expert_gemv(
     copy_progs = n_gu if fills is not None else 0  # as many as read gate/up: the down third in step
     _gate_up[(n, n_gu + copy_progs)](x, w, slot_ids, token_ids, count, flag, rows, addr, h, h_dim, i_dim,
                                       slot_elems, up.offset // esize, down.offset // esize, fn["tail"], n_gu,
-                                      fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"],
-                                      FILL=fills is not None, BIAS=fn["BIAS"], CLAMP=fn["CLAMP"], BLOCK_N=32,
+                                      fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"], fn["g_row"],
+                                      fn["u_row"], fn["lut_ptr"], FILL=fills is not None, BIAS=fn["BIAS"],
+                                      CLAMP=fn["CLAMP"], FMT_G=fn["FMT_G"], FMT_U=fn["FMT_U"], BLOCK_N=32,
                                       BLOCK_K=128, COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048)
     grid = (n, triton.cdiv(h_dim, 32))
     _down[grid](h, w, slot_ids, weights, count, y, h_dim, i_dim, slot_elems, down.offset // esize, fn["db_off"],
-                BIAS=fn["BIAS"], BLOCK_M=32, BLOCK_K=128)
+                fn["lut_ptr"], BIAS=fn["BIAS"], FMT_D=fn["FMT_D"], BLOCK_M=32, BLOCK_K=128)
     return y
 
 
@@ -225,10 +260,11 @@ def _tile(tile_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741
-                  slot_elems, up_off, down_off, tail, gb_off, ub_off, alpha, limit, COUNT: tl.constexpr,
-                  FILL: tl.constexpr, BIAS: tl.constexpr, CLAMP: tl.constexpr, PREC: tl.constexpr,
-                  UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  COPY_PROGS: tl.constexpr, COPY_BLOCK: tl.constexpr):
+                  slot_elems, up_off, down_off, tail, gb_off, ub_off, alpha, limit, g_row, u_row, lut_ptr,
+                  COUNT: tl.constexpr, FILL: tl.constexpr, BIAS: tl.constexpr, CLAMP: tl.constexpr,
+                  FMT_G: tl.constexpr, FMT_U: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COPY_PROGS: tl.constexpr,
+                  COPY_BLOCK: tl.constexpr):
     t = tl.program_id(0)
     if COUNT:
         if t >= tl.load(count_ptr):  # past the valid tiles (whose fields may be garbage)
@@ -241,14 +277,8 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr,
         if copy:
             _copy_down(gate, dst, down_off, tail, tl.program_id(1) - n_gu, COPY_PROGS, COPY_BLOCK)
         return
-    if copy:  # a fill: this program's gate and up rows cross PCIe in contiguous blocks first,
-        # then its products read them from the slot (a fill's loads inside the product loop
-        # moved ~25 GB/s where the copy engines move ~50)
-        lo, hi = tl.program_id(1) * BLOCK_N * H, tl.minimum((tl.program_id(1) + 1) * BLOCK_N, I) * H
-        _copy_span(gate, dst, lo, hi, COPY_BLOCK)
-        _copy_span(gate + up_off, dst + up_off, lo, hi, COPY_BLOCK)
-        tl.debug_barrier()  # every thread's part of the rows is in the slot
-        gate = dst
+    if copy:  # a fill: this program's gate and up rows cross PCIe first, the products read the slot
+        gate = _copy_rows(gate, dst, up_off, g_row, u_row, tl.program_id(1) * BLOCK_N, I, BLOCK_N, COPY_BLOCK)
     tok = tl.load(tok_ptr + first + m, mask=mmask, other=0).to(tl.int64)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -256,10 +286,13 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr,
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < H
         xt = tl.load(x_ptr + tok[:, None] * H + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        offs = n[None, :] * H + k[:, None]  # [BLOCK_K, BLOCK_N]: the weight rows, transposed
-        wmask = kmask[:, None] & nmask[None, :]
-        g = tl.load(gate + offs, mask=wmask, other=0.0)
-        u = tl.load(gate + up_off + offs, mask=wmask, other=0.0)
+        wmask = kmask[:, None] & nmask[None, :]  # [BLOCK_K, BLOCK_N]: the weight rows, transposed
+        if FMT_G == _TYPED:
+            g = tl.load(gate + n[None, :] * H + k[:, None], mask=wmask, other=0.0)
+            u = tl.load(gate + up_off + n[None, :] * H + k[:, None], mask=wmask, other=0.0)
+        else:  # decoded, then multiplied in the activations' dtype
+            g = weights(gate, n[None, :], k[:, None], wmask, H, FMT_G, lut_ptr).to(xt.dtype)
+            u = weights(gate + up_off, n[None, :], k[:, None], wmask, H, FMT_U, lut_ptr).to(xt.dtype)
         if UPCAST:
             xt, g, u = xt.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(xt, g, acc_g, input_precision=PREC)
@@ -274,8 +307,8 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr,
 
 @triton.jit
 def _gemm_down(h_ptr, w_ptr, tile_ptr, count_ptr, dst_ptr, wt_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
-               db_off, COUNT: tl.constexpr, BIAS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               db_off, lut_ptr, COUNT: tl.constexpr, BIAS: tl.constexpr, FMT_D: tl.constexpr, PREC: tl.constexpr,
+               UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     if COUNT:
         if tl.program_id(0) >= tl.load(count_ptr):
             return
@@ -288,7 +321,11 @@ def _gemm_down(h_ptr, w_ptr, tile_ptr, count_ptr, dst_ptr, wt_ptr, y_ptr, H, I, 
         kmask = k < I
         ht = tl.load(h_ptr + (first + m)[:, None].to(tl.int64) * I + k[None, :], mask=mmask[:, None] & kmask[None, :],
                      other=0.0)
-        d = tl.load(down + n[None, :] * I + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        wmask = kmask[:, None] & nmask[None, :]
+        if FMT_D == _TYPED:
+            d = tl.load(down + n[None, :] * I + k[:, None], mask=wmask, other=0.0)
+        else:
+            d = weights(down, n[None, :], k[:, None], wmask, I, FMT_D, lut_ptr).to(ht.dtype)
         if UPCAST:
             ht, d = ht.to(tl.float32), d.to(tl.float32)
         acc = tl.dot(ht, d, acc, input_precision=PREC)
@@ -326,7 +363,7 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     """
     w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts[:3]
-    fn = _expert_fn(layout, esize)
+    fn = _expert_fn(layout, esize, x.device)
     i_dim, h_dim = gate.shape
     n_tiles = tiles.numel() // 3
     if not n_tiles:
@@ -336,7 +373,8 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 must stay exact enough to match the CPU
     # tl.dot takes one dtype: a float32 runtime over 16-bit slots multiplies in float32. Triton's
     # interpreter (CPU tests) multiplies 16-bit tiles wrongly in tl.dot (3.9): upcast there too.
-    upcast = x.dtype != w.dtype or (interpreting() and x.dtype != torch.float32)
+    # Block slots are decoded into the activations' dtype.
+    upcast = (esize > 1 and x.dtype != w.dtype) or (interpreting() and x.dtype != torch.float32)
     cfg = dict(COUNT=count is not None, PREC=prec, UPCAST=upcast, BLOCK_M=GEMM_M, BLOCK_N=GEMM_N, BLOCK_K=GEMM_K,
                num_warps=4, num_stages=3)
     count = count if count is not None else tiles
@@ -350,8 +388,10 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     x = x.contiguous()
     _gemm_gate_up[(n_tiles, n_gu + copy_progs)](x, w, tiles, tokens, count, flag, rows, addr, h, h_dim, i_dim,
                                                 slot_elems, up.offset // esize, down.offset // esize, fn["tail"],
-                                                fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"],
-                                                FILL=fills is not None, BIAS=fn["BIAS"], CLAMP=fn["CLAMP"],
+                                                fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"], fn["g_row"],
+                                                fn["u_row"], fn["lut_ptr"], FILL=fills is not None, BIAS=fn["BIAS"],
+                                                CLAMP=fn["CLAMP"], FMT_G=fn["FMT_G"], FMT_U=fn["FMT_U"],
                                                 COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048, **gu)
     _gemm_down[(n_tiles, triton.cdiv(h_dim, GEMM_N))](h, w, tiles, count, dst, weights, y, h_dim, i_dim, slot_elems,
-                                                      down.offset // esize, fn["db_off"], BIAS=fn["BIAS"], **cfg)
+                                                      down.offset // esize, fn["db_off"], fn["lut_ptr"],
+                                                      BIAS=fn["BIAS"], FMT_D=fn["FMT_D"], **cfg)

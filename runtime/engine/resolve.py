@@ -21,13 +21,10 @@ import torch
 from ftkit.vocab import (
     AUTO,
     CPU,
-    DEVICE_FORMATS,
     FUSED,
     HYBRID,
     OFFLOAD,
     STRATEGIES,
-    ExpertLayout,
-    cpu_only_note,
     human_bytes,
     storage_dtype,
 )
@@ -141,12 +138,6 @@ def resolve_strategy(strategy: str, ratio: float | None, ratio_said: str, device
     return OFFLOAD, f"no profile for this GPU (run ft-calibrate) and no --bandwidth-ratio; {room}"
 
 
-def gpu_tier_takes(layout: ExpertLayout) -> bool:
-    """Whether a GPU's expert tier (its kernels and device planner) takes these slots: one
-    layout for every layer, in a float format or q8_0."""
-    return layout.uniform is not None and layout.dtype in DEVICE_FORMATS
-
-
 def cache_capacity(strategy: str, cache_slots: int | None, rows: int) -> int:
     """Device cache slots a resolved strategy uses for a requested size (None: all rows)."""
     if strategy == FUSED:
@@ -250,14 +241,9 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
                      graphs=opts.graphs and family.graphs_unsupported(spec) is None, chunk=opts.prefill_chunk,
                      flash=flash_behind_cache(dtype, spec.head_dim, "cuda"))
     requested = opts.cache_experts if opts.cache_bytes is None else opts.cache_bytes // slot_bytes
-    if device.type == "cuda" and not gpu_tier_takes(ftw.layout):
-        if opts.strategy not in (AUTO, CPU):
-            raise ValueError(f"--strategy {opts.strategy}: {cpu_only_note(ftw.layout)}")
-        strategy, why = CPU, cpu_only_note(ftw.layout)
-    else:
-        strategy, why = resolve_strategy(opts.strategy, ratio, _ratio_said(ratio, profile), device,
-                                         _fit(plan, rows, opts.gpu_budget, budget, given, device),
-                                         _smaller_cache(opts, requested, rows))
+    strategy, why = resolve_strategy(opts.strategy, ratio, _ratio_said(ratio, profile), device,
+                                     _fit(plan, rows, opts.gpu_budget, budget, given, device),
+                                     _smaller_cache(opts, requested, rows))
     if why:
         note(f"strategy {strategy} (auto: {why})")
     if opts.gpu_budget is not None and strategy not in (CPU, FUSED):

@@ -100,7 +100,7 @@ class DevicePlan:
             self.d_bell, self.d_done = view(self.ctrl, zero_copy.BELL), view(self.ctrl, zero_copy.DONE)
             self.d_payload, self.d_out = view(self.payload), view(self.out)
             self.d_gpu_ns = (view(self.gpu_ns), view(self.gpu_ns, 2))
-            self.worker = kernel.start_worker(pool.layout.uniform, host_addr, MAX_TOKENS, k, self.ctrl, self.payload,
+            self.worker = kernel.start_worker(pool.layout, host_addr, MAX_TOKENS, k, self.ctrl, self.payload,
                                               self.out, self.busy_ns, threads)
 
     # ---- host <-> device state ---------------------------------------------------------------
@@ -214,8 +214,8 @@ class DevicePlan:
             zero_copy.ring(self.d_bell, moe + 1, self.rung, out.gcount)
         dev = None
         if cap:
-            dev = grouped_expert_gemv(x, self.cache.slots, self.pool.layout.uniform, out.gslot, self.tokens, out.gw,
-                                      out.gcount, self._fills(out.gfill, out.grow))
+            dev = grouped_expert_gemv(x, self.cache.slots, self.pool.layout.for_layer(moe), out.gslot, self.tokens,
+                                      out.gw, out.gcount, self._fills(out.gfill, out.grow))
         return plan.merge(dev, self._cpu_rows(moe, out.gcount, 0), out.gpos, s.hidden_size, x.dtype)
 
     def _extend(self, moe: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -232,8 +232,8 @@ class DevicePlan:
         dev = None
         if cap:
             dev = torch.empty((MAX_TOKENS * k, s.hidden_size), dtype=x.dtype, device=x.device)
-            grouped_expert_gemm(x, self.cache.slots, self.pool.layout.uniform, out.tiles, out.tokens, out.dst, out.weights,
-                                dev, count=out.gcount, fills=self._fills(out.tfill, out.trow))
+            grouped_expert_gemm(x, self.cache.slots, self.pool.layout.for_layer(moe), out.tiles, out.tokens, out.dst,
+                                out.weights, dev, count=out.gcount, fills=self._fills(out.tfill, out.trow))
         return plan.merge(dev, self._cpu_rows(moe, out.gcount, 1), out.gpos, s.hidden_size, x.dtype, t, k)
 
     def _fills(self, flags: torch.Tensor, rows: torch.Tensor):

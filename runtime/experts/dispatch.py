@@ -1,10 +1,9 @@
 """Which kernel computes a set of experts, given where their weights are: the one owner of that choice.
 
 A layer's experts resident in the device tier go through the grouped Triton GEMV (decode-sized
-work) or GEMM (prefill-sized), through torch one expert at a time without them (q8_0 slots, no
-Triton), or, when the device tier is host memory, through the CPU kernel like the CPU branch's.
-A GPU's tier only ever holds one layout of DEVICE_FORMATS (engine/resolve.py refuses the rest);
-host memory takes every layer's own, GGUF blocks included.
+work) or GEMM (prefill-sized), through torch one expert at a time without Triton, or, when the
+device tier is host memory, through the CPU kernel like the CPU branch's. Every path takes each
+layer's own slot layout, GGUF blocks included (the Triton kernels decode them in registers).
 Each (token, k) assignment's weighted output lands in its own row of `y`.
 """
 
@@ -24,10 +23,8 @@ GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the 
 class ExpertKernels:
     def __init__(self, layout: ExpertLayout, device: torch.device, cpu_kernel, threads: int, grouped):
         """`cpu_kernel`: the compiled CPU kernel (ftkit.kernels.cpu) or None; `grouped`: the
-        grouped Triton kernels' module, where the device is a GPU with float slots, or None."""
+        grouped Triton kernels' module, where the device is a GPU, or None."""
         self.layouts, self.device, self.kernel, self.threads, self.grouped = layout, device, cpu_kernel, threads, grouped
-        # the device tier's one layout (None: layers differ, which only host memory holds)
-        self.layout = layout.uniform
 
     def resident(self, cache: SlotCache, resident: list[tuple[int, int]], groups: dict[int, np.ndarray],
                  x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
@@ -55,7 +52,8 @@ class ExpertKernels:
         slots = np.repeat([s for _, s in resident], [len(groups[r]) for r, _ in resident])
         meta = _upload(np.concatenate([slots, idx // k, idx, [n]]), x.device)
         idx_d = meta[2 * n : 3 * n]
-        out = self.grouped.grouped_expert_gemv(x, cache.slots, self.layout, meta[:n], meta[n : 2 * n],
+        layout = self.layouts.for_row(resident[0][0])  # one layer's experts
+        out = self.grouped.grouped_expert_gemv(x, cache.slots, layout, meta[:n], meta[n : 2 * n],
                                                w[idx_d, 0].contiguous(), meta[3 * n :])
         y[idx_d] = out
 
@@ -68,22 +66,22 @@ class ExpertKernels:
         meta = _upload(np.concatenate([idx // k, idx, tiles]), x.device)
         n = len(idx)
         tokens, dst = meta[:n], meta[n : 2 * n]
-        self.grouped.grouped_expert_gemm(x, cache.slots, self.layout, meta[2 * n :], tokens, dst,
-                                         w[dst, 0].contiguous(), y)
+        layout = self.layouts.for_row(resident[0][0])
+        self.grouped.grouped_expert_gemm(x, cache.slots, layout, meta[2 * n :], tokens, dst, w[dst, 0].contiguous(), y)
 
     def _device_segments(self, cache: SlotCache, resident: list[tuple[int, int]], groups: dict[int, np.ndarray],
                          x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
-        """Without the grouped kernels (q8_0 slots, no Triton): the assignments sorted by expert,
-        uploaded once, each expert one segment of a gathered batch."""
+        """Without the grouped kernels (no Triton): the assignments sorted by expert, uploaded
+        once, each expert one segment of a gathered batch."""
         idx = np.concatenate([groups[r] for r, _ in resident])
         ends = np.cumsum([len(groups[r]) for r, _ in resident]).tolist()
         idx_d = _upload(idx, x.device).long()
         xs = x[idx_d // k]
         out = torch.empty_like(xs)
-        start = 0
+        start, layout = 0, self.layouts.for_row(resident[0][0])
         for (_, slot), end in zip(resident, ends, strict=True):
-            weights = expert_weights(self.layout, cache.slots[slot], x.dtype)
-            out[start:end] = expert_forward(xs[start:end], weights, self.layout.activation)
+            weights = expert_weights(layout, cache.slots[slot], x.dtype)
+            out[start:end] = expert_forward(xs[start:end], weights, layout.activation)
             start = end
         y[idx_d] = out * w[idx_d]
 

@@ -30,7 +30,7 @@ import torch
 
 from ftkit.kernels.cpu import load as load_cpu_kernel
 from ftkit.kernels.triton import optional
-from ftkit.vocab import CPU, DEVICE_FORMATS, FLOAT_FORMATS, FUSED, HYBRID, OFFLOAD
+from ftkit.vocab import CPU, FUSED, HYBRID, OFFLOAD
 
 from ..spec import ModelSpec
 from .cache import SlotCache
@@ -76,8 +76,7 @@ class ExpertStore:
         self.planner = Planner(self.strategy, fill_fraction)
         self.stats = ExpertStats()
         kernel = load_cpu_kernel()
-        float_slots = pool.layout.uniform is not None and pool.layout.dtype in FLOAT_FORMATS
-        grouped = optional("experts") if self.device.type == "cuda" and float_slots else None
+        grouped = optional("experts") if self.device.type == "cuda" else None
         self.kernels = ExpertKernels(pool.layout, self.device, kernel, threads or CPUExecutor.default_threads(), grouped)
         self.cpu = CPUBranch(spec, pool, self.strategy, self.device, self.kernels, threads)
         # its layer's fills (start and end events) and how long after they started the CPU did
@@ -341,11 +340,6 @@ class ExpertStore:
         k = self.spec.top_k
         if importlib.util.find_spec("triton") is None:
             return "Triton is not installed"
-        layout = self.pool.layout
-        if layout.uniform is None or layout.dtype not in DEVICE_FORMATS:
-            return f"the device planner takes one float or q8_0 slot layout, not {layout.describe()}"
-        if layout.dtype == "q8_0" and self.strategy != CPU:
-            return "the grouped GEMV reads float expert slots, not q8_0"
         if not self.pool.pinned and self.device.type == "cuda":
             return "the host pool is not page-locked"
         if self.strategy != CPU and self.cache.capacity < 2 * k:

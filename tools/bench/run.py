@@ -131,10 +131,11 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         sides = [b - a for a, b in zip(sides, _sides(rt), strict=True)] if sides else None
     stats = rt.store.stats
     t = stats.totals()
-    s = rt.ftw.layout.slot_bytes
     keys = sum(step_kv_bytes(rt, p) for p in range(start, start + tokens)) / tokens  # not `kv`: step() reads it
     bound = _decode_bound(rt, stats, tokens, figures, keys)
-    cpu_gbps = t.cpu * s / sides[2] if sides and sides[2] else None
+    fill_bytes, cpu_bytes = (sum(getattr(c, side) * expert_bytes(rt, layer) for layer, c in stats.per_layer().items())
+                             for side in ("fills", "cpu"))
+    cpu_gbps = cpu_bytes / sides[2] if sides and sides[2] else None
     tight = worker_bound(rt, stats, tokens, figures, keys, cpu_gbps) if cpu_gbps else bound
     if trace_to is not None:  # the 4 spare ids past the timed steps, run as the timed ones were
         spare = start + tokens
@@ -155,8 +156,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         "overhead_ms_per_token": 1000 * (seconds / tokens - bound) if bound else None,
         "miss_rate": stats.miss_rate,
         "hits": t.hits, "fills": t.fills, "cpu": t.cpu,
-        "fill_gb_per_token": t.fills * s / tokens / 1e9,
-        "cpu_gb_per_token": t.cpu * s / tokens / 1e9,
+        "fill_gb_per_token": fill_bytes / tokens / 1e9,
+        "cpu_gb_per_token": cpu_bytes / tokens / 1e9,
         "bound_tok_s": 1 / bound if bound else None,
         "of_bound": tokens / seconds * bound if bound else None,  # measured tok/s over bound tok/s
         # graph decode's layers with CPU items: the GPU's time from the doorbell to the wait for
@@ -264,12 +265,19 @@ def _host_profiled(rt: Runtime, fn, path: Path, rows: int = 40) -> None:
     Path(path).write_text("\n".join(lines))
 
 
+def expert_bytes(rt: Runtime, layer: int) -> int:
+    """The bytes one expert of `layer` moves or streams: its parts', not its slot's padding (the
+    layers of a llama-quantize mix differ: Q4_K_M's Q4_K-down layers 2.65 MB in slots of 3.06)."""
+    return rt.ftw.layout.for_layer(rt.spec.moe_index(layer)).data_bytes
+
+
 def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures, kv_bytes: float) -> float | None:
     """Seconds per token (see the module docstring); `kv_bytes`: attention's K/V reads, a
     step's mean over the timed steps."""
-    s = rt.ftw.layout.slot_bytes
-    per_layer = 0.0
-    for c in stats.per_layer().values():
+    per_layer, hit_bytes = 0.0, 0
+    for layer, c in stats.per_layer().items():
+        s = expert_bytes(rt, layer)
+        hit_bytes += c.hits * s
         if (c.fills and not f.pcie_gbps) or (c.cpu and not f.cpu_gbps):
             return None
         both = c.fills and c.cpu  # a layer whose counts use one path gets that path's solo speed
@@ -280,7 +288,7 @@ def _decode_bound(rt: Runtime, stats, tokens: int, f: Figures, kv_bytes: float) 
         per_layer += max(fill, cpu)
     gpu = 0.0
     if f.hbm_gbps:
-        gpu = (step_dense_bytes(rt) + kv_bytes + stats.totals().hits * s / tokens) / (f.hbm_gbps * 1e9)
+        gpu = (step_dense_bytes(rt) + kv_bytes + hit_bytes / tokens) / (f.hbm_gbps * 1e9)
     total = per_layer / tokens + gpu
     return total or None
 

@@ -32,7 +32,6 @@ from ftkit.vocab import (
     FORMATS,
     ExpertLayout,
     FormatError,
-    cpu_only_note,
     expert_layout,
 )
 
@@ -111,8 +110,6 @@ def diagnose(path: Path) -> dict[str, Any]:
         _check_checkpoint(d)
     if d.family and d.spec:
         d.memory = d.attempt(lambda: memory_plan(d.family, d.spec, d.slots or expert_layout(d.spec, "bfloat16")))
-    if d.slots is not None and d.slots.blocks:
-        d.notes.append(cpu_only_note(d.slots))
     return d.to_dict()
 
 

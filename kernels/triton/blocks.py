@@ -1,0 +1,187 @@
+"""GGUF block formats decoded in registers (Triton): what the grouped expert kernels multiply.
+
+`weights(base, n, k, mask, ROW, FMT, lut)` gives the float32 weights [n, k] of a matrix whose
+rows of ROW weights are stored in format FMT from byte `base` on, row after row (FTW's
+`ggml-rows` packing: ggml's blocks as GGUF stores them, kernels/dequant.py documents each).
+`n` and `k` broadcast against each other, so the same call serves the GEMV's [rows, reduction]
+tiles and the GEMM's transposed ones.
+
+Each weight is decoded on its own: its block is found by arithmetic and the bytes it needs
+(its quant, its sub-block's scale bytes, the block's fp16 scales) are gathered with byte loads.
+Neighbouring weights share those bytes, so all but the first load of each hit L1; the decode
+costs instructions, not memory traffic, and a decode step's experts are read at the rate their
+bytes cross PCIe or the CPU computes (tens of GB/s), far below what this sustains. The
+arithmetic is kernels/dequant.py's operation for operation (bit for bit in the interpreter;
+on a GPU Triton may fuse a product and a sum into one rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ftkit.kernels.dequant import E2M1_LEVELS_X2, IQ4_LEVELS
+from ftkit.vocab import FORMATS
+
+# Format codes the kernels specialise on (constexpr). TYPED (0): the weights are the slot
+# pointer's own dtype (every part of the layout a float format: the original float path).
+TYPED = 0
+CODES = {name: i for i, name in enumerate((
+    "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+    "iq4_nl", "iq4_xs", "mxfp4"), start=1)}
+FORMATS_DECODED = tuple(CODES)
+_LUT: dict[torch.device, torch.Tensor] = {}
+
+
+def lut(device: torch.device) -> torch.Tensor:
+    """The non-linear levels the kernels look up, float32 on `device`: IQ4's 16, then e2m1's
+    doubled 16 (one tensor per device, kept: captured graphs point at it)."""
+    if device not in _LUT:
+        _LUT[device] = torch.tensor((*IQ4_LEVELS, *E2M1_LEVELS_X2), dtype=torch.float32, device=device)
+    return _LUT[device]
+
+
+def row_bytes(fmt: str, row: int) -> int:
+    f = FORMATS[fmt]
+    return row // f.block * f.block_bytes
+
+
+@triton.jit
+def _u8(p, mask):
+    return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _i8(p, mask):
+    b = _u8(p, mask)
+    return (b ^ 0x80) - 0x80
+
+
+@triton.jit
+def _f16(p, mask):
+    """The little-endian fp16 at bytes p, p + 1 as float32 (byte loads: no alignment needed)."""
+    bits = (_u8(p, mask) | (_u8(p + 1, mask) << 8)).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nibble(p, j, mask):
+    """Weight j of a 32-weight block whose 16 quant bytes start at p: low nibbles, then high."""
+    return (_u8(p + j % 16, mask) >> (4 * (j // 16))) & 0xF
+
+
+@triton.jit
+def _q5(p, j, mask):
+    """q5_0/q5_1's 5-bit value: the high bit j of the u32 at p, the nibble from p + 4."""
+    return _nibble(p + 4, j, mask) | (((_u8(p + j // 8, mask) >> (j % 8)) & 1) << 4)
+
+
+@triton.jit
+def _k_scale_min(s, sb, mask):
+    """Q4_K/Q5_K's 6-bit scale and min of sub-block sb (0..7) from the 12 bytes at s."""
+    a = _u8(s + sb, mask)
+    b = _u8(s + sb + 4, mask)
+    c = _u8(s + tl.where(sb >= 4, sb - 4, sb), mask)
+    low = sb < 4
+    sc = tl.where(low, a & 63, (b & 0xF) | ((c >> 6) << 4))
+    mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _k_low(q, j, mask):
+    """Q4_K/Q5_K's nibble of weight j (0..255): 4 runs of 32 bytes, each 64 weights."""
+    return (_u8(q + 32 * (j // 64) + j % 32, mask) >> (4 * ((j // 32) % 2))) & 0xF
+
+
+@triton.jit
+def _two_bits(q, j, mask):
+    """Q2_K/Q3_K's 2-bit field of weight j (0..255): two halves of 32 bytes read four times."""
+    return (_u8(q + 32 * (j // 128) + j % 32, mask) >> (2 * ((j % 128) // 32))) & 3
+
+
+@triton.jit
+def _block(base, n, k, ROW, BLK: tl.constexpr, BB: tl.constexpr):
+    """(the byte address of weight (n, k)'s block, k's index in it)."""
+    return base + n * (ROW // BLK * BB) + (k // BLK) * BB, k % BLK
+
+
+@triton.jit
+def weights(base, n, k, mask, ROW, FMT: tl.constexpr, lut_ptr):
+    """Float32 weights (n, k) of a row-major matrix of ROW weights per row stored at `base`
+    (a uint8 pointer; a typed one for TYPED) in format code FMT."""
+    if FMT == 0:  # TYPED
+        w = tl.load(base + n * ROW + k, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 1:  # float32
+        p = (base + (n * ROW + k) * 4).to(tl.pointer_type(tl.float32), bitcast=True)
+        w = tl.load(p, mask=mask, other=0.0)
+    elif FMT == 2:  # float16
+        p = (base + (n * ROW + k) * 2).to(tl.pointer_type(tl.float16), bitcast=True)
+        w = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 3:  # bfloat16
+        p = (base + (n * ROW + k) * 2).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        w = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 4:  # q8_0: fp16 d, 32 int8 q
+        b, j = _block(base, n, k, ROW, 32, 34)
+        w = _i8(b + 2 + j, mask).to(tl.float32) * _f16(b, mask)
+    elif FMT == 5:  # q4_0: fp16 d, nibbles: d * (q - 8)
+        b, j = _block(base, n, k, ROW, 32, 18)
+        w = _f16(b, mask) * (_nibble(b + 2, j, mask) - 8).to(tl.float32)
+    elif FMT == 6:  # q4_1: fp16 d, fp16 m, nibbles: d * q + m
+        b, j = _block(base, n, k, ROW, 32, 20)
+        w = _f16(b, mask) * _nibble(b + 4, j, mask).to(tl.float32) + _f16(b + 2, mask)
+    elif FMT == 7:  # q5_0: fp16 d, high bits, nibbles: d * (q - 16)
+        b, j = _block(base, n, k, ROW, 32, 22)
+        w = _f16(b, mask) * (_q5(b + 2, j, mask) - 16).to(tl.float32)
+    elif FMT == 8:  # q5_1: fp16 d, fp16 m, high bits, nibbles: d * q + m
+        b, j = _block(base, n, k, ROW, 32, 24)
+        w = _f16(b, mask) * _q5(b + 4, j, mask).to(tl.float32) + _f16(b + 2, mask)
+    elif FMT == 9:  # q2_k: 16 scale/min bytes, 64 bytes of 2-bit q, fp16 d, fp16 dmin
+        b, j = _block(base, n, k, ROW, 256, 84)
+        s = _u8(b + j // 16, mask)
+        dl = _f16(b + 80, mask) * (s & 0xF).to(tl.float32)
+        ml = _f16(b + 82, mask) * (s >> 4).to(tl.float32)
+        w = dl * _two_bits(b + 16, j, mask).to(tl.float32) - ml
+    elif FMT == 10:  # q3_k: high bits, 2-bit lows, 12 bytes of 6-bit scales, fp16 d
+        b, j = _block(base, n, k, ROW, 256, 110)
+        high = (_u8(b + j % 32, mask) >> (j // 32)) & 1
+        q = _two_bits(b + 32, j, mask) - 4 * (1 - high)
+        sj = j // 16
+        low4 = (_u8(b + 96 + sj % 8, mask) >> (4 * (sj // 8))) & 0xF
+        top2 = (_u8(b + 104 + sj % 4, mask) >> (2 * (sj // 4))) & 3
+        w = (_f16(b + 108, mask) * ((low4 | (top2 << 4)) - 32).to(tl.float32)) * q.to(tl.float32)
+    elif FMT == 11:  # q4_k: fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes
+        b, j = _block(base, n, k, ROW, 256, 144)
+        sc, mn = _k_scale_min(b + 4, j // 32, mask)
+        w = (_f16(b, mask) * sc) * _k_low(b + 16, j, mask).to(tl.float32) - _f16(b + 2, mask) * mn
+    elif FMT == 12:  # q5_k: as q4_k with 32 bytes of high bits before the nibbles
+        b, j = _block(base, n, k, ROW, 256, 176)
+        sc, mn = _k_scale_min(b + 4, j // 32, mask)
+        q = _k_low(b + 48, j, mask) | (((_u8(b + 16 + j % 32, mask) >> (j // 32)) & 1) << 4)
+        w = (_f16(b, mask) * sc) * q.to(tl.float32) - _f16(b + 2, mask) * mn
+    elif FMT == 13:  # q6_k: 128 low-nibble bytes, 64 of 2-bit highs, 16 int8 scales, fp16 d
+        b, j = _block(base, n, k, ROW, 256, 210)
+        half, r = j // 128, j % 128
+        low = (_u8(b + 64 * half + r % 64, mask) >> (4 * (r // 64))) & 0xF
+        high = (_u8(b + 128 + 32 * half + r % 32, mask) >> (2 * (r // 32))) & 3
+        q = (low | (high << 4)) - 32
+        w = (_f16(b + 208, mask) * _i8(b + 192 + j // 16, mask).to(tl.float32)) * q.to(tl.float32)
+    elif FMT == 14:  # iq4_nl: fp16 d, nibble indices into IQ4's levels
+        b, j = _block(base, n, k, ROW, 32, 18)
+        w = _f16(b, mask) * tl.load(lut_ptr + _nibble(b + 2, j, mask), mask=mask, other=0.0)
+    elif FMT == 15:  # iq4_xs: fp16 d, u16 high scale bits, 4 bytes of low ones, 128 index bytes
+        b, j = _block(base, n, k, ROW, 256, 136)
+        sb, jj = j // 32, j % 32
+        high = (_u8(b + 2 + sb // 4, mask) >> (2 * (sb % 4))) & 3
+        low = (_u8(b + 4 + sb // 2, mask) >> (4 * (sb % 2))) & 0xF
+        idx = (_u8(b + 8 + 16 * sb + jj % 16, mask) >> (4 * (jj // 16))) & 0xF
+        level = tl.load(lut_ptr + idx, mask=mask, other=0.0)
+        w = (_f16(b, mask) * ((low | (high << 4)) - 32).to(tl.float32)) * level
+    else:  # 16, mxfp4: e8m0 exponent e, nibble indices into e2m1's doubled levels
+        tl.static_assert(FMT == 16)
+        b, j = _block(base, n, k, ROW, 32, 17)
+        e = _u8(b, mask)
+        scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        w = scale * tl.load(lut_ptr + 16 + _nibble(b + 1, j, mask), mask=mask, other=0.0)
+    return w
