@@ -1,8 +1,8 @@
 """The grouped expert kernels on GGUF block slots (issue 38): every block format decoded in
 registers equal to kernels/dequant.py (itself bit for bit gguf's), and the GEMV and GEMM on block
-slots, fills included, equal to the same kernels on the slots dequantized to float32. In Triton's
-interpreter (CPU) bit for bit; on CUDA, where Triton may fuse a product and a sum, within float32
-rounding."""
+slots, fills included, equal to the same kernels on the slots dequantized to float32: bit for bit
+in Triton's interpreter (CPU) where the operations are the same, else (on CUDA, where Triton may
+fuse a product and a sum; the GEMV's own order of sums) within float32 rounding."""
 
 from __future__ import annotations
 
@@ -30,9 +30,11 @@ Q4_K_M = ("q4_k", "q4_k", "q6_k")  # llama-quantize's Q4_K_M layers: down in Q6_
 OSS = dict(expert_bias=True, swiglu_alpha=1.702, swiglu_limit=0.7)
 
 
-def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+def _same(got: torch.Tensor, want: torch.Tensor, exact: bool = True) -> None:
+    """Bit for bit in the interpreter where the operations are the same (`exact`), else within
+    float32 rounding (the GEMV sums a block row as [rows, 8, 32] tiles, the float path in 128s)."""
     assert not got.isnan().any()
-    if CUDA:
+    if CUDA or not exact:
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
     else:
         assert torch.equal(got, want), (got - want).abs().max()
@@ -76,7 +78,7 @@ def test_gemv_on_blocks_equals_the_gemv_on_their_values(formats):
     wt, count = torch.rand(5, generator=gen).to(DEV), torch.tensor([4], dtype=torch.int32, device=DEV)
     got = grouped_expert_gemv(x, _stack(slots), layout, sid, tid, wt, count)[:4]
     want = grouped_expert_gemv(x, _stack(floats), f32, sid, tid, wt, count)[:4]
-    _same(got.cpu(), want.cpu())
+    _same(got.cpu(), want.cpu(), exact=False)
 
 
 def _host(slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +110,7 @@ def test_gemv_fills_block_slots_from_the_host(oss):
                               (fills[0].to(torch.int32), fills[1], addr))
     assert torch.equal(dev.cpu()[[1, 0, 2]], host)
     want = grouped_expert_gemv(x, _stack(floats), f32, torch.arange(3, dtype=torch.int32, device=DEV), tid, wt, count)
-    _same(got.cpu(), want.cpu())
+    _same(got.cpu(), want.cpu(), exact=False)
 
 
 def _gemm_case(cap: int, t: int, k: int, gen: torch.Generator):

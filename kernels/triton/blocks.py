@@ -185,3 +185,35 @@ def weights(base, n, k, mask, ROW, FMT: tl.constexpr, lut_ptr):
         scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
         w = scale * tl.load(lut_ptr + 16 + _nibble(b + 1, j, mask), mask=mask, other=0.0)
     return w
+
+
+@triton.jit
+def tile(base, n, kb, nmask, ROW, FMT: tl.constexpr, lut_ptr):
+    """The decode GEMV's weights of rows n [BN] over the kb-th 256 of ROW, as [BN, 8, 32]:
+    element (r, g, l) is weight (n[r], 256 kb + 32 g + l). Q4_K, Q6_K and Q8_0 (what people
+    download most) decode their scales once per row and sub-block and load their quants as
+    contiguous runs of bytes (vector loads); the other formats decode weight by weight."""
+    g = tl.arange(0, 8)[None, :, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    rows = n[:, None, None]
+    k = kb * 256 + g * 32 + lane
+    mask = nmask[:, None, None] & (k < ROW)
+    one = nmask[:, None, None]
+    if FMT == 11:  # q4_k: one super-block; sub-block g's nibbles are byte run g // 2's low or high halves
+        b = base + rows * (ROW // 256 * 144) + kb * 144
+        sc, mn = _k_scale_min(b + 4, g, one)
+        q = (_u8(b + 16 + 32 * (g // 2) + lane, mask) >> (4 * (g % 2))) & 0xF
+        w = (_f16(b, one) * sc) * q.to(tl.float32) - _f16(b + 2, one) * mn
+    elif FMT == 13:  # q6_k: one super-block, halves of 128 weights (sub-blocks 0-3, 4-7)
+        b = base + rows * (ROW // 256 * 210) + kb * 210
+        half, quarter = g // 4, g % 4
+        low = (_u8(b + 64 * half + 32 * (quarter % 2) + lane, mask) >> (4 * (quarter // 2))) & 0xF
+        high = (_u8(b + 128 + 32 * half + lane, mask) >> (2 * quarter)) & 3
+        scale = _i8(b + 192 + 2 * g + lane // 16, mask).to(tl.float32)
+        w = (_f16(b + 208, one) * scale) * ((low | (high << 4)) - 32).to(tl.float32)
+    elif FMT == 4:  # q8_0: eight blocks of 32
+        b = base + rows * (ROW // 32 * 34) + (kb * 8 + g) * 34
+        w = _i8(b + 2 + lane, mask).to(tl.float32) * _f16(b, one & (kb * 256 + g * 32 < ROW))
+    else:
+        w = weights(base, rows, k, mask, ROW, FMT, lut_ptr)
+    return w

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ftkit.kernels.triton import interpreting
-from ftkit.kernels.triton.blocks import CODES, TYPED, lut, row_bytes, weights
+from ftkit.kernels.triton.blocks import CODES, TYPED, lut, row_bytes, tile, weights
 from ftkit.vocab import SlotLayout
 
 _TYPED = tl.constexpr(TYPED)  # as the kernels compare it
@@ -89,6 +89,13 @@ def _copy_rows(src, dst, up_off, g_row, u_row, n0, I, BLOCK_N: tl.constexpr, COP
 
 
 @triton.jit
+def _x256(x, kb, K):
+    """Activations 256 kb .. 256 kb + 255 of a row of K as float32 [1, 8, 32] (`tile`'s order)."""
+    k = kb * 256 + tl.arange(0, 8)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    return tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _bias(base, off, idx, mask):
     """Float32 biases at element `off` (of the slot's dtype) from `base`, at indices idx."""
     return tl.load((base + off).to(tl.pointer_type(tl.float32), bitcast=True) + idx, mask=mask, other=0.0)
@@ -126,23 +133,25 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr
         rows = _copy_rows(src, dst, up_off, g_row, u_row, tl.program_id(1) * BLOCK_N, I, BLOCK_N, COPY_BLOCK)
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < H
-        xv = tl.load(x_ptr + t * H + k, mask=kmask, other=0.0).to(tl.float32)
-        m2 = nmask[:, None] & kmask[None, :]
-        if FMT_G == _TYPED:  # float slots: a fill stores each tile into its slot as it is read
+    if FMT_G == _TYPED:
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < H
+            xv = tl.load(x_ptr + t * H + k, mask=kmask, other=0.0).to(tl.float32)
+            m2 = nmask[:, None] & kmask[None, :]
             offs = n[:, None] * H + k[None, :]
             g = tl.load(src + offs, mask=m2, other=0.0)
             u = tl.load(src + up_off + offs, mask=m2, other=0.0)
-            if copy:
+            if copy:  # float slots: a fill stores each tile into its slot as it is read
                 tl.store(dst + offs, g, mask=m2)
                 tl.store(dst + up_off + offs, u, mask=m2)
-        else:
-            g = weights(rows, n[:, None], k[None, :], m2, H, FMT_G, lut_ptr)
-            u = weights(rows + up_off, n[:, None], k[None, :], m2, H, FMT_U, lut_ptr)
-        acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
-        acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+            acc_g += tl.sum(g.to(tl.float32) * xv[None, :], axis=1)
+            acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+    else:  # blocks: 256 weights of a row at a time, [rows, 8, 32]
+        for kb in range(0, tl.cdiv(H, 256)):
+            xv = _x256(x_ptr + t * H, kb, H)
+            acc_g += tl.sum(tl.sum(tile(rows, n, kb, nmask, H, FMT_G, lut_ptr) * xv, axis=2), axis=1)
+            acc_u += tl.sum(tl.sum(tile(rows + up_off, n, kb, nmask, H, FMT_U, lut_ptr) * xv, axis=2), axis=1)
     if BIAS:  # from where the weights came (a fill's biases reach its slot through _copy_down)
         acc_g += _bias(src, gb_off, n, nmask)
         acc_u += _bias(src, ub_off, n, nmask)
@@ -161,13 +170,17 @@ def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I,  # noqa: E741
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < H
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < I
-        hv = tl.load(h_ptr + i * I + k, mask=kmask, other=0.0)
-        m2 = mmask[:, None] & kmask[None, :]
-        d = weights(src + down_off, m[:, None], k[None, :], m2, I, FMT_D, lut_ptr)
-        acc += tl.sum(d * hv[None, :], axis=1)
+    if FMT_D == _TYPED:
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < I
+            hv = tl.load(h_ptr + i * I + k, mask=kmask, other=0.0)
+            d = tl.load(src + down_off + m[:, None] * I + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            acc += tl.sum(d.to(tl.float32) * hv[None, :], axis=1)
+    else:
+        for kb in range(0, tl.cdiv(I, 256)):
+            hv = _x256(h_ptr + i * I, kb, I)
+            acc += tl.sum(tl.sum(tile(src + down_off, m, kb, mmask, I, FMT_D, lut_ptr) * hv, axis=2), axis=1)
     if BIAS:
         acc += _bias(src, db_off, m, mmask)
     w = tl.load(wt_ptr + i).to(tl.float32)
