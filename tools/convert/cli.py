@@ -66,6 +66,9 @@ def main(
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))
+        inv = plan.inventory
+        if note := inv.family.unused_note(inv.spec, inv.unexpected):
+            console.print(f"[yellow]note:[/] {note}")
         if note := plan.inventory.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
         if note := plan.inventory.dequantize_note(plan.layout.dtype):

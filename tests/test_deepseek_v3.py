@@ -1,0 +1,271 @@
+"""DeepSeek-V3 against transformers' eager model: a tiny random checkpoint (3 layers, the first
+dense; 8 experts in 4 groups of which 2 are kept, top-2, scaled by 2.5; one shared expert; MLA
+with a low-rank q, a 32-wide latent, nope 16 / rope 8 / v 16 heads; YaRN 4x with mscale_all_dim,
+so the softmax scale differs from (nope + rope)^-0.5; interleaved rope), HF -> FTW -> the runtime.
+A second checkpoint has Kimi-K2-like settings where they differ in kind: one group, a plain q
+projection, rope without scaling and not interleaved.
+
+Greedy tokens through the latent KV cache equal transformers' (float32, CPU) for every strategy
+with a 2-expert cache, the logits to 1e-4, with both attention forms (absorbed, expanded); the
+cache holds kv_lora_rank + rope values per position and layer; the conversion is bitwise;
+diagnose passes with that KV size; a cached prefix resumes bitwise; FP8 block-scaled weights
+dequantize as DeepSeek's reference does; GGUF as llama.cpp's converter writes deepseek2 (kv_b
+whole or split into k_b/v_b) loads to the same model, f32 exactly, q8_0 within tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import fixtures as fx
+from ftkit.errors import InputError
+from ftkit.runtime.checkpoint import open_source
+from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.ftw.reader import FTWModel
+from ftkit.runtime.models import FAMILIES
+from ftkit.runtime.models.deepseek_v3_forward import DeepseekV3Decoder
+from ftkit.runtime.models.inventory import take_inventory
+from ftkit.runtime.models.kv import KVCache
+from ftkit.runtime.models.kv_size import kv_bytes_per_token
+from ftkit.runtime.synthetic import write_tokenizer
+from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.diagnose.report import diagnose
+
+NAME = "deepseek_v3"
+CONFIG = {
+    **fx._COMMON,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "intermediate_size": 96,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
+                        "beta_fast": 32.0, "beta_slow": 1.0},
+}
+KIMI = {**CONFIG, "n_group": 1, "topk_group": 1, "q_lora_rank": None, "rope_interleave": False,
+        "routed_scaling_factor": 2.827, "rope_parameters": {"rope_type": "default", "rope_theta": 50_000.0}}
+PROMPT = torch.tensor([7, 300, 12, 45, 45, 2, 199, 81, 64, 3, 250, 17])
+NEW_TOKENS = 12
+STRATEGIES = [dict(strategy="fused"), dict(strategy="cpu"), dict(strategy="offload", cache_experts=2),
+              dict(strategy="hybrid", cache_experts=2, bandwidth_ratio=0.5)]
+
+
+def make_checkpoint(out: Path, config: dict, seed: int = 0) -> Path:
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(NAME, **config), dtype=torch.float32)
+    fx._init_weights(model, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers[config["first_k_dense_replace"]:]:
+            router = layer.mlp.gate  # sigmoid scores spread over (0, 1), a bias that moves the choice
+            router.weight.copy_(0.15 * torch.randn(router.weight.shape, generator=gen))
+            router.e_score_correction_bias.copy_(0.3 * torch.randn(router.e_score_correction_bias.shape, generator=gen))
+    model.save_pretrained(out)
+    write_tokenizer(out, model.config.vocab_size)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("dsv3") / "hf", CONFIG)
+
+
+@pytest.fixture(scope="module")
+def ftw(hf_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dsv3-ftw") / "m.ftw"
+    convert(make_plan(hf_dir, dtype="float32"), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dir):
+    """transformers' greedy continuation of PROMPT and each step's logits."""
+    return generate_reference(hf_dir)
+
+
+def generate_reference(hf_dir: Path, **overrides) -> tuple[list[int], list[torch.Tensor]]:
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", experts_implementation="eager",
+                                               dtype=torch.float32, **overrides).eval()
+    with torch.no_grad():
+        gen = ref.generate(PROMPT[None], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                           eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    return gen.sequences[0, len(PROMPT):].tolist(), [g[0] for g in gen.logits]
+
+
+def greedy(rt: Runtime, prompt: torch.Tensor = PROMPT, n: int = NEW_TOKENS) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill, then one token at a time through the runtime's step: (tokens, each step's logits)."""
+    kv = rt.new_kv(len(prompt) + n)
+    tokens, logits = [], []
+    with torch.inference_mode():
+        step = rt.step.forward(prompt, kv)[-1]
+        for _ in range(n):
+            logits.append(step)
+            tokens.append(int(step.argmax()))
+            step = rt.step.forward(torch.tensor(tokens[-1:]), kv)[-1]
+    return tokens, logits
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def assert_matches(path: Path, reference, **opts) -> None:
+    want_tokens, want_logits = reference
+    rt = Runtime(path, RuntimeOptions(threads=2, **opts))
+    tokens, logits = greedy(rt)
+    rt.close()
+    assert tokens == want_tokens
+    err = max(_rel_err(a, b) for a, b in zip(logits, want_logits, strict=True))
+    assert err <= 1e-4, f"decode-step logits relative error {err:.2e}"
+
+
+def test_spec_names_and_shapes(hf_dir):
+    inv = take_inventory(open_source(hf_dir, allow_stub=False))
+    spec = inv.spec
+    assert spec.family == NAME and inv.problems == [] and inv.unexpected == [] and inv.missing == []
+    assert spec.moe_layers == (1, 2) and spec.num_experts == 8 and spec.top_k == 2 and spec.norm_topk_prob
+    assert spec.extra == dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=32,
+                              qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True, kv_b_split=False)
+    assert spec.shared_expert_intermediate_size == 32 and spec.intermediate_size == 96
+    assert (spec.head_dim, spec.num_kv_heads, spec.partial_rotary_factor) == (8, 1, 1.0)
+    fam = FAMILIES[NAME]
+    shapes = fam.dense_shapes(spec)
+    assert shapes["layers.0.attn.q_a.weight"] == (24, 64) and shapes["layers.0.attn.q_b.weight"] == (4 * 24, 24)
+    assert shapes["layers.0.attn.kv_a.weight"] == (40, 64) and shapes["layers.0.attn.kv_b.weight"] == (4 * 32, 32)
+    assert shapes["layers.2.attn.o.weight"] == (64, 64) and shapes["layers.1.router.bias"] == (8,)
+    assert "layers.0.attn.q.weight" not in shapes and "layers.0.attn.k.weight" not in shapes
+    assert fam.map_name("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", False).canonical == \
+        "layers.1.attn.kv_a.weight"
+    assert fam.map_name("model.layers.1.self_attn.kv_a_layernorm.weight", False).canonical == \
+        "layers.1.attn.kv_a_norm.weight"
+    assert fam.map_name("blk.1.attn_k_b.weight", True).canonical == "layers.1.attn.k_b.weight"
+    assert fam.map_name("blk.1.attn_kv_a_mqa.weight", True).canonical == "layers.1.attn.kv_a.weight"
+
+
+def test_the_cache_holds_the_latent_only(ftw):
+    spec = FTWModel(ftw).spec
+    kv = KVCache(spec, 10)
+    assert set(kv.k) == {0, 1, 2} and kv.k[0].shape == (10, 1, 32 + 8) and kv.v[0].shape == (10, 1, 0)
+    assert kv_bytes_per_token(spec, torch.bfloat16) == 3 * (32 + 8) * 2
+
+
+@pytest.mark.parametrize("opts", STRATEGIES, ids=lambda o: "-".join(map(str, o.values())))
+def test_greedy_matches_transformers_every_strategy(ftw, reference, opts):
+    assert_matches(ftw, reference, **opts)
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_both_attention_forms_match_transformers(ftw, reference, form, monkeypatch):
+    """Whichever form every piece takes (the prompt absorbed, or each decode step expanded)."""
+    monkeypatch.setattr(DeepseekV3Decoder, "absorbs", lambda self, t: form == "absorbed")
+    assert_matches(ftw, reference, strategy="cpu")
+
+
+def test_a_long_prompt_expands_and_a_step_absorbs(ftw):
+    dec = DeepseekV3Decoder.__new__(DeepseekV3Decoder)
+    dec.spec = FTWModel(ftw).spec
+    assert dec.absorbs(1) and dec.absorbs(16) and not dec.absorbs(64)
+
+
+def test_convert_round_trip(hf_dir, ftw):
+    with safe_open(hf_dir / "model.safetensors", "pt") as f:
+        fx.assert_converted_bitwise({k: f.get_tensor(k) for k in f.keys()}, ftw, NAME)
+
+
+def test_every_strategy_matches_fused_bitwise(ftw):
+    from test_store import assert_strategies_match_fused
+
+    assert_strategies_match_fused(ftw)
+
+
+def test_kimi_like_settings_match_transformers(tmp_path):
+    hf = make_checkpoint(tmp_path / "hf", KIMI, seed=3)
+    convert(make_plan(hf, dtype="float32"), tmp_path / "m.ftw")
+    spec = FTWModel(tmp_path / "m.ftw").spec
+    assert spec.extra["q_lora_rank"] == 0 and not spec.extra["rope_interleave"] and spec.rope_scaling is None
+    assert "layers.0.attn.q.weight" in FAMILIES[NAME].dense_shapes(spec)
+    assert_matches(tmp_path / "m.ftw", generate_reference(hf), strategy="hybrid", cache_experts=2,
+                   bandwidth_ratio=0.5)
+
+
+def test_prefix_resumes_bitwise(ftw):
+    """A second prompt sharing 40 tokens with the first resumes from the prefix cache (the latent
+    rows) and generates from the logits of a cold prefill, bitwise on the CPU."""
+    from ftkit.runtime.engine.generate import generate
+    from ftkit.runtime.engine.sampling import SamplingParams
+
+    def run(rt: Runtime, ids: list[int]):
+        seen, real = [], rt.step.forward
+
+        def record(x, kv, **kwargs):
+            out = real(x, kv, **kwargs)
+            seen.append(out[-1].clone())
+            return out
+
+        rt.step.forward = record
+        out = generate(rt, ids, SamplingParams(max_tokens=4, ignore_eos=True))
+        del rt.step.forward
+        return out, torch.stack(seen[-4:])
+
+    gen = torch.Generator().manual_seed(6)
+    first = torch.randint(0, 256, (48,), generator=gen).tolist()
+    second = first[:40] + torch.randint(0, 256, (9,), generator=gen).tolist()
+    cached = Runtime(ftw, RuntimeOptions(strategy="cpu", threads=1, prefix_cache_tokens=4096))
+    plain = Runtime(ftw, RuntimeOptions(strategy="cpu", threads=1, prefix_cache=False))
+    run(cached, first)
+    (got, got_logits), (want, want_logits) = run(cached, second), run(plain, second)
+    assert got.cached_tokens >= 32 and want.cached_tokens == 0
+    assert got.token_ids == want.token_ids and torch.equal(got_logits, want_logits)
+    cached.close()
+    plain.close()
+
+
+def test_graph_decode_is_refused_in_one_line(ftw):
+    from ftkit.runtime.engine.graphs import unsupported
+
+    rt = Runtime(ftw, RuntimeOptions(threads=1, strategy="cpu"))
+    assert unsupported(rt.decoder, rt.store) == "latent attention (MLA) is not in the graph kernels"
+    rt.close()
+
+
+def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
+    spec = FTWModel(ftw).spec
+    for path in (hf_dir, ftw):
+        r = diagnose(path)
+        assert (r["verdict"], r["problems"], r["family"]) == ("PASS", [], NAME), r
+        m = r["memory"]
+        # the latent and the rope key per layer and position, not the heads' keys and values
+        assert m["kv_bytes_per_1k_tokens"] == 1000 * 3 * (32 + 8) * 2
+        assert m["host_expert_pool_bytes"] == 2 * 8 * m["expert_slot_bytes"]  # layers 1 and 2 only
+        assert not any(label.startswith("graph") for label in m["min_gpu_terms"])
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(kv_lora_rank=0), "kv_lora_rank"),
+    (dict(topk_group=5), "groups"),
+    (dict(n_group=3), "groups"),
+    (dict(qk_rope_head_dim=7), "rotary width"),
+    (dict(num_experts_per_tok=5, topk_group=1), "top-k"),
+])
+def test_bad_configs_are_one_line(hf_dir, tmp_path, change, words):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.update(change)
+    with pytest.raises(InputError, match=words):
+        FAMILIES[NAME].spec_from_config(cfg)
