@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import fixtures as fx
+import gguf_fixtures as gfx
 from ftkit.errors import InputError
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
@@ -269,3 +271,115 @@ def test_bad_configs_are_one_line(hf_dir, tmp_path, change, words):
     cfg.update(change)
     with pytest.raises(InputError, match=words):
         FAMILIES[NAME].spec_from_config(cfg)
+
+
+# ---- GGUF, as llama.cpp's converter writes deepseek2 ----------------------------------------
+def write_deepseek2_gguf(hf_dir: Path, out: Path, split: bool = True, qtype: str = "F32") -> None:
+    """DeepseekV2Model (convert_hf_to_gguf.py): TextModel's parameters with one KV head, the MLA
+    and MoE keys, the bias renamed to `e_score_correction.bias`, experts merged per layer, the
+    multi-token-prediction layer left out. `split` (newer converters): kv_b split per head into
+    k_b (transposed) and v_b, key_length the latent's (kv_lora_rank + rope) and the heads' under
+    key_length_mla / value_length_mla; else (older ones) kv_b whole and the heads' key_length /
+    value_length. `qtype`: F32, or Q8_0 for the 2-D and 3-D weights whose rows allow it (F16
+    otherwise, as the converter falls back), norms and the router kept F32."""
+    arch, qt = gguf.MODEL_ARCH.DEEPSEEK2, gfx.QT
+    hp = AutoConfig.from_pretrained(hf_dir).to_dict()
+    main, heads = hp["num_hidden_layers"], hp["num_attention_heads"]
+    nope, rope, v, latent = hp["qk_nope_head_dim"], hp["qk_rope_head_dim"], hp["v_head_dim"], hp["kv_lora_rank"]
+    tmap = gguf.get_tensor_name_map(arch, main)
+    w = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
+    tensors: dict[str, torch.Tensor] = {}
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in gfx._hf_tensors(hf_dir):
+        bid = next((int(p) for p in name.split(".") if p.isdecimal()), None)
+        if bid is not None and bid >= main:
+            continue
+        if ".mlp.experts." in name:
+            experts.setdefault(bid, {})[name] = t
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if split and name.endswith("kv_b_proj.weight"):
+            k_b, v_b = t.view(heads, nope + v, latent).split([nope, v], dim=1)
+            tensors[gfx._map(tmap, name.replace("kv_b_proj", "k_b_proj"))] = k_b.transpose(1, 2)
+            tensors[gfx._map(tmap, name.replace("kv_b_proj", "v_b_proj"))] = v_b
+            continue
+        tensors[gfx._map(tmap, name)] = t
+    for bid, layer in experts.items():
+        for proj in ("down_proj", "gate_proj", "up_proj"):
+            stacked = torch.stack([layer[f"model.layers.{bid}.mlp.experts.{x}.{proj}.weight"]
+                                   for x in range(hp["n_routed_experts"])])
+            tensors[gfx._map(tmap, f"model.layers.{bid}.mlp.experts.{proj}.weight")] = stacked
+    for name, t in tensors.items():
+        data = t.float().contiguous().numpy()
+        kind = qt.F32
+        if qtype == "Q8_0" and data.ndim > 1 and name.endswith(".weight") and "ffn_gate_inp" not in name:
+            kind = qt.Q8_0 if data.shape[-1] % 32 == 0 else qt.F16
+        w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(hf_dir.name)
+    params = {k: x for k, x in hp.items() if k != "head_dim"}  # config.json has none: transformers derives it
+    ftype = gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.ALL_F32
+    gfx._set_parameters(w, {**params, "num_key_value_heads": 1 if split else heads,
+                            "num_experts": hp["n_routed_experts"]}, arch, ftype)
+    w.add_expert_group_count(hp["n_group"])
+    w.add_expert_group_used_count(hp["topk_group"])
+    w.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(hp["q_lora_rank"])
+    w.add_kv_lora_rank(latent)
+    if split:
+        w.add_key_length(latent + rope)
+        w.add_value_length(latent)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v)
+    else:
+        w.add_key_length(nope + rope)
+        w.add_value_length(v)
+    w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    w.add_expert_shared_count(hp["n_shared_experts"])
+    w.add_expert_weights_scale(hp["routed_scaling_factor"])
+    if hp["norm_topk_prob"]:
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_rope_dimension_count(rope)
+    if (hp.get("rope_parameters") or {}).get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * hp["rope_parameters"]["mscale_all_dim"])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_tokenizer_model("gpt2")
+    w.write_header_to_file(path=out)
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["k_b-v_b", "kv_b"])
+def test_gguf_f32_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path, split):
+    path = tmp_path / "m.gguf"
+    write_deepseek2_gguf(hf_dir, path, split=split)
+    r = diagnose(path)
+    assert (r["verdict"], r["problems"], r["unexpected"], r["family"]) == ("PASS", [], [], NAME), r
+    convert(make_plan(path), tmp_path / "ftw")
+    spec, want = FTWModel(tmp_path / "ftw").spec, FTWModel(ftw).spec
+    assert spec.extra == {**want.extra, "kv_b_split": split}
+    same = ("moe_layers", "num_layers", "norm_topk_prob", "shared_expert_intermediate_size", "num_heads",
+            "num_kv_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "rope_theta", "top_k")
+    assert [getattr(spec, f) for f in same] == [getattr(want, f) for f in same]
+    assert {k: spec.rope_scaling[k] for k in ("rope_type", "factor", "mscale", "mscale_all_dim")} == \
+        {k: want.rope_scaling[k] for k in ("rope_type", "factor", "mscale", "mscale_all_dim")}
+    assert_matches(tmp_path / "ftw", reference, strategy="hybrid", cache_experts=2, bandwidth_ratio=0.5)
+
+
+def test_gguf_q8_0_within_tolerance(hf_dir, reference, tmp_path):
+    """Q8_0 weights (k_b's 16-wide rows fall back to F16, as the converter does): the experts stay
+    blocks, diagnose passes, the prompt's logits within q8_0's rounding of transformers'."""
+    path = tmp_path / "q.gguf"
+    write_deepseek2_gguf(hf_dir, path, qtype="Q8_0")
+    r = diagnose(path)
+    assert (r["verdict"], r["problems"], r["family"], r["expert_dtype"]) == ("PASS", [], NAME, "q8_0"), r
+    convert(make_plan(path), tmp_path / "ftw")
+    rt = Runtime(tmp_path / "ftw", RuntimeOptions(threads=2, strategy="cpu"))
+    tokens, logits = greedy(rt, n=1)
+    rt.close()
+    assert _rel_err(logits[0], reference[1][0]) < 2e-2

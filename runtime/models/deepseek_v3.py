@@ -27,6 +27,7 @@ newer converters, split per head into `attn_k_b` [H, kv_lora_rank, nope] (transp
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 from ftkit.errors import shown
@@ -49,6 +50,7 @@ GGUF_DSV3_RULES = rules(
     (r"blk\.(\d+)\.exp_probs_b\.bias", "layers.{1}.router.bias"),
 ) + GGUF_RULES
 
+F32_TENTH = struct.unpack("<f", struct.pack("<f", 0.1))[0]
 LORA_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which q_a/kv_a_layernorm keep
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
 
@@ -119,8 +121,9 @@ class DeepseekV3(Glm4Moe):
         qk, v = m("attention.key_length_mla", g["head_dim"]), m("attention.value_length_mla", m("attention.value_length"))
         scaling = g.pop("rope_scaling", None)
         if scaling and m("rope.scaling.yarn_log_multiplier") is not None:
-            # llama.cpp folds both mscales into one: YaRN's own factor cancels (mscale = mscale_all_dim)
-            mscale = m("rope.scaling.yarn_log_multiplier") / 0.1
+            # llama.cpp folds both mscales into one: YaRN's own factor cancels (mscale = mscale_all_dim).
+            # The converter stores 0.1 x mscale_all_dim as float32: over float32's 0.1, 1.0 stays 1.0.
+            mscale = m("rope.scaling.yarn_log_multiplier") / F32_TENTH
             scaling.update(mscale=mscale, mscale_all_dim=mscale)
         g.update(
             architectures=list(self.architectures), n_routed_experts=g["experts"], num_experts_per_tok=g["experts_used"],
