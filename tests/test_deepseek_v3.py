@@ -383,3 +383,89 @@ def test_gguf_q8_0_within_tolerance(hf_dir, reference, tmp_path):
     tokens, logits = greedy(rt, n=1)
     rt.close()
     assert _rel_err(logits[0], reference[1][0]) < 2e-2
+
+
+# ---- block-scaled FP8, as DeepSeek ships its checkpoints --------------------------------------
+FP8_BLOCK = 16  # DeepSeek's blocks are 128 x 128; 16 gives these shapes several, some partial (24 rows)
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] as e4m3 with a float32 scale_inv per FP8_BLOCK x FP8_BLOCK block (amax / 448)."""
+    b, (rows, cols) = FP8_BLOCK, w.shape
+    pad = torch.zeros(-(-rows // b) * b, -(-cols // b) * b)
+    pad[:rows, :cols] = w
+    blocks = pad.unflatten(0, (-1, b)).unflatten(2, (-1, b))  # [R, b, C, b]
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's reference weight_dequant: the float32 product per block, rounded once to bf16."""
+    s = scale.repeat_interleave(FP8_BLOCK, 0)[: q.shape[0]].repeat_interleave(FP8_BLOCK, 1)[:, : q.shape[1]]
+    return (q.float() * s).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(hf_dir, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """hf_dir with every linear weight but the embedding, head and routers as FP8, and a
+    multi-token-prediction layer (model.layers.3: eh_proj FP8, enorm) appended; and what the
+    weights the runtime serves should be (the dequantized ones, the rest as bf16)."""
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("dsv3-fp8")
+    for f in hf_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    with safe_open(hf_dir / "model.safetensors", "pt") as f:
+        src = {k: f.get_tensor(k) for k in f.keys()}
+    gen = torch.Generator().manual_seed(9)
+    src["model.layers.3.eh_proj.weight"] = 0.1 * torch.randn(64, 128, generator=gen)
+    src["model.layers.3.enorm.weight"] = torch.ones(64)
+    stored, served = {}, {}
+    for name, t in src.items():
+        if t.dim() == 2 and name.endswith("proj.weight"):
+            q, scale = _fp8(t)
+            stored[name], stored[name + "_scale_inv"] = q, scale
+            served[name] = _dequantized(q, scale)
+        else:
+            stored[name] = served[name] = t.to(torch.bfloat16)  # as DeepSeek stores the rest
+    save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, {k: t for k, t in served.items() if not k.startswith("model.layers.3.")}
+
+
+def test_fp8_weights_convert_to_their_dequantized_values(fp8_dir, tmp_path):
+    from ftkit.tools.convert.cli import app
+    from typer.testing import CliRunner
+
+    path, served = fp8_dir
+    r = diagnose(path)
+    assert (r["verdict"], r["problems"], r["family"]) == ("PASS", [], NAME), r
+    assert sorted(r["unexpected"]) == ["model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight"]
+    assert any(n.startswith("FP8 weights") for n in r["notes"]) and any("multi-token" in n for n in r["notes"])
+    result = CliRunner().invoke(app, [str(path), "-o", str(tmp_path / "m.ftw")], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    lines = " ".join(result.output.split())
+    assert "FP8 weights (e4m3, block-scaled) are dequantized to bfloat16" in lines
+    assert "the multi-token-prediction layer (model.layers.3.*) is skipped" in lines
+    fx.assert_converted_bitwise(served, tmp_path / "m.ftw", NAME)
+
+
+def test_fp8_scales_that_do_not_fit_are_one_line(fp8_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    path, _ = fp8_dir
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in path.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    with safe_open(path / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.layers.0.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(InputError, match="o_proj.weight .*scale_inv is float32\\[1, 1\\], not float32 \\[4, 4\\]"):
+        open_source(bad)

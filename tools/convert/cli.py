@@ -67,8 +67,9 @@ def main(
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))
         inv = plan.inventory
-        if note := inv.family.unused_note(inv.spec, inv.unexpected):
-            console.print(f"[yellow]note:[/] {note}")
+        for note in (*getattr(inv.source, "notes", ()), inv.family.unused_note(inv.spec, inv.unexpected)):
+            if note:
+                console.print(f"[yellow]note:[/] {note}")
         if note := plan.inventory.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
         if note := plan.inventory.dequantize_note(plan.layout.dtype):
