@@ -469,3 +469,35 @@ def test_fp8_scales_that_do_not_fit_are_one_line(fp8_dir, tmp_path):
     save_file(tensors, bad / "model.safetensors")
     with pytest.raises(InputError, match="o_proj.weight .*scale_inv is float32\\[1, 1\\], not float32 \\[4, 4\\]"):
         open_source(bad)
+
+
+# ---- the bench presets -------------------------------------------------------------------------
+def test_presets_have_the_published_shapes(tmp_path):
+    """deepseek-v3 and kimi-k2 as their configs give them, cut to N layers as a benchmark would
+    (dense first layers kept); at toy sizes ft-bench write's model loads and decodes."""
+    import dataclasses
+
+    from ftkit.runtime.random_model import write_random_ftw
+    from ftkit.tools.bench.presets import preset_spec
+    from ftkit.vocab import slot_layout
+
+    ds, kimi = preset_spec("deepseek-v3"), preset_spec("kimi-k2")
+    assert (ds.num_layers, ds.moe_layers[0], ds.num_experts, ds.top_k, ds.num_heads) == (61, 3, 256, 8, 128)
+    assert (kimi.num_layers, kimi.moe_layers[0], kimi.num_experts, kimi.top_k, kimi.num_heads) == (61, 1, 384, 8, 64)
+    assert (ds.extra["n_group"], ds.extra["topk_group"], kimi.extra["n_group"]) == (8, 4, 1)
+    assert kimi.extra["routed_scaling_factor"] == 2.827 and kimi.vocab_size == 163840 and ds.vocab_size == 129280
+    assert slot_layout(ds, "bfloat16").slot_bytes == 3 * 7168 * 2048 * 2  # 88 MB
+    assert kv_bytes_per_token(ds, torch.bfloat16) == kv_bytes_per_token(kimi, torch.bfloat16) == 61 * 576 * 2
+    cut = preset_spec("deepseek-v3", 5)
+    assert cut.moe_layers == (3, 4) and cut.intermediate_size == 18432
+    toy = dataclasses.replace(preset_spec("kimi-k2", 3), hidden_size=64, intermediate_size=96,
+                              moe_intermediate_size=32, vocab_size=512, num_heads=4, num_experts=8,
+                              extra={**kimi.extra, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                     "v_head_dim": 16}, head_dim=8)
+    write_random_ftw(tmp_path / "m.ftw", toy, "bfloat16", distinct_experts=4)
+    rt = Runtime(tmp_path / "m.ftw", RuntimeOptions(threads=2, strategy="hybrid", cache_experts=2,
+                                                    bandwidth_ratio=0.5))
+    with torch.inference_mode():
+        logits = rt.step.forward(torch.arange(20), rt.new_kv(20))
+    rt.close()
+    assert logits.shape == (20, 512) and logits.isfinite().all()
