@@ -197,6 +197,13 @@ def test_every_strategy_matches_fused_bitwise(ftw):
     assert_strategies_match_fused(ftw)
 
 
+# Other shapes the family takes: no dense layer, two shared experts, values wider than the nope
+# keys, biases on q_a/kv_a/o, tied embeddings, plain top-k weights, eight heads.
+ODD = {**CONFIG, "first_k_dense_replace": 0, "n_shared_experts": 2, "v_head_dim": 24, "attention_bias": True,
+       "tie_word_embeddings": True, "norm_topk_prob": False, "num_attention_heads": 8, "num_key_value_heads": 8,
+       "n_group": 2, "topk_group": 1}
+
+
 def test_kimi_like_settings_match_transformers(tmp_path):
     hf = make_checkpoint(tmp_path / "hf", KIMI, seed=3)
     convert(make_plan(hf, dtype="float32"), tmp_path / "m.ftw")
@@ -205,6 +212,27 @@ def test_kimi_like_settings_match_transformers(tmp_path):
     assert "layers.0.attn.q.weight" in FAMILIES[NAME].dense_shapes(spec)
     assert_matches(tmp_path / "m.ftw", generate_reference(hf), strategy="hybrid", cache_experts=2,
                    bandwidth_ratio=0.5)
+
+
+def test_other_shapes_match_transformers(tmp_path):
+    hf = make_checkpoint(tmp_path / "hf", ODD, seed=4)
+    convert(make_plan(hf, dtype="float32"), tmp_path / "m.ftw")
+    spec = FTWModel(tmp_path / "m.ftw").spec
+    assert spec.moe_layers == (0, 1, 2) and spec.shared_expert_intermediate_size == 64 and spec.attention_bias
+    assert_matches(tmp_path / "m.ftw", generate_reference(hf), strategy="hybrid", cache_experts=2,
+                   bandwidth_ratio=0.5)
+
+
+def test_bfloat16_logits_close_to_transformers(hf_dir, tmp_path):
+    """A bf16 conversion run in bf16 against transformers in bf16 (routers float32 in both)."""
+    convert(make_plan(hf_dir, dtype="bfloat16"), tmp_path / "bf16.ftw")
+    rt = Runtime(tmp_path / "bf16.ftw", RuntimeOptions(threads=2, strategy="cpu"))
+    with torch.inference_mode():
+        got = rt.step.forward(PROMPT, rt.new_kv(len(PROMPT)))
+    rt.close()
+    with torch.no_grad():
+        want = fx.load_reference(hf_dir, dtype=torch.bfloat16)(PROMPT[None]).logits[0]
+    assert got.dtype == torch.bfloat16 and _rel_err(got, want) < 2e-2
 
 
 def test_prefix_resumes_bitwise(ftw):
@@ -263,7 +291,7 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
     (dict(kv_lora_rank=0), "kv_lora_rank"),
     (dict(topk_group=5), "groups"),
     (dict(n_group=3), "groups"),
-    (dict(qk_rope_head_dim=7), "rotary width"),
+    (dict(qk_rope_head_dim=7), "qk_rope_head_dim is 7, not even"),
     (dict(num_experts_per_tok=5, topk_group=1), "top-k"),
 ])
 def test_bad_configs_are_one_line(hf_dir, tmp_path, change, words):

@@ -79,6 +79,8 @@ class DeepseekV3(Glm4Moe):
         cfg = dict(text_config(cfg))
         # the spec's heads as MLA's cache sees them: the rope width, one latent head (module doc)
         rope = first_count(cfg, "qk_rope_head_dim", what="rope head width", hi=MAX_HEAD_DIM)
+        if rope % 2:
+            raise SpecError(f"qk_rope_head_dim is {rope}, not even (rope rotates pairs of channels)")
         cfg.update(head_dim=rope, num_key_value_heads=1, partial_rotary_factor=1.0, use_qk_norm=False)
         return super().spec_from_config(cfg)
 
