@@ -16,6 +16,7 @@ whole or split into k_b/v_b) loads to the same model, f32 exactly, q8_0 within t
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -284,6 +285,11 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
         # the latent and the rope key per layer and position, not the heads' keys and values
         assert m["kv_bytes_per_1k_tokens"] == 1000 * 3 * (32 + 8) * 2
         assert m["host_expert_pool_bytes"] == 2 * 8 * m["expert_slot_bytes"]  # layers 1 and 2 only
+        # the dense layer's MLP, the shared experts and MLA's projections at the plan's dtype, the
+        # routers float32
+        shapes = FAMILIES[NAME].dense_shapes(spec)
+        assert shapes["layers.0.mlp.up.weight"] == (96, 64) and shapes["layers.2.shared.up.weight"] == (32, 64)
+        assert m["dense_bytes"] == sum(math.prod(s) * (4 if ".router." in n else 2) for n, s in shapes.items())
         assert not any(label.startswith("graph") for label in m["min_gpu_terms"])
 
 
