@@ -31,7 +31,7 @@ from ftkit.errors import InputError
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.ftw.reader import FTWModel
-from ftkit.runtime.models import FAMILIES
+from ftkit.runtime.models import FAMILIES, family_for_config
 from ftkit.runtime.models.deepseek_v3_forward import DeepseekV3Decoder
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.kv import KVCache
@@ -149,6 +149,8 @@ def test_spec_names_and_shapes(hf_dir):
     assert spec.shared_expert_intermediate_size == 32 and spec.intermediate_size == 96
     assert (spec.head_dim, spec.num_kv_heads, spec.partial_rotary_factor) == (8, 1, 1.0)
     fam = FAMILIES[NAME]
+    # Kimi-K2's config.json names its own model_type (custom code) with this architecture
+    assert family_for_config({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2"}) is fam
     shapes = fam.dense_shapes(spec)
     assert shapes["layers.0.attn.q_a.weight"] == (24, 64) and shapes["layers.0.attn.q_b.weight"] == (4 * 24, 24)
     assert shapes["layers.0.attn.kv_a.weight"] == (40, 64) and shapes["layers.0.attn.kv_b.weight"] == (4 * 32, 32)
@@ -473,8 +475,9 @@ def fp8_dir(hf_dir, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def test_fp8_weights_convert_to_their_dequantized_values(fp8_dir, tmp_path):
-    from ftkit.tools.convert.cli import app
     from typer.testing import CliRunner
+
+    from ftkit.tools.convert.cli import app
 
     path, served = fp8_dir
     r = diagnose(path)
