@@ -527,6 +527,8 @@ def test_presets_have_the_published_shapes(tmp_path):
     assert kv_bytes_per_token(ds, torch.bfloat16) == kv_bytes_per_token(kimi, torch.bfloat16) == 61 * 576 * 2
     cut = preset_spec("deepseek-v3", 5)
     assert cut.moe_layers == (3, 4) and cut.intermediate_size == 18432
+    with pytest.raises(ValueError, match="--layers must be in 4..61"):
+        preset_spec("deepseek-v3", 3)
     toy = dataclasses.replace(preset_spec("kimi-k2", 3), hidden_size=64, intermediate_size=96,
                               moe_intermediate_size=32, vocab_size=512, num_heads=4, num_experts=8,
                               extra={**kimi.extra, "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,

@@ -95,14 +95,16 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def preset_spec(name: str, layers: int | None = None) -> ModelSpec:
-    """A preset, optionally cut to its first `layers` layers to fit the disk at hand."""
+    """A preset, optionally cut to its first `layers` layers to fit the disk at hand (at least one
+    MoE layer: DeepSeek-V3's first three are dense)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     spec = PRESETS[name]
     if layers is None or layers == spec.num_layers:
         return spec
-    if not 0 < layers <= spec.num_layers:
-        raise ValueError(f"--layers must be in 1..{spec.num_layers}")
+    lo = spec.moe_layers[0] + 1
+    if not lo <= layers <= spec.num_layers:
+        raise ValueError(f"--layers must be in {lo}..{spec.num_layers}")
     return dataclasses.replace(
         spec, num_layers=layers, layer_kinds=spec.layer_kinds[:layers],
         moe_layers=tuple(i for i in spec.moe_layers if i < layers),
