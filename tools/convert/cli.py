@@ -70,9 +70,9 @@ def main(
         for note in (*getattr(inv.source, "notes", ()), inv.family.unused_note(inv.spec, inv.unexpected)):
             if note:
                 console.print(f"[yellow]note:[/] {note}")
-        if note := plan.inventory.dense_note(dtype):
+        if note := inv.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
-        if note := plan.inventory.dequantize_note(plan.layout.dtype):
+        if note := inv.dequantize_note(plan.layout.dtype):
             console.print(f"[yellow]note:[/] {note}")
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")
