@@ -44,9 +44,10 @@ class Format:
 # Plain dtypes by torch's name for them (float8_e4m3fn only as HF checkpoints store DeepSeek's
 # block-scaled weights, which readers dequantize: no slot or dense tensor keeps it), then GGUF's
 # block formats by ggml's type name in lower case (ggml-common.h): `block` weights along the last
-# dimension stored in `block_bytes` bytes. q8_0, for one, is an fp16 scale followed by 32 int8 values (34 bytes); the K-quants and iq4_xs
-# are super-blocks of 256 weights with packed sub-block scales; mxfp4 has an e8m0 (power of two)
-# scale per 32 e2m1 weights. kernels/dequant.py documents each layout.
+# dimension stored in `block_bytes` bytes. q8_0, for one, is an fp16 scale followed by 32 int8
+# values (34 bytes); the K-quants and iq4_xs are super-blocks of 256 weights with packed
+# sub-block scales; mxfp4 has an e8m0 (power of two) scale per 32 e2m1 weights.
+# kernels/dequant.py documents each layout.
 Q8_0 = "q8_0"
 FORMATS: dict[str, Format] = {
     f.name: f
