@@ -301,6 +301,8 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
     (dict(n_group=3), "groups"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim is 7, not even"),
     (dict(num_experts_per_tok=5, topk_group=1), "top-k"),
+    (dict(scoring_func="softmax"), "routes by sigmoid"),
+    (dict(q_lora_rank=-1), "q_lora_rank is -1"),
 ])
 def test_bad_configs_are_one_line(hf_dir, tmp_path, change, words):
     cfg = json.loads((hf_dir / "config.json").read_text())

@@ -34,7 +34,7 @@ from ftkit.errors import shown
 
 from ..spec import MAX_HEAD_DIM, MAX_HIDDEN, ModelSpec, SpecError, whole
 from .base import GGUF_RULES, gguf_common, rules, text_config
-from .config import count, first_count, flag
+from .config import count, first_count, flag, text
 from .glm4_moe import HF_GLM_RULES, SIGMOID_GATING, Glm4Moe
 
 HF_DSV3_RULES = rules(
@@ -77,6 +77,8 @@ class DeepseekV3(Glm4Moe):
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
         cfg = dict(text_config(cfg))
+        if text(cfg, "scoring_func", "sigmoid") != "sigmoid":  # DeepSeek-V2's softmax routers are another model
+            raise SpecError(f"DeepSeek-V3 routes by sigmoid; scoring_func is {shown(cfg['scoring_func'])}")
         # the spec's heads as MLA's cache sees them: the rope width, one latent head (module doc)
         rope = first_count(cfg, "qk_rope_head_dim", what="rope head width", hi=MAX_HEAD_DIM)
         if rope % 2:
