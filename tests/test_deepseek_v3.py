@@ -312,14 +312,18 @@ def test_bad_configs_are_one_line(hf_dir, tmp_path, change, words):
 
 
 # ---- GGUF, as llama.cpp's converter writes deepseek2 ----------------------------------------
-def write_deepseek2_gguf(hf_dir: Path, out: Path, split: bool = True, qtype: str = "F32") -> None:
+def write_deepseek2_gguf(hf_dir: Path, out: Path, split: bool = True, qtype: str = "F32", nextn: bool = False,
+                         gating: bool = True) -> None:
     """DeepseekV2Model (convert_hf_to_gguf.py): TextModel's parameters with one KV head, the MLA
     and MoE keys, the bias renamed to `e_score_correction.bias`, experts merged per layer, the
     multi-token-prediction layer left out. `split` (newer converters): kv_b split per head into
     k_b (transposed) and v_b, key_length the latent's (kv_lora_rank + rope) and the heads' under
     key_length_mla / value_length_mla; else (older ones) kv_b whole and the heads' key_length /
     value_length. `qtype`: F32, or Q8_0 for the 2-D and 3-D weights whose rows allow it (F16
-    otherwise, as the converter falls back), norms and the router kept F32."""
+    otherwise, as the converter falls back), norms and the router kept F32. `nextn`: a copy of the
+    last block appended as a kept multi-token-prediction block (counted in block_count,
+    nextn_predict_layers 1), as a converter that keeps it writes. `gating`: write the sigmoid
+    expert_gating_func (DeepSeek-V2's older files have none)."""
     arch, qt = gguf.MODEL_ARCH.DEEPSEEK2, gfx.QT
     hp = AutoConfig.from_pretrained(hf_dir).to_dict()
     main, heads = hp["num_hidden_layers"], hp["num_attention_heads"]
@@ -347,6 +351,10 @@ def write_deepseek2_gguf(hf_dir: Path, out: Path, split: bool = True, qtype: str
             stacked = torch.stack([layer[f"model.layers.{bid}.mlp.experts.{x}.{proj}.weight"]
                                    for x in range(hp["n_routed_experts"])])
             tensors[gfx._map(tmap, f"model.layers.{bid}.mlp.experts.{proj}.weight")] = stacked
+    if nextn:
+        last = f"blk.{main - 1}."
+        tensors.update({f"blk.{main}." + n.removeprefix(last): t for n, t in tensors.items() if n.startswith(last)})
+        tensors[f"blk.{main}.nextn.eh_proj.weight"] = torch.zeros(hp["hidden_size"], 2 * hp["hidden_size"])
     for name, t in tensors.items():
         data = t.float().contiguous().numpy()
         kind = qt.F32
@@ -358,7 +366,7 @@ def write_deepseek2_gguf(hf_dir: Path, out: Path, split: bool = True, qtype: str
     w.add_name(hf_dir.name)
     params = {k: x for k, x in hp.items() if k != "head_dim"}  # config.json has none: transformers derives it
     ftype = gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.ALL_F32
-    gfx._set_parameters(w, {**params, "num_key_value_heads": 1 if split else heads,
+    gfx._set_parameters(w, {**params, "num_key_value_heads": 1 if split else heads, "num_hidden_layers": main + nextn,
                             "num_experts": hp["n_routed_experts"]}, arch, ftype)
     w.add_expert_group_count(hp["n_group"])
     w.add_expert_group_used_count(hp["topk_group"])
@@ -380,7 +388,10 @@ def write_deepseek2_gguf(hf_dir: Path, out: Path, split: bool = True, qtype: str
     w.add_expert_weights_scale(hp["routed_scaling_factor"])
     if hp["norm_topk_prob"]:
         w.add_expert_weights_norm(True)
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if gating:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if nextn:
+        w.add_nextn_predict_layers(1)
     w.add_rope_dimension_count(rope)
     if (hp.get("rope_parameters") or {}).get("mscale_all_dim") is not None:
         w.add_rope_scaling_yarn_log_mul(0.1 * hp["rope_parameters"]["mscale_all_dim"])
@@ -407,6 +418,25 @@ def test_gguf_f32_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path, spli
     assert {k: spec.rope_scaling[k] for k in ("rope_type", "factor", "mscale", "mscale_all_dim")} == \
         {k: want.rope_scaling[k] for k in ("rope_type", "factor", "mscale", "mscale_all_dim")}
     assert_matches(tmp_path / "ftw", reference, strategy="hybrid", cache_experts=2, bandwidth_ratio=0.5)
+
+
+def test_gguf_with_a_kept_nextn_block(hf_dir, reference, tmp_path):
+    """The multi-token-prediction block, where a converter keeps it, is skipped with one line."""
+    path = tmp_path / "m.gguf"
+    write_deepseek2_gguf(hf_dir, path, nextn=True)
+    r = diagnose(path)
+    assert (r["verdict"], r["problems"], r["layers"]) == ("PASS", [], 3), r
+    assert r["unexpected"] and all(n.startswith("blk.3.") for n in r["unexpected"])
+    assert any(n.startswith("the multi-token-prediction layer (blk.3.*) is skipped") for n in r["notes"])
+    convert(make_plan(path), tmp_path / "ftw")
+    assert_matches(tmp_path / "ftw", reference, strategy="cpu")
+
+
+def test_a_gguf_without_sigmoid_gating_is_refused(hf_dir, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_deepseek2_gguf(hf_dir, path, gating=False)
+    with pytest.raises(InputError, match="expert_gating_func None \\(DeepSeek-V2's softmax routing\\)"):
+        take_inventory(open_source(path))
 
 
 def test_gguf_q8_0_within_tolerance(hf_dir, reference, tmp_path):

@@ -32,9 +32,9 @@ from typing import Any
 
 from ftkit.errors import shown
 
-from ..spec import MAX_HEAD_DIM, MAX_HIDDEN, ModelSpec, SpecError, whole
+from ..spec import MAX_HEAD_DIM, MAX_HIDDEN, MAX_LAYERS, ModelSpec, SpecError, whole
 from .base import GGUF_RULES, gguf_common, rules, text_config
-from .config import count, first_count, flag, text
+from .config import MAX_COUNT, count, first_count, flag, text
 from .glm4_moe import HF_GLM_RULES, SIGMOID_GATING, Glm4Moe
 
 HF_DSV3_RULES = rules(
@@ -117,9 +117,13 @@ class DeepseekV3(Glm4Moe):
             value = meta.get(f"{arch}.{key}")
             return default if value is None else value
 
-        if m("expert_gating_func", SIGMOID_GATING) != SIGMOID_GATING:
-            raise SpecError(f"deepseek2 GGUF with expert_gating_func {shown(m('expert_gating_func'))}; "
-                            f"DeepSeek-V3 routes by sigmoid")
+        # llama.cpp reads a missing key as softmax: DeepSeek-V2's GGUFs, written before the key, share the arch
+        if m("expert_gating_func") != SIGMOID_GATING:
+            raise SpecError(f"deepseek2 GGUF with expert_gating_func {shown(m('expert_gating_func'))} (DeepSeek-V2's "
+                            f"softmax routing); ftkit serves DeepSeek-V3's sigmoid one")
+        # a converter that keeps the multi-token-prediction layer counts it in block_count
+        g["num_hidden_layers"] = count(g, "num_hidden_layers", 0, hi=MAX_COUNT) - count(
+            meta, f"{arch}.nextn_predict_layers", 0, hi=MAX_LAYERS)
         rope = m("rope.dimension_count")
         # newer converters: key_length is the latent's (kv_lora_rank + rope), the heads' under _mla
         qk, v = m("attention.key_length_mla", g["head_dim"]), m("attention.value_length_mla", m("attention.value_length"))
@@ -184,10 +188,10 @@ class DeepseekV3(Glm4Moe):
 
     def unused_note(self, spec: ModelSpec, unused: list[str]) -> str | None:
         """The one line that says the multi-token-prediction layer is left out, where it is there."""
-        mtp = f"model.layers.{spec.num_layers}."
-        if not any(n.startswith(mtp) for n in unused):
-            return None
-        return f"the multi-token-prediction layer ({mtp}*) is skipped: ftkit serves the main layers"
+        for mtp in (f"model.layers.{spec.num_layers}.", f"blk.{spec.num_layers}."):
+            if any(n.startswith(mtp) for n in unused):
+                return f"the multi-token-prediction layer ({mtp}*) is skipped: ftkit serves the main layers"
+        return None
 
 
 FAMILY = DeepseekV3()
