@@ -557,6 +557,10 @@ def test_presets_have_the_published_shapes(tmp_path):
     assert kimi.extra["routed_scaling_factor"] == 2.827 and kimi.vocab_size == 163840 and ds.vocab_size == 129280
     assert slot_layout(ds, "bfloat16").slot_bytes == 3 * 7168 * 2048 * 2  # 88 MB
     assert kv_bytes_per_token(ds, torch.bfloat16) == kv_bytes_per_token(kimi, torch.bfloat16) == 61 * 576 * 2
+    # a prefill chunk expands (its heads' keys and values, no scores), a step absorbs (its scores)
+    fam = FAMILIES[NAME]
+    assert fam.attention_workspace(ds, 8192, 8192, 2, True) == 2 * 8192 * 128 * (192 + 128) * 2 + 8192 * 8192
+    assert fam.attention_workspace(ds, 1, 8192, 2, True) == 128 * (2 * 512 + 64 + 128) * 2 + 128 * 8192 * 4 + 8192
     cut = preset_spec("deepseek-v3", 5)
     assert cut.moe_layers == (3, 4) and cut.intermediate_size == 18432
     with pytest.raises(ValueError, match="--layers must be in 4..61"):

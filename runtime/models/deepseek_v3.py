@@ -67,6 +67,15 @@ def softmax_scale(spec: ModelSpec) -> float:
     return scale
 
 
+def absorbs(spec: ModelSpec, t: int) -> bool:
+    """Whether t queries take MLA's absorbed form (deepseek_v3_forward.py): per head and cached
+    position, expanding costs kv_lora_rank x (nope + v) multiplies once plus t x (nope + rope +
+    v) for the attention, absorbing t x (2 kv_lora_rank + rope) (latent-width keys and values)."""
+    e, rope = spec.extra, spec.head_dim
+    latent, nope, v = e["kv_lora_rank"], e["qk_nope_head_dim"], e["v_head_dim"]
+    return t * (2 * latent + rope) < latent * (nope + v) + t * (nope + rope + v)
+
+
 class DeepseekV3(Glm4Moe):
     name = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
@@ -176,15 +185,18 @@ class DeepseekV3(Glm4Moe):
         return "latent attention (MLA) is not in the graph kernels"
 
     def attention_workspace(self, spec: ModelSpec, t: int, context: int, itemsize: int, flash: bool) -> int:
-        """The MLA forward's for t queries behind `context` keys (deepseek_v3_forward.py): the
-        queries, the keys and values expanded to every head over the context (or, absorbed, the
-        queries in latent width), the boolean mask, and the scores, which SDPA materialises for
-        these head widths (flash takes no value width unlike the key's)."""
-        e, heads = spec.extra, spec.num_heads
-        qk = e["qk_nope_head_dim"] + spec.head_dim
-        q = t * heads * (qk + e["kv_lora_rank"] + spec.head_dim)
-        kv = context * heads * (qk + e["v_head_dim"])
-        return (q + kv + t * heads * e["v_head_dim"]) * itemsize + t * context * (1 + heads * 4)
+        """The MLA forward's for t queries behind `context` keys in the form it takes
+        (deepseek_v3_forward.py), with the boolean mask: expanded, the queries, every head's keys
+        and values over the context and the output (SDPA's memory-efficient kernel, whose values
+        may be narrower than the keys, materialises no scores); absorbed, the latent-width
+        queries and outputs and the float32 scores of SDPA's math kernel (one key head: no fused
+        kernel takes it with a mask)."""
+        e, heads, rope = spec.extra, spec.num_heads, spec.head_dim
+        qk, v, latent = e["qk_nope_head_dim"] + rope, e["v_head_dim"], e["kv_lora_rank"]
+        mask = t * context
+        if absorbs(spec, t):
+            return t * heads * (2 * latent + rope + v) * itemsize + t * heads * context * 4 + mask
+        return (t * heads * (qk + v) + context * heads * (qk + v)) * itemsize + mask
 
     def unused_note(self, spec: ModelSpec, unused: list[str]) -> str | None:
         """The one line that says the multi-token-prediction layer is left out, where it is there."""

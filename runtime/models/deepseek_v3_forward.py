@@ -9,7 +9,7 @@ one of two forms, equal up to rounding:
   the latent row is itself the one key head (and its latent part the value) of multi-query
   attention, and kv_b's value half maps the output back per head. A step reads the cache rows
   only, expanding nothing.
-A piece takes the form with fewer multiplies (`absorbs`): absorbed for decode and short
+A piece takes the form with fewer multiplies (deepseek_v3.absorbs): absorbed for decode and short
 extends, expanded for long prompt pieces. The form depends on the piece's length only, so a
 piece gives the same bits whether its prefix came from a prefill or from the prefix cache.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..spec import ModelSpec
 from .decoder import Experts, KVAttend
-from .deepseek_v3 import LORA_NORM_EPS, softmax_scale
+from .deepseek_v3 import LORA_NORM_EPS, absorbs, softmax_scale
 from .glm4_moe_forward import Glm4MoeDecoder
 from .kv import KVCache
 from .layers import apply_rope, rms_norm
@@ -76,12 +76,8 @@ class DeepseekV3Decoder(Glm4MoeDecoder):
         return self.linear(p + "o", out.reshape(t, -1))
 
     def absorbs(self, t: int) -> bool:
-        """Whether t queries take the absorbed form: per head and cached position, expanding costs
-        latent x (nope + v) once plus t x (nope + rope + v) for the attention, absorbing
-        t x (2 latent + rope) (the latent-width keys and values)."""
-        e, rope = self.spec.extra, self.spec.head_dim
-        latent, nope, v = e["kv_lora_rank"], e["qk_nope_head_dim"], e["v_head_dim"]
-        return t * (2 * latent + rope) < latent * (nope + v) + t * (nope + rope + v)
+        """Whether t queries take the absorbed form (deepseek_v3.absorbs: the fewer multiplies)."""
+        return absorbs(self.spec, t)
 
     def kv_b(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's kv_b per head as views: W_uk [H, nope, latent] (the keys' half), W_uv
