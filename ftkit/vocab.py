@@ -41,18 +41,20 @@ class Format:
         return self.block_bytes
 
 
-# Plain dtypes by torch's name for them, then GGUF's block formats by ggml's type name in lower
-# case (ggml-common.h): `block` weights along the last dimension stored in `block_bytes` bytes.
-# q8_0, for one, is an fp16 scale followed by 32 int8 values (34 bytes); the K-quants and iq4_xs
-# are super-blocks of 256 weights with packed sub-block scales; mxfp4 has an e8m0 (power of two)
-# scale per 32 e2m1 weights. kernels/dequant.py documents each layout.
+# Plain dtypes by torch's name for them (float8_e4m3fn only as HF checkpoints store DeepSeek's
+# block-scaled weights, which readers dequantize: no slot or dense tensor keeps it), then GGUF's
+# block formats by ggml's type name in lower case (ggml-common.h): `block` weights along the last
+# dimension stored in `block_bytes` bytes. q8_0, for one, is an fp16 scale followed by 32 int8
+# values (34 bytes); the K-quants and iq4_xs are super-blocks of 256 weights with packed
+# sub-block scales; mxfp4 has an e8m0 (power of two) scale per 32 e2m1 weights.
+# kernels/dequant.py documents each layout.
 Q8_0 = "q8_0"
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         Format("float32", 1, 4), Format("float16", 1, 2), Format("bfloat16", 1, 2), Format("float64", 1, 8),
         Format("int64", 1, 8), Format("int32", 1, 4), Format("int16", 1, 2), Format("int8", 1, 1),
-        Format("uint8", 1, 1), Format("bool", 1, 1),
+        Format("uint8", 1, 1), Format("bool", 1, 1), Format("float8_e4m3fn", 1, 1),
         Format("q4_0", 32, 18), Format("q4_1", 32, 20), Format("q5_0", 32, 22), Format("q5_1", 32, 24),
         Format(Q8_0, 32, 34),
         Format("q2_k", 256, 84), Format("q3_k", 256, 110), Format("q4_k", 256, 144),

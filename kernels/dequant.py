@@ -166,6 +166,16 @@ def mxfp4_rows_from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return torch.cat((scales.unsqueeze(-1), qs), dim=-1).reshape(*blocks.shape[:-2], -1)
 
 
+def fp8_block_dequant(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """DeepSeek's block-scaled FP8 (HF `quant_method: fp8`): weight [rows, cols] float8_e4m3fn,
+    scale_inv [ceil(rows / b0), ceil(cols / b1)] float32, each weight times its block's
+    scale_inv, in float32, rounded once to bfloat16 (DeepSeek's reference `weight_dequant`)."""
+    b0, b1 = block
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
+    return (weight.float() * scale).to(torch.bfloat16)
+
+
 # ---- 256-weight super-blocks -----------------------------------------------------------------
 @_rows("q2_k")
 def dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ ST_DTYPES = {
     "I8": "int8",
     "U8": "uint8",
     "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
 }
 MAX_HEADER = 256 << 20  # a 700B model's header is a few MB; anything near this is corrupt
 MAX_DIMS = 8  # tensors here have at most 3; a longer shape is corruption
@@ -191,6 +192,44 @@ def pair_mxfp4(tensors: dict[str, TensorRef]) -> dict[str, TensorRef]:
     return out
 
 
+@dataclass(frozen=True)
+class FP8Ref(TensorRef):
+    """A block-scaled FP8 weight (`X.weight` float8_e4m3fn [rows, cols] with `X.weight_scale_inv`
+    float32 [ceil(rows / b0), ceil(cols / b1)], DeepSeek's checkpoints) as the bfloat16 tensor
+    `read` gives: dequantized (kernels/dequant.py, `fp8_block_dequant`), since no slot or dense
+    tensor keeps FP8. The fields locate the FP8 bytes; `nbytes` counts the scales too."""
+
+    scales: TensorRef | None = None
+    block: tuple[int, int] = (128, 128)
+
+
+FP8_NOTE = "FP8 weights (e4m3, block-scaled) are dequantized to bfloat16 (the CPU kernel has no FP8 format)"
+
+
+def fp8_block(config: dict[str, Any]) -> tuple[int, int]:
+    """The [rows, cols] of one scale block (`weight_block_size`, DeepSeek's 128 x 128 when absent)."""
+    size = config["quantization_config"].get("weight_block_size", [128, 128])
+    if type(size) is not list or len(size) != 2 or not all(type(b) is int and 0 < b <= 1 << 16 for b in size):
+        raise CheckpointError(f"quantization_config weight_block_size is {shown(size)}, not two block sizes")
+    return size[0], size[1]
+
+
+def pair_fp8(tensors: dict[str, TensorRef], block: tuple[int, int]) -> dict[str, TensorRef]:
+    """`tensors` with every FP8 weight and its `_scale_inv` replaced by one FP8Ref (see there)."""
+    out = dict(tensors)
+    for name, w in tensors.items():
+        if w.dtype != "float8_e4m3fn":
+            continue
+        scales = out.pop(name + "_scale_inv", None)
+        want = tuple(-(-d // b) for d, b in zip(w.shape, block, strict=False))
+        if scales is None or len(w.shape) != 2 or scales.dtype != "float32" or scales.shape != want:
+            got = f"{scales.dtype}{list(scales.shape)}" if scales else "none"
+            raise CheckpointError(f"FP8 tensor {name} {list(w.shape)}: scale_inv is {got}, not float32 {list(want)} "
+                                  f"(blocks of {block[0]} x {block[1]})")
+        out[name] = FP8Ref(name, "bfloat16", w.shape, w.path, w.offset, w.nbytes + scales.nbytes, scales, block)
+    return out
+
+
 def quant_method(config: dict[str, Any]) -> Any:
     q = config.get("quantization_config")
     return q.get("quant_method") if isinstance(q, dict) else None
@@ -214,8 +253,13 @@ class SafetensorsSource:
             for name in refs.keys() & self.tensors.keys():
                 raise CheckpointError(f"tensor {name} appears in both {self.tensors[name].path.name} and {f.name}")
             self.tensors.update(refs)
+        # Lines to say when reading (ftw-convert prints them).
+        self.notes: list[str] = []
         if quant_method(self.config) == "mxfp4":  # transformers' Mxfp4HfQuantizer checkpoints
             self.tensors = pair_mxfp4(self.tensors)
+        elif quant_method(self.config) == "fp8":  # DeepSeek's block-scaled FP8
+            self.tensors = pair_fp8(self.tensors, fp8_block(self.config))
+            self.notes.append(FP8_NOTE)
         self.header_only = any(stubs)
 
     @staticmethod
@@ -248,6 +292,12 @@ class SafetensorsSource:
             blocks = read_ref(TensorRef(ref.name, "uint8", (*ref.scales.shape, 16), ref.path, ref.offset,
                                         ref.nbytes - ref.scales.nbytes))
             return mxfp4_rows_from_hf(blocks, read_ref(ref.scales))
+        if isinstance(ref, FP8Ref):
+            from ftkit.kernels.dequant import fp8_block_dequant  # torch: not on the header path
+
+            weight = read_ref(TensorRef(ref.name, "float8_e4m3fn", ref.shape, ref.path, ref.offset,
+                                        ref.nbytes - ref.scales.nbytes))
+            return fp8_block_dequant(weight, read_ref(ref.scales), ref.block)
         return read_ref(ref)
 
     def side_files(self) -> list[tuple[Path, str]]:

@@ -179,6 +179,11 @@ class Family:
         """One sequence's recurrent-state bytes (linear-attention layers), whatever its length."""
         return 0
 
+    def unused_note(self, spec: ModelSpec, unused: list[str]) -> str | None:
+        """One line on a part of the checkpoint that conversion leaves out on purpose (among the
+        `unused` tensor names), or None."""
+        return None
+
     def graphs_unsupported(self, spec: ModelSpec) -> str | None:
         """Why this family's forward cannot run through the engine's CUDA graphs and fused
         kernels (one line), or None; the memory plans reserve no graph K/V then."""

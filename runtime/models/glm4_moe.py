@@ -73,9 +73,6 @@ class Glm4Moe(Family):
         if "partial_rotary_factor" not in params and cfg.get("partial_rotary_factor") is None:
             cfg["partial_rotary_factor"] = 0.5  # transformers' default for this family
         layers, first = layer_count(cfg), count(cfg, "first_k_dense_replace", 0, hi=MAX_LAYERS)
-        extra = dict(n_group=count(cfg, "n_group", 0, hi=MAX_EXPERTS) or 1,
-                     topk_group=count(cfg, "topk_group", 0, hi=MAX_EXPERTS) or 1,
-                     routed_scaling_factor=number(cfg, "routed_scaling_factor", 1.0, 0.0, 1e30) or 1.0)
         width = first_count(cfg, "moe_intermediate_size", what="expert FFN width", hi=MAX_FFN)
         return moe_spec(
             self, cfg, "moe_intermediate_size", dense_ffn=True,
@@ -84,8 +81,14 @@ class Glm4Moe(Family):
             shared_expert_intermediate_size=count(cfg, "n_shared_experts", 0, hi=MAX_EXPERTS) * width,
             qk_norm=QK_NORM_HEAD if flag(cfg, "use_qk_norm", False) else QK_NORM_NONE,
             attention_bias=flag(cfg, "attention_bias", False),
-            extra=extra,
+            extra=self.extra_fields(cfg),
         )
+
+    def extra_fields(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The spec's `extra`: the grouped routing's settings (a family built on this one adds its own)."""
+        return dict(n_group=count(cfg, "n_group", 0, hi=MAX_EXPERTS) or 1,
+                    topk_group=count(cfg, "topk_group", 0, hi=MAX_EXPERTS) or 1,
+                    routed_scaling_factor=number(cfg, "routed_scaling_factor", 1.0, 0.0, 1e30) or 1.0)
 
     def check_spec(self, spec: ModelSpec) -> None:
         """Grouped routing needs its group counts (the router takes each group's two best)."""
@@ -95,8 +98,11 @@ class Glm4Moe(Family):
         keep = whole(e.get("topk_group"), "topk_group", 1, MAX_EXPERTS)
         real(e.get("routed_scaling_factor"), "routed_scaling_factor", 0.0, 1e30, open_lo=True)
         if spec.num_experts % groups or spec.num_experts // groups < 2 or keep > groups:
-            raise SpecError(f"GLM-4.5 MoE: {spec.num_experts} experts cannot form {groups} groups of 2 or more "
-                            f"with {keep} kept")
+            raise SpecError(f"{spec.architecture}: {spec.num_experts} experts cannot form {groups} groups of 2 or "
+                            f"more with {keep} kept")
+        if spec.top_k > keep * (spec.num_experts // groups):
+            raise SpecError(f"{spec.architecture}: top-k {spec.top_k} is more than the {keep} kept groups' "
+                            f"{keep * (spec.num_experts // groups)} experts")
 
     def spec_from_gguf(self, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelSpec:
         g = gguf_common(meta, tensor_shapes)

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..spec import ModelSpec
-from .kv_size import attention_layers
+from .kv_size import attention_layers, kv_rows
 
 
 class KVCache:
-    """k/v [max_tokens, num_kv_heads, head_dim] per softmax-attention layer, and the number of
+    """k/v [max_tokens, heads, width] per softmax-attention layer (`kv_rows`: num_kv_heads x
+    head_dim, or latent attention's one latent row and an empty V), and the number of
     positions filled. A forward pass appends each layer's new keys at `length`, then advances
     `length` once, so all layers always hold the same positions."""
 
@@ -29,10 +30,10 @@ class KVCache:
     ):
         self.max_tokens = max_tokens
         self.length = 0
-        shape = (max_tokens, spec.num_kv_heads, spec.head_dim)
+        (kh, kw), (vh, vw) = kv_rows(spec)
         layers = attention_layers(spec)
-        self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
+        self.k = {i: torch.empty((max_tokens, kh, kw), dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.empty((max_tokens, vh, vw), dtype=dtype, device=device) for i in layers}
         # layer -> {name: tensor}: per-sequence recurrent state of non-softmax layers
         self.states: dict[int, dict[str, torch.Tensor]] = {}
 

@@ -23,6 +23,23 @@ def _gpt_oss(layers: int, experts: int) -> dict:
     }
 
 
+def _deepseek_v3(**changes: object) -> dict:
+    """deepseek-ai/DeepSeek-V3's config.json (R1 and V3.1 share its shapes); Kimi-K2 changes the
+    expert count, heads, dense layers, groups, vocabulary and rope."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 129280,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, **changes,
+    }
+
+
 PRESETS: dict[str, ModelSpec] = {
     # 48 layers, 128 experts of 9.44 MB (bf16), top-8
     "qwen3-30b-a3b": ModelSpec(
@@ -56,6 +73,16 @@ PRESETS: dict[str, ModelSpec] = {
     "gpt-oss-20b": FAMILIES["gpt_oss"].spec_from_config(_gpt_oss(24, 32)),
     # the same layers, 36 of them with 128 experts each
     "gpt-oss-120b": FAMILIES["gpt_oss"].spec_from_config(_gpt_oss(36, 128)),
+    # 61 layers (the first 3 dense), 256 experts of 88 MB (bf16) in 8 groups (4 kept), top-8, a
+    # shared expert; MLA: 128 heads over a 512-wide latent, 576 cached values a position and layer
+    "deepseek-v3": FAMILIES["deepseek_v3"].spec_from_config(_deepseek_v3()),
+    # moonshotai/Kimi-K2-Instruct: 384 experts in one group, 64 heads, one dense layer
+    "kimi-k2": FAMILIES["deepseek_v3"].spec_from_config(_deepseek_v3(
+        n_routed_experts=384, num_attention_heads=64, num_key_value_heads=64, first_k_dense_replace=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.827, vocab_size=163840, max_position_embeddings=131072,
+        rope_theta=50000.0, bos_token_id=163584, eos_token_id=163585,
+        rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
     # small enough for CI: the qwen3 layout at toy sizes
     "tiny": ModelSpec(
         family="qwen3_moe", architecture="Qwen3MoeForCausalLM", vocab_size=512, hidden_size=128,
@@ -68,14 +95,16 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def preset_spec(name: str, layers: int | None = None) -> ModelSpec:
-    """A preset, optionally cut to its first `layers` layers to fit the disk at hand."""
+    """A preset, optionally cut to its first `layers` layers to fit the disk at hand (at least one
+    MoE layer: DeepSeek-V3's first three are dense)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     spec = PRESETS[name]
     if layers is None or layers == spec.num_layers:
         return spec
-    if not 0 < layers <= spec.num_layers:
-        raise ValueError(f"--layers must be in 1..{spec.num_layers}")
+    lo = spec.moe_layers[0] + 1
+    if not lo <= layers <= spec.num_layers:
+        raise ValueError(f"--layers must be in {lo}..{spec.num_layers}")
     return dataclasses.replace(
         spec, num_layers=layers, layer_kinds=spec.layer_kinds[:layers],
         moe_layers=tuple(i for i in spec.moe_layers if i < layers),

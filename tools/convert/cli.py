@@ -66,9 +66,13 @@ def main(
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))
-        if note := plan.inventory.dense_note(dtype):
+        inv = plan.inventory
+        for note in (*getattr(inv.source, "notes", ()), inv.family.unused_note(inv.spec, inv.unexpected)):
+            if note:
+                console.print(f"[yellow]note:[/] {note}")
+        if note := inv.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
-        if note := plan.inventory.dequantize_note(plan.layout.dtype):
+        if note := inv.dequantize_note(plan.layout.dtype):
             console.print(f"[yellow]note:[/] {note}")
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")

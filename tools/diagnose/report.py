@@ -193,6 +193,7 @@ def _check_checkpoint(d: Diagnosis) -> None:
         d.notes.append(note)
     if note := inv.dequantize_note(DEQUANTIZED_EXPERTS):
         d.notes.append(note)
+    d.notes += [n for n in (*getattr(source, "notes", ()), inv.family.unused_note(inv.spec, inv.unexpected)) if n]
 
 
 def _converted_layout(inv: Inventory) -> ExpertLayout:
