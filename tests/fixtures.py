@@ -21,7 +21,13 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 
 from ftkit.runtime.synthetic import SPECIAL_TOKENS, write_tokenizer
 
@@ -133,6 +139,24 @@ TINY_CONFIGS["gpt_oss"] = {
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
 }
 
+# Qwen3.5-MoE as it ships: the multimodal wrapper, the language model under text_config (Qwen3-Next's
+# tiny shapes, mrope sections of a 4-wide rotary half) and a one-block vision tower we skip.
+_Q35_TEXT = {k: v for k, v in TINY_CONFIGS["qwen3_next"].items()
+             if k not in ("model_type", "intermediate_size", "norm_topk_prob")}
+TINY_CONFIGS["qwen3_5_moe"] = {
+    "model_type": "qwen3_5_moe",
+    "tie_word_embeddings": False,
+    "text_config": {**_Q35_TEXT, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0], "mrope_interleaved": True}},
+    "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                      "out_hidden_size": 64, "patch_size": 4, "num_position_embeddings": 16},
+}
+# and its text-only form (Qwen3_5MoeForCausalLM), config flat
+TINY_CONFIGS["qwen3_5_moe_text"] = {**TINY_CONFIGS["qwen3_5_moe"]["text_config"], "model_type": "qwen3_5_moe_text"}
+# Checkpoints whose model is the multimodal one (AutoModelForImageTextToText), run on text alone.
+MULTIMODAL = frozenset({"qwen3_5_moe"})
+
 # Families whose save_pretrained writes the experts stacked (transformers has no per-expert names
 # for them).
 STACKED_ON_DISK = frozenset({"gpt_oss"})
@@ -208,9 +232,8 @@ def make_hf_checkpoint(
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_config(
-        tiny_config(name), dtype=dtype, attn_implementation="eager"
-    )
+    auto = AutoModelForImageTextToText if name in MULTIMODAL else AutoModelForCausalLM
+    model = auto.from_config(tiny_config(name), dtype=dtype, attn_implementation="eager")
     _init_weights(model, seed)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     # A quarter of the total forces at least four shards, even with greedy packing.
@@ -221,7 +244,7 @@ def make_hf_checkpoint(
         model.save_pretrained(out, max_shard_size=max_shard_size)
     else:
         model.save_pretrained(out)
-    write_tokenizer(out, model.config.vocab_size)
+    write_tokenizer(out, model.config.get_text_config().vocab_size)
     return out
 
 
@@ -231,9 +254,9 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32) -> PreTrained
     Experts too run eagerly (a plain per-expert loop); transformers 5 would otherwise pick
     `grouped_mm`, whose results depend on tensor layout at the ulp level.
     """
-    return AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", experts_implementation="eager", dtype=dtype
-    ).eval()
+    multimodal = "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return auto.from_pretrained(path, attn_implementation="eager", experts_implementation="eager", dtype=dtype).eval()
 
 
 # --- safetensors byte-level helpers ---------------------------------------------------------

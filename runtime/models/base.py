@@ -167,6 +167,11 @@ class Family:
     def map_name(self, name: str, gguf: bool) -> Mapped | None:
         return apply_rules(name, self.gguf_rules if gguf else self.hf_rules)
 
+    def skipped_note(self, unexpected: list[str]) -> str | None:
+        """One line on tensors the checkpoint holds that this family skips by design (a vision
+        tower), for ft-diagnose and ftw-convert to show; None when there is nothing to say."""
+        return None
+
     def sanitize(self, mapped: Mapped, tensor: torch.Tensor, spec: ModelSpec, gguf: bool) -> torch.Tensor:
         """Undo a checkpoint quirk on one tensor (stored representation in, same out)."""
         return tensor

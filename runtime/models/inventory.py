@@ -114,6 +114,10 @@ class Inventory:
         return (f"dense tensors stored as {'/'.join(blocks)} are dequantized to {dtype or 'float32'} "
                 f"(FTW keeps dense tensors as floats)")
 
+    def skipped_note(self) -> str | None:
+        """The family's line on the tensors it skips by design (models/base.py), or None."""
+        return self.family.skipped_note(self.unexpected)
+
     @property
     def expert_layout(self) -> str:
         return "+".join(sorted(self.layouts)) or "none"

@@ -66,6 +66,8 @@ def main(
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))
+        if note := plan.inventory.skipped_note():
+            console.print(f"[yellow]note:[/] {note}")
         if note := plan.inventory.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
         if note := plan.inventory.dequantize_note(plan.layout.dtype):

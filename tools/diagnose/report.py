@@ -192,6 +192,8 @@ def _check_checkpoint(d: Diagnosis) -> None:
     d.expert_layout = inv.expert_layout
     d.expert_dtype = "/".join(sorted(inv.expert_dtypes)) or None
     d.slots = _converted_layout(inv)
+    if note := inv.skipped_note():
+        d.notes.append(note)
     if note := inv.dense_note():
         d.notes.append(note)
     if note := inv.dequantize_note(DEQUANTIZED_EXPERTS):
