@@ -116,3 +116,13 @@ def test_a_malformed_call_reaches_both_sdks_as_text(oai, ant, template, cls):
                              extra_body={"seed": SCRIPT_SEED}) as s:
         final = s.get_final_message()
     assert final.stop_reason == "end_turn" and [b.text for b in final.content] == [MALFORMED[cls]]
+
+
+def test_the_formats_tags_stay_in_the_decoded_text(server, template):
+    """The tags of the template's format that are tokens of the vocabulary (the synthetic one
+    has hermes' two) are kept when the reply is decoded, so the parser sees them."""
+    tok = server.state.rt.tokenizer
+    template(GLMParser)
+    assert server.state.keep_special == {tok.token_id("<tool_call>"), tok.token_id("</tool_call>")}
+    template(MistralParser)
+    assert server.state.keep_special == frozenset()

@@ -19,7 +19,8 @@ PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re
 
 class GLMParser(TaggedParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    TAGS = (OPEN, CLOSE)
+    # GLM's tokenizer has all six as added tokens: each must stay in the decoded text
+    TAGS = (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     MARKERS = ("<arg_key>", "<arg_value>")
 
     def decode(self, body: str) -> list[ToolCall] | None:

@@ -9,8 +9,9 @@ A message addressed `to=functions.NAME` (in its header, before or after the chan
 with its body as the JSON arguments; `final` and other `commentary` bodies are the reply's text,
 streamed as they come; `analysis` (the model's reasoning) is left out, as there is no reasoning
 field to carry it yet. The reply may end without the last message's terminator (`<|call|>` and
-`<|return|>` are stop tokens). Text before any header is text; a call whose body is not a JSON
-object is given back as the text it was."""
+`<|return|>` are stop tokens). Text with no header is text (held until a `<|message|>` or the
+reply's end shows it is not a header); a call whose body is not a JSON object is given back as
+the text it was."""
 
 from __future__ import annotations
 
