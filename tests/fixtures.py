@@ -154,8 +154,16 @@ TINY_CONFIGS["qwen3_5_moe"] = {
 }
 # and its text-only form (Qwen3_5MoeForCausalLM), config flat
 TINY_CONFIGS["qwen3_5_moe_text"] = {**TINY_CONFIGS["qwen3_5_moe"]["text_config"], "model_type": "qwen3_5_moe_text"}
+# Other shapes: four value heads per key head (8 of 8 wide), attention every other layer, and the
+# embeddings tied by the wrapper's flag (its text_config says untied: transformers reads the wrapper's).
+TINY_CONFIGS["qwen3_5_moe_tied"] = {
+    **TINY_CONFIGS["qwen3_5_moe"],
+    "tie_word_embeddings": True,
+    "text_config": {**TINY_CONFIGS["qwen3_5_moe"]["text_config"], "linear_num_value_heads": 8,
+                    "linear_value_head_dim": 8, "layer_types": ["linear_attention", "full_attention"] * 2},
+}
 # Checkpoints whose model is the multimodal one (AutoModelForImageTextToText), run on text alone.
-MULTIMODAL = frozenset({"qwen3_5_moe"})
+MULTIMODAL = frozenset({"qwen3_5_moe", "qwen3_5_moe_tied"})
 
 # Families whose save_pretrained writes the experts stacked (transformers has no per-expert names
 # for them).
@@ -201,7 +209,11 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
 
 def _save_stacked(model: PreTrainedModel, out: Path, max_shard_size: int | None) -> None:
     """Write the in-memory (stacked-expert) state dict under its own names, HF's file layout."""
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state, seen = {}, set()
+    for k, v in model.state_dict().items():
+        if v.data_ptr() not in seen:  # a tied tensor once, under its first name, as save_pretrained keeps it
+            seen.add(v.data_ptr())
+            state[k] = v.contiguous()
     split = split_torch_state_dict_into_shards(
         state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size or 2**40
     )

@@ -128,6 +128,28 @@ def test_text_only_checkpoint_matches_transformers(hf_checkpoint, tmp_path):
     assert _rel_err(dec.forward(PROMPT, new_cache(dec, len(PROMPT))), want) <= 1e-4
 
 
+def test_other_shapes_tied_and_four_value_heads_per_key_head(hf_checkpoint, tmp_path):
+    """Four value heads per key head, attention every other layer, the embeddings tied by the
+    wrapper's flag: from HF and from GGUF (its value heads tiled four ways), transformers'
+    logits and greedy tokens."""
+    from test_fidelity import assert_greedy_matches
+
+    hf = hf_checkpoint("qwen3_5_moe_tied")
+    convert(make_plan(hf), tmp_path / "hf.ftw")
+    spec = FTWModel(tmp_path / "hf.ftw").spec
+    assert spec.tie_word_embeddings and spec.layer_kinds == (LINEAR_ATTENTION, FULL_ATTENTION) * 2
+    ref = fx.load_reference(hf)
+    with torch.no_grad():
+        want = ref(PROMPT[None]).logits[0]
+    write_qwen35moe_gguf(hf, tmp_path / "m.gguf", "F32")
+    convert(make_plan(tmp_path / "m.gguf"), tmp_path / "gguf.ftw")
+    assert FTWModel(tmp_path / "gguf.ftw").spec.extra["linear_value_order"] == "tiled"
+    for path in (tmp_path / "hf.ftw", tmp_path / "gguf.ftw"):
+        dec = ftw_decoder(path)
+        assert _rel_err(dec.forward(PROMPT, new_cache(dec, len(PROMPT))), want) <= 1e-4, path.name
+        assert_greedy_matches(dec, ref, PROMPT, 8)
+
+
 # ---- strategies, memory ----------------------------------------------------------------------
 def test_every_strategy_matches_fused_bitwise(ftw):
     from test_store import assert_strategies_match_fused, run_tokens
@@ -293,7 +315,8 @@ def _q8_reference(hf_dir: Path, path: Path):
             if m.canonical is None:  # the stacked experts: gate_up rounds as gate and up, alike
                 p.copy_(rounded(p, stored[(m.layer, m.part.split("_")[0])]))
             elif m.canonical.endswith("linear_attn.out_proj.weight"):  # quantized with its columns tiled
-                p.copy_(_untiled(rounded(_tiled(p, 1, 2, 2, 16), stored[m.canonical]), 1, 2, 2, 16))
+                dims = (2, 2, 16)  # the tiny config's key heads, value heads per key head, value head dim
+                p.copy_(_untiled(rounded(_tiled(p, 1, *dims), stored[m.canonical]), 1, *dims))
             else:
                 p.copy_(rounded(p, stored[m.canonical]))
     return model

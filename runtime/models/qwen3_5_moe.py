@@ -79,6 +79,8 @@ class Qwen3_5Moe(Qwen3Next):
         # by the nested text_config again when moe_spec reads it. The projections are split
         # (qkv, z, b, a); the router renormalises, whatever the config says.
         flat = {k: v for k, v in text_config(cfg).items() if k != "text_config"}
+        if isinstance(cfg.get("text_config"), dict) and "tie_word_embeddings" in cfg:
+            flat["tie_word_embeddings"] = cfg["tie_word_embeddings"]  # the wrapper's, as transformers reads it
         spec = super().spec_from_config({**flat, "linear_in_proj": "qkv_z", "norm_topk_prob": True})
         order = text(flat, "linear_value_order", GROUPED)
         if order == GROUPED or LINEAR_ATTENTION not in spec.layer_kinds:
