@@ -118,6 +118,21 @@ def test_a_malformed_call_reaches_both_sdks_as_text(oai, ant, template, cls):
     assert final.stop_reason == "end_turn" and [b.text for b in final.content] == [MALFORMED[cls]]
 
 
+def test_a_harmony_reply_without_tools_is_its_final_text(oai, ant, template):
+    """Harmony frames every reply: without tools too the text is the final channel's (the
+    analysis left out), where the other formats leave a reply without tools as it is."""
+    template(HarmonyParser)
+    ts.SCRIPT["text"] = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    r = oai.chat.completions.create(model=MODEL, messages=hello(), max_tokens=400, seed=SCRIPT_SEED)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("Hi!", "stop")
+    with ant.messages.stream(model=MODEL, max_tokens=400, messages=hello(), extra_body={"seed": SCRIPT_SEED}) as s:
+        assert [b.text for b in s.get_final_message().content] == ["Hi!"]
+    template(GLMParser)
+    ts.SCRIPT["text"] = REPLIES[GLMParser]
+    r = oai.chat.completions.create(model=MODEL, messages=hello(), max_tokens=400, seed=SCRIPT_SEED)
+    assert r.choices[0].message.content == REPLIES[GLMParser] and r.choices[0].message.tool_calls is None
+
+
 def test_the_formats_tags_stay_in_the_decoded_text(server, template):
     """The tags of the template's format that are tokens of the vocabulary (the synthetic one
     has hermes' two) are kept when the reply is decoded, so the parser sees them."""

@@ -45,9 +45,11 @@ class ServerState:
         ids = (tok.token_id(t) for t in tag_tokens(self.template)) if tok else ()
         return frozenset(i for i in ids if i is not None)
 
-    def tool_parser(self) -> Parser | None:
+    def tool_parser(self, tools_on: bool = True) -> Parser | None:
+        """A parser of the template's format for a reply: when tools are on, or, for a format
+        that frames every reply (harmony's channels), always."""
         cls = parser_for(self.template)
-        return cls() if cls else None
+        return cls() if cls and (tools_on or cls.FRAMES_EVERY_REPLY) else None
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -157,10 +159,11 @@ def sse(data: Any, event: str | None = None) -> str:
 
 
 class Reply:
-    """Generated text -> items (text pieces and tool calls); parsed only when tools are on."""
+    """Generated text -> items (text pieces and tool calls); parsed when tools are on, or when
+    the format frames every reply (`ServerState.tool_parser`)."""
 
     def __init__(self, state: ServerState, tools_on: bool):
-        self.parser = state.tool_parser() if tools_on else None
+        self.parser = state.tool_parser(tools_on)
         self.calls = 0
 
     def feed(self, delta: str) -> list[Item]:

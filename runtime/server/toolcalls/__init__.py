@@ -19,6 +19,7 @@ __all__ = ["PARSERS", "Item", "Parser", "ToolCall", "parser_for", "tag_tokens"]
 
 class Parser(Protocol):
     TAGS: tuple[str, ...]
+    FRAMES_EVERY_REPLY: bool
 
     def feed(self, delta: str) -> list[Item]: ...
 

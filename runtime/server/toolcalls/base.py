@@ -52,6 +52,7 @@ class TaggedParser:
     CLOSE: ClassVar[str | None]
     TAGS: ClassVar[tuple[str, ...]]  # tag strings whose tokens must stay in the decoded text
     MARKERS: ClassVar[tuple[str, ...]]  # all of these in a chat template: it is this format
+    FRAMES_EVERY_REPLY: ClassVar[bool] = False  # parse replies to requests without tools too
 
     def __init__(self) -> None:
         self.buf = ""

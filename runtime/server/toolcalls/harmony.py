@@ -30,6 +30,7 @@ RECIPIENT = re.compile(r"\bto=(functions\.[^\s<]+)")
 class HarmonyParser:
     TAGS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
     MARKERS = (CHANNEL, MESSAGE)
+    FRAMES_EVERY_REPLY = True  # every reply is in channels: its text is the final channel's
 
     def __init__(self) -> None:
         self.buf = ""
