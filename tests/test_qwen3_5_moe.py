@@ -74,8 +74,8 @@ def test_spec_names_and_the_vision_tower_skipped(hf_dir):
     inv = take_inventory(open_source(hf_dir, allow_stub=False))
     spec = inv.spec
     assert (spec.family, spec.architecture, inv.problems) == (NAME, "Qwen3_5MoeForConditionalGeneration", [])
-    assert inv.unexpected and all(n.startswith("model.visual.") for n in inv.unexpected)
-    assert inv.skipped_note() == (f"the vision tower (model.visual.*, {len(inv.unexpected)} tensors) is skipped: "
+    assert inv.unexpected == [] and inv.skipped and all(n.startswith("model.visual.") for n in inv.skipped)
+    assert inv.skipped_note() == (f"the vision tower (model.visual.*, {len(inv.skipped)} tensors) is skipped: "
                                   "the model runs text-only")
     assert spec.layer_kinds == (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)
     assert spec.moe_layers == (0, 1, 2, 3) and spec.shared_expert_gate and spec.norm_topk_prob
@@ -121,6 +121,8 @@ def test_text_only_checkpoint_matches_transformers(hf_checkpoint, tmp_path):
     hf = hf_checkpoint("qwen3_5_moe_text")
     inv = take_inventory(open_source(hf, allow_stub=False))
     assert (inv.spec.family, inv.problems, inv.unexpected, inv.skipped_note()) == (NAME, [], [], None)
+    assert FAM.skipped_note(["mtp.fc.weight", "mtp.norm.weight"]) == \
+        "the multi-token-prediction block (mtp.*, 2 tensors) is skipped: ftkit does not decode speculatively"
     convert(make_plan(hf), tmp_path / "m.ftw")
     dec = ftw_decoder(tmp_path / "m.ftw")
     with torch.no_grad():

@@ -167,9 +167,14 @@ class Family:
     def map_name(self, name: str, gguf: bool) -> Mapped | None:
         return apply_rules(name, self.gguf_rules if gguf else self.hf_rules)
 
-    def skipped_note(self, unexpected: list[str]) -> str | None:
-        """One line on tensors the checkpoint holds that this family skips by design (a vision
-        tower), for ft-diagnose and ftw-convert to show; None when there is nothing to say."""
+    def skips(self, name: str) -> bool:
+        """A checkpoint tensor this family leaves out by design (a vision tower): the inventory
+        sets these apart from the unexpected ones, and `skipped_note` sums them up."""
+        return False
+
+    def skipped_note(self, skipped: list[str]) -> str | None:
+        """One line on the tensors `skips` set apart, for ft-diagnose and ftw-convert to show;
+        None when there are none."""
         return None
 
     def sanitize(self, mapped: Mapped, tensor: torch.Tensor, spec: ModelSpec, gguf: bool) -> torch.Tensor:

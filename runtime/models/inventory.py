@@ -43,6 +43,7 @@ class Inventory:
     missing: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # left out by the family's design (Family.skips)
     unsupported: list[str] = field(default_factory=list)
     expert_dtypes: set[str] = field(default_factory=set)
     part_formats: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # (layer, part) -> stored formats
@@ -116,7 +117,7 @@ class Inventory:
 
     def skipped_note(self) -> str | None:
         """The family's line on the tensors it skips by design (models/base.py), or None."""
-        return self.family.skipped_note(self.unexpected)
+        return self.family.skipped_note(self.skipped) if self.skipped else None
 
     @property
     def expert_layout(self) -> str:
@@ -143,7 +144,7 @@ def take_inventory(source: Source) -> Inventory:
     for name, ref in source.tensors.items():
         mapped = family.map_name(name, inv.gguf)
         if mapped is None:
-            inv.unexpected.append(name)
+            (inv.skipped if family.skips(name) else inv.unexpected).append(name)
         elif mapped.canonical is not None:
             if mapped.canonical not in want_dense:
                 inv.unexpected.append(name)

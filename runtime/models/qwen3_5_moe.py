@@ -58,7 +58,7 @@ GGUF_35_RULES = rules(
 ) + GGUF_RULES
 
 LANGUAGE_MODEL = re.compile(r"model\.language_model\.")
-VISION = "model.visual."
+VISION, MTP = "model.visual.", "mtp."
 # The value heads' order in every linear-attention tensor (spec.extra["linear_value_order"]):
 # grouped per key head (HF), or tiled (llama.cpp's GGUF) when key heads are fewer.
 GROUPED, TILED = "grouped", "tiled"
@@ -94,11 +94,15 @@ class Qwen3_5Moe(Qwen3Next):
             name = LANGUAGE_MODEL.sub("model.", name, count=1)
         return super().map_name(name, gguf)
 
-    def skipped_note(self, unexpected: list[str]) -> str | None:
-        vision = sum(n.startswith(VISION) for n in unexpected)
-        if not vision:
-            return None
-        return f"the vision tower ({VISION}*, {vision} tensors) is skipped: the model runs text-only"
+    def skips(self, name: str) -> bool:
+        return name.startswith((VISION, MTP))
+
+    def skipped_note(self, skipped: list[str]) -> str | None:
+        vision = sum(n.startswith(VISION) for n in skipped)
+        parts = [f"the vision tower ({VISION}*, {vision} tensors) is skipped: the model runs text-only"] if vision else []
+        if mtp := len(skipped) - vision:
+            parts.append(f"the multi-token-prediction block ({MTP}*, {mtp} tensors) is skipped: ftkit does not decode speculatively")
+        return "; ".join(parts) or None
 
     def dense_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         out = super().dense_shapes(spec)
