@@ -18,6 +18,8 @@ __all__ = ["PARSERS", "Item", "Parser", "ToolCall", "parser_for", "tag_tokens"]
 
 
 class Parser(Protocol):
+    """A format's parser (base.Format says which format; one instance parses one reply)."""
+
     TAGS: tuple[str, ...]
     FRAMES_EVERY_REPLY: bool
 

@@ -41,7 +41,19 @@ def json_or_text(value: str) -> Any:
         return value
 
 
-class TaggedParser:
+class Format:
+    """What a parser class says about its format."""
+
+    TAGS: ClassVar[tuple[str, ...]]  # tag strings whose tokens must stay in the decoded text
+    MARKERS: ClassVar[tuple[str, ...]]  # all of these in a chat template: it is this format
+    FRAMES_EVERY_REPLY: ClassVar[bool] = False  # parse replies to requests without tools too
+
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        return all(m in template for m in cls.MARKERS)
+
+
+class TaggedParser(Format):
     """Calls framed by OPEN ... CLOSE (CLOSE None: the call runs to the end of the reply).
 
     Incremental: `feed(delta)` returns the items complete so far, holding back any tail that
@@ -50,17 +62,10 @@ class TaggedParser:
 
     OPEN: ClassVar[str]
     CLOSE: ClassVar[str | None]
-    TAGS: ClassVar[tuple[str, ...]]  # tag strings whose tokens must stay in the decoded text
-    MARKERS: ClassVar[tuple[str, ...]]  # all of these in a chat template: it is this format
-    FRAMES_EVERY_REPLY: ClassVar[bool] = False  # parse replies to requests without tools too
 
     def __init__(self) -> None:
         self.buf = ""
         self.inside = False
-
-    @classmethod
-    def matches(cls, template: str) -> bool:
-        return all(m in template for m in cls.MARKERS)
 
     def decode(self, body: str) -> list[ToolCall] | None:
         """The calls a body between the tags holds, or None when it is not a valid one."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from .base import Item, ToolCall, call, held
+from .base import Format, Item, ToolCall, call, held
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -27,7 +27,7 @@ CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 RECIPIENT = re.compile(r"\bto=(functions\.[^\s<]+)")
 
 
-class HarmonyParser:
+class HarmonyParser(Format):
     TAGS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
     MARKERS = (CHANNEL, MESSAGE)
     FRAMES_EVERY_REPLY = True  # every reply is in channels: its text is the final channel's
@@ -36,10 +36,6 @@ class HarmonyParser:
         self.buf = ""
         self.in_body = False  # else in a header, which runs to <|message|>
         self.header, self.channel, self.recipient = "", "", None
-
-    @classmethod
-    def matches(cls, template: str) -> bool:
-        return all(m in template for m in cls.MARKERS)
 
     def feed(self, delta: str) -> list[Item]:
         self.buf += delta
