@@ -23,7 +23,13 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
 
 from ftkit.runtime.synthetic import SPECIAL_TOKENS, write_tokenizer
 
@@ -135,6 +141,32 @@ TINY_CONFIGS["gpt_oss"] = {
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
 }
 
+# Qwen3.5-MoE as it ships: the multimodal wrapper, the language model under text_config (Qwen3-Next's
+# tiny shapes, mrope sections of a 4-wide rotary half) and a one-block vision tower we skip.
+_Q35_TEXT = {k: v for k, v in TINY_CONFIGS["qwen3_next"].items()
+             if k not in ("model_type", "intermediate_size", "norm_topk_prob")}
+TINY_CONFIGS["qwen3_5_moe"] = {
+    "model_type": "qwen3_5_moe",
+    "tie_word_embeddings": False,
+    "text_config": {**_Q35_TEXT, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0], "mrope_interleaved": True}},
+    "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                      "out_hidden_size": 64, "patch_size": 4, "num_position_embeddings": 16},
+}
+# and its text-only form (Qwen3_5MoeForCausalLM), config flat
+TINY_CONFIGS["qwen3_5_moe_text"] = {**TINY_CONFIGS["qwen3_5_moe"]["text_config"], "model_type": "qwen3_5_moe_text"}
+# Other shapes: four value heads per key head (8 of 8 wide), attention every other layer, and the
+# embeddings tied by the wrapper's flag (its text_config says untied: transformers reads the wrapper's).
+TINY_CONFIGS["qwen3_5_moe_tied"] = {
+    **TINY_CONFIGS["qwen3_5_moe"],
+    "tie_word_embeddings": True,
+    "text_config": {**TINY_CONFIGS["qwen3_5_moe"]["text_config"], "linear_num_value_heads": 8,
+                    "linear_value_head_dim": 8, "layer_types": ["linear_attention", "full_attention"] * 2},
+}
+# Checkpoints whose model is the multimodal one (AutoModelForImageTextToText), run on text alone.
+MULTIMODAL = frozenset({"qwen3_5_moe", "qwen3_5_moe_tied"})
+
 # Families whose save_pretrained writes the experts stacked (transformers has no per-expert names
 # for them).
 STACKED_ON_DISK = frozenset({"gpt_oss"})
@@ -179,7 +211,11 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
 
 def _save_stacked(model: PreTrainedModel, out: Path, max_shard_size: int | None) -> None:
     """Write the in-memory (stacked-expert) state dict under its own names, HF's file layout."""
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state, seen = {}, set()
+    for k, v in model.state_dict().items():
+        if v.data_ptr() not in seen:  # a tied tensor once, under its first name, as save_pretrained keeps it
+            seen.add(v.data_ptr())
+            state[k] = v.contiguous()
     split = split_torch_state_dict_into_shards(
         state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size or 2**40
     )
@@ -210,9 +246,8 @@ def make_hf_checkpoint(
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_config(
-        tiny_config(name), dtype=dtype, attn_implementation="eager"
-    )
+    auto = AutoModelForImageTextToText if name in MULTIMODAL else AutoModelForCausalLM
+    model = auto.from_config(tiny_config(name), dtype=dtype, attn_implementation="eager")
     _init_weights(model, seed)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     # A quarter of the total forces at least four shards, even with greedy packing.
@@ -223,7 +258,7 @@ def make_hf_checkpoint(
         model.save_pretrained(out, max_shard_size=max_shard_size)
     else:
         model.save_pretrained(out)
-    write_tokenizer(out, model.config.vocab_size)
+    write_tokenizer(out, model.config.get_text_config().vocab_size)
     return out
 
 
@@ -233,9 +268,9 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32) -> PreTrained
     Experts too run eagerly (a plain per-expert loop); transformers 5 would otherwise pick
     `grouped_mm`, whose results depend on tensor layout at the ulp level.
     """
-    return AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", experts_implementation="eager", dtype=dtype
-    ).eval()
+    multimodal = "vision_config" in json.loads((Path(path) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return auto.from_pretrained(path, attn_implementation="eager", experts_implementation="eager", dtype=dtype).eval()
 
 
 def interpreter_starts_with_torch() -> bool:

@@ -97,7 +97,8 @@ def _set_parameters(
     w.add_block_count(hp["num_hidden_layers"])
     w.add_context_length(hp["max_position_embeddings"])
     w.add_embedding_length(hp["hidden_size"])
-    w.add_feed_forward_length(hp["intermediate_size"])
+    if hp.get("intermediate_size") is not None:  # optional in the converter (Qwen3.5 has none)
+        w.add_feed_forward_length(hp["intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
     w.add_head_count_kv(hp["num_key_value_heads"])
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}

@@ -104,7 +104,7 @@ def test_graph_decode_matches_fused(model, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "qwen3_moe_sparse", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "qwen3_moe_sparse", "qwen3_next", "qwen3_5_moe"])
 def test_graph_decode_matches_fused_across_families(hf_checkpoint, tmp_path, family):
     """Q/K/V biases and no Q/K norm (Qwen2-MoE: the fused path with a concatenated biased QKV),
     a whole-projection Q/K norm (OLMoE: the torch attention path), dense layers between MoE
@@ -117,8 +117,9 @@ def test_graph_decode_matches_fused_across_families(hf_checkpoint, tmp_path, fam
     got, rt, _ = run(path, graphs=True, device="cuda" if CUDA else "cpu", strategy="offload", cache_experts=6)
     assert rt.store.device_plan is not None, "the graph path did not run"
     graphs, w = rt.step.graphs, rt.decoder.w
-    assert bool(graphs.qkv) == (family not in ("olmoe", "qwen3_next"))
-    assert bool(graphs.recurrent) == (family == "qwen3_next")
+    hybrid = family in ("qwen3_next", "qwen3_5_moe")
+    assert bool(graphs.qkv) == (family != "olmoe" and not hybrid)
+    assert bool(graphs.recurrent) == hybrid
     for i, (weight, bias) in graphs.qkv.items():
         assert (bias is not None) == (family == "qwen2_moe")
         for kind, cat in (("weight", weight), ("bias", bias)):
@@ -636,7 +637,8 @@ def test_a_short_extend_runs_the_fused_dense_part(model, capacity, cfg):
     _same_turns(ref, got)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe_rope", "qwen3_moe_sparse", "olmoe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe_rope", "qwen3_moe_sparse", "olmoe", "qwen3_next",
+                                    "qwen3_5_moe"])
 def test_a_short_extend_matches_across_families(hf_checkpoint, tmp_path, family):
     """Q/K/V biases without Q/K norms (Qwen2-MoE), YaRN's scaled rotary tables, dense layers
     between MoE ones (sparse Qwen3-MoE), the torch attention (OLMoE), a family's own token

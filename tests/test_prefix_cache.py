@@ -21,7 +21,7 @@ from ftkit.tools.bench import agent_trace as trace
 from ftkit.tools.bench.agent_trace import HARNESSES, session
 from ftkit.tools.convert.pipeline import convert, make_plan
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_next", "gpt_oss")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_next", "gpt_oss", "qwen3_5_moe")
 SLACK = 4  # tokens between an anchor before a marker and the edit just after it ("<tool_response>\n")
 
 
@@ -84,7 +84,7 @@ def test_reuse_is_bitwise_exact_after_every_edit_style(family, ftw_of):
                 changed = len(ids) - common(prev, ids)
                 assert 0 < got.cached_tokens and len(ids) - got.cached_tokens <= changed + SLACK, (harness, turn)
             prev = ids
-    if family == "qwen3_next":
+    if family in ("qwen3_next", "qwen3_5_moe"):
         assert cached.prefix_cache.pool.live, "a hybrid model keeps recurrent-state anchors"
     cached.close()
     plain.close()

@@ -98,8 +98,8 @@ class Tokenizer:
         cfg_path = Path(model_dir) / TOKENIZER_CONFIG
         self.config: dict[str, Any] = read_object(cfg_path, TokenizerError) if cfg_path.is_file() else {}
         _check_special(self.config, str(cfg_path))
-        template = default_template(self.config, str(cfg_path))
-        self.template = compile_template(template, str(cfg_path)) if template else None
+        self.template_source = default_template(self.config, str(cfg_path))  # its text picks the tool-call parser
+        self.template = compile_template(self.template_source, str(cfg_path)) if self.template_source else None
 
     @property
     def vocab_size(self) -> int:

@@ -15,14 +15,24 @@ from ftkit.errors import InputError, shown
 
 from ..checkpoint.base import CheckpointError, Source
 from ..spec import ModelSpec, SpecError
-from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
+from . import (
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from .base import Family, Mapped
 from .config import names, text
 
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, glm4_moe.FAMILY,
-              gpt_oss.FAMILY, deepseek_v3.FAMILY)
+              gpt_oss.FAMILY, deepseek_v3.FAMILY, qwen3_5_moe.FAMILY)
 }
 
 __all__ = ["FAMILIES", "Family", "Mapped", "family_for_config", "family_for_gguf", "family_for_spec", "located",

@@ -167,6 +167,17 @@ class Family:
     def map_name(self, name: str, gguf: bool) -> Mapped | None:
         return apply_rules(name, self.gguf_rules if gguf else self.hf_rules)
 
+    def skips(self, name: str, spec: ModelSpec) -> bool:
+        """A checkpoint tensor this family leaves out by design (a vision tower, a
+        multi-token-prediction layer): the inventory
+        sets these apart from the unexpected ones, and `skipped_note` sums them up."""
+        return False
+
+    def skipped_note(self, skipped: list[str]) -> str | None:
+        """One line on the tensors `skips` set apart, for ft-diagnose and ftw-convert to show;
+        None when there are none."""
+        return None
+
     def sanitize(self, mapped: Mapped, tensor: torch.Tensor, spec: ModelSpec, gguf: bool) -> torch.Tensor:
         """Undo a checkpoint quirk on one tensor (stored representation in, same out)."""
         return tensor
@@ -178,11 +189,6 @@ class Family:
     def recurrent_state_bytes(self, spec: ModelSpec, dtype: torch.dtype) -> int:
         """One sequence's recurrent-state bytes (linear-attention layers), whatever its length."""
         return 0
-
-    def unused_note(self, spec: ModelSpec, unused: list[str]) -> str | None:
-        """One line on a part of the checkpoint that conversion leaves out on purpose (among the
-        `unused` tensor names), or None."""
-        return None
 
     def graphs_unsupported(self, spec: ModelSpec) -> str | None:
         """Why this family's forward cannot run through the engine's CUDA graphs and fused

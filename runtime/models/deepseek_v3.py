@@ -198,12 +198,14 @@ class DeepseekV3(Glm4Moe):
             return t * heads * (2 * latent + rope + v) * itemsize + t * heads * context * 4 + mask
         return (t * heads * (qk + v) + context * heads * (qk + v)) * itemsize + mask
 
-    def unused_note(self, spec: ModelSpec, unused: list[str]) -> str | None:
-        """The one line that says the multi-token-prediction layer is left out, where it is there."""
-        for mtp in (f"model.layers.{spec.num_layers}.", f"blk.{spec.num_layers}."):
-            if any(n.startswith(mtp) for n in unused):
-                return f"the multi-token-prediction layer ({mtp}*) is skipped: ftkit serves the main layers"
-        return None
+    def skips(self, name: str, spec: ModelSpec) -> bool:
+        """The multi-token-prediction layer: the one past the main layers."""
+        return name.startswith((f"model.layers.{spec.num_layers}.", f"blk.{spec.num_layers}."))
+
+    def skipped_note(self, skipped: list[str]) -> str | None:
+        parts = skipped[0].split(".")  # blk.N.* (GGUF) or model.layers.N.*
+        prefix = ".".join(parts[:2] if parts[0] == "blk" else parts[:3])
+        return f"the multi-token-prediction layer ({prefix}.*) is skipped: ftkit serves the main layers"
 
 
 FAMILY = DeepseekV3()

@@ -43,6 +43,7 @@ class Inventory:
     missing: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # left out by the family's design (Family.skips)
     unsupported: list[str] = field(default_factory=list)
     expert_dtypes: set[str] = field(default_factory=set)
     part_formats: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # (layer, part) -> stored formats
@@ -114,6 +115,10 @@ class Inventory:
         return (f"dense tensors stored as {'/'.join(blocks)} are dequantized to {dtype or 'float32'} "
                 f"(FTW keeps dense tensors as floats)")
 
+    def skipped_note(self) -> str | None:
+        """The family's line on the tensors it skips by design (models/base.py), or None."""
+        return self.family.skipped_note(self.skipped) if self.skipped else None
+
     @property
     def expert_layout(self) -> str:
         return "+".join(sorted(self.layouts)) or "none"
@@ -139,7 +144,7 @@ def take_inventory(source: Source) -> Inventory:
     for name, ref in source.tensors.items():
         mapped = family.map_name(name, inv.gguf)
         if mapped is None:
-            inv.unexpected.append(name)
+            (inv.skipped if family.skips(name, spec) else inv.unexpected).append(name)
         elif mapped.canonical is not None:
             if mapped.canonical not in want_dense:
                 inv.unexpected.append(name)

@@ -102,6 +102,7 @@ class Qwen3Next(Family):
     gguf_rules = GGUF_NEXT_RULES
     forward = ("qwen3_next_forward", "Qwen3NextDecoder")
     layer_kinds = frozenset({FULL_ATTENTION, LINEAR_ATTENTION})
+    label = "Qwen3-Next"  # how problems name the family (a subclass shares these checks)
 
     def spec_from_config(self, cfg: dict[str, Any]) -> ModelSpec:
         cfg = dict(cfg)
@@ -111,7 +112,7 @@ class Qwen3Next(Family):
             cfg["layer_types"] = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
         kinds = set(cfg["layer_types"]) - {FULL_ATTENTION, LINEAR_ATTENTION}
         if kinds:
-            raise SpecError(f"Qwen3-Next: unknown layer type(s) {', '.join(sorted(kinds))}")
+            raise SpecError(f"{self.label}: unknown layer type(s) {', '.join(sorted(kinds))}")
         params = section(cfg, "rope_parameters")
         if "partial_rotary_factor" not in params and cfg.get("partial_rotary_factor") is None:
             cfg["partial_rotary_factor"] = 0.25  # transformers' default for this family
@@ -119,7 +120,7 @@ class Qwen3Next(Family):
         if LINEAR_ATTENTION in cfg["layer_types"]:
             missing = [k for k in LINEAR_KEYS if cfg.get(k) is None]
             if missing:
-                raise SpecError(f"Qwen3-Next config has no {', '.join(missing)}")
+                raise SpecError(f"{self.label} config has no {', '.join(missing)}")
             extra = {k: count(cfg, k, lo=1, hi=LINEAR_BOUNDS[k]) for k in LINEAR_KEYS}
             extra["linear_in_proj"] = text(cfg, "linear_in_proj", "qkvz")
         bias = flag(cfg, "attention_bias", False)
@@ -139,9 +140,9 @@ class Qwen3Next(Family):
         for k in LINEAR_KEYS:
             whole(e.get(k), k, 1, LINEAR_BOUNDS[k])
         if e["linear_num_value_heads"] % e["linear_num_key_heads"]:
-            raise SpecError("Qwen3-Next: linear_num_value_heads is not a multiple of linear_num_key_heads")
+            raise SpecError(f"{self.label}: linear_num_value_heads is not a multiple of linear_num_key_heads")
         if e.get("linear_in_proj", "qkvz") not in IN_PROJ_LAYOUTS:
-            raise SpecError(f"Qwen3-Next: linear_in_proj {shown(e['linear_in_proj'])} is not one of {', '.join(IN_PROJ_LAYOUTS)}")
+            raise SpecError(f"{self.label}: linear_in_proj {shown(e['linear_in_proj'])} is not one of {', '.join(IN_PROJ_LAYOUTS)}")
 
     def gguf_config(self, g: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         meta = g["_meta"]
@@ -167,7 +168,7 @@ class Qwen3Next(Family):
         if LINEAR_ATTENTION in kinds:
             ssm = ("group_count", "state_size", "time_step_rank", "inner_size", "conv_kernel")
             if any(m(f"ssm.{k}") is None for k in ssm):
-                raise SpecError("qwen3next GGUF lacks ssm.* metadata (conv_kernel, state_size, group_count, "
+                raise SpecError(f"{arch} GGUF lacks ssm.* metadata (conv_kernel, state_size, group_count, "
                                 "time_step_rank, inner_size)")
             k_heads, k_dim, v_heads, inner, kernel = (count(meta, f"{arch}.ssm.{k}", lo=1, hi=MAX_COUNT) for k in ssm)
             out.update(linear_num_key_heads=k_heads, linear_key_head_dim=k_dim, linear_num_value_heads=v_heads,

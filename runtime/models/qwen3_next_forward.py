@@ -156,6 +156,15 @@ class Qwen3NextDecoder(MoEDecoder):
             qkv, z = self.linear(p + "in_proj_qkv", x), self.linear(p + "in_proj_z", x)
         return qkv, z.reshape(t, self.hv, self.dv), b, a
 
+    def key_heads_per_value_head(self, x: torch.Tensor) -> torch.Tensor:
+        """q or k [T, Hk, Dk] -> [T, Hv, Dk]: value head h reads key head h // (Hv / Hk), the
+        value heads being grouped per key head."""
+        return x.repeat_interleave(self.hv // self.hk, dim=1)
+
+    def step_kernels(self, x: torch.Tensor):
+        """The fused decode-step kernels for this token, or None (the torch ops run)."""
+        return _step_kernels(x)
+
     def linear_attention(self, i: int, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         s, w, p, t = self.spec, self.w, f"layers.{i}.linear_attn.", x.shape[0]
         qkv, z, b, a = self._projections(i, x)
@@ -167,7 +176,7 @@ class Qwen3NextDecoder(MoEDecoder):
                 "conv": torch.zeros(channels, self.kernel - 1, dtype=x.dtype, device=x.device),
                 "ssm": torch.zeros(self.hv, self.dk, self.dv, dtype=torch.float32, device=x.device),
             }
-        kernels = _step_kernels(x) if t == 1 else None
+        kernels = self.step_kernels(x) if t == 1 else None
         if kernels is not None:  # one decode token: the recurrent core in two launches
             act = kernels.conv_step(qkv[0], state["conv"], conv_w)
             out = kernels.delta_step(act, z.reshape(-1).contiguous(), b[0].contiguous(), a[0].contiguous(),
@@ -187,7 +196,7 @@ class Qwen3NextDecoder(MoEDecoder):
         beta = b.sigmoid()
         g = -w[p + "A_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"])
         if self.hv != self.hk:
-            q, k = q.repeat_interleave(self.hv // self.hk, dim=1), k.repeat_interleave(self.hv // self.hk, dim=1)
+            q, k = self.key_heads_per_value_head(q), self.key_heads_per_value_head(k)
         q, k, v, beta, g = (y.transpose(0, 1).float().contiguous() for y in (q, k, v, beta, g))
         q, k = l2norm(q), l2norm(k)
         q = q * self.dk**-0.5

@@ -14,7 +14,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Event, Request, Scheduler
 from . import limits, quirks, schemas
 from .errors import ApiError
-from .toolcalls import Item, parser_for, tag_tokens
+from .toolcalls import Item, Parser, parser_for, tag_tokens
 
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -33,15 +33,23 @@ class ServerState:
         return self.rt.spec.max_position_embeddings
 
     @property
+    def template(self) -> str | None:
+        """The chat template's text: its tool-call format picks the parser."""
+        tok = self.rt.tokenizer
+        return tok.template_source if tok else None
+
+    @property
     def keep_special(self) -> frozenset[int]:
         """Token ids of the tool-call tags, kept in the text so the parser can see them."""
         tok = self.rt.tokenizer
-        ids = (tok.token_id(t) for t in tag_tokens(self.rt.spec.family)) if tok else ()
+        ids = (tok.token_id(t) for t in tag_tokens(self.template)) if tok else ()
         return frozenset(i for i in ids if i is not None)
 
-    def tool_parser(self):
-        cls = parser_for(self.rt.spec.family)
-        return cls() if cls else None
+    def tool_parser(self, tools_on: bool = True) -> Parser | None:
+        """A parser of the template's format for a reply: when tools are on, or, for a format
+        that frames every reply (harmony's channels), always."""
+        cls = parser_for(self.template)
+        return cls() if cls and (tools_on or cls.FRAMES_EVERY_REPLY) else None
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -151,10 +159,11 @@ def sse(data: Any, event: str | None = None) -> str:
 
 
 class Reply:
-    """Generated text -> items (text pieces and tool calls); parsed only when tools are on."""
+    """Generated text -> items (text pieces and tool calls); parsed when tools are on, or when
+    the format frames every reply (`ServerState.tool_parser`)."""
 
     def __init__(self, state: ServerState, tools_on: bool):
-        self.parser = state.tool_parser() if tools_on else None
+        self.parser = state.tool_parser(tools_on)
         self.calls = 0
 
     def feed(self, delta: str) -> list[Item]:

@@ -67,7 +67,7 @@ def main(
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(plan_table(plan, out))
         inv = plan.inventory
-        for note in (*getattr(inv.source, "notes", ()), inv.family.unused_note(inv.spec, inv.unexpected)):
+        for note in (*getattr(inv.source, "notes", ()), inv.skipped_note()):
             if note:
                 console.print(f"[yellow]note:[/] {note}")
         if note := inv.dense_note(dtype):

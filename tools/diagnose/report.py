@@ -189,11 +189,13 @@ def _check_checkpoint(d: Diagnosis) -> None:
     d.expert_layout = inv.expert_layout
     d.expert_dtype = "/".join(sorted(inv.expert_dtypes)) or None
     d.slots = _converted_layout(inv)
+    if note := inv.skipped_note():
+        d.notes.append(note)
     if note := inv.dense_note():
         d.notes.append(note)
     if note := inv.dequantize_note(DEQUANTIZED_EXPERTS):
         d.notes.append(note)
-    d.notes += [n for n in (*getattr(source, "notes", ()), inv.family.unused_note(inv.spec, inv.unexpected)) if n]
+    d.notes += list(getattr(source, "notes", ()))
 
 
 def _converted_layout(inv: Inventory) -> ExpertLayout:

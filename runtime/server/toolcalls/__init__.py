@@ -1,27 +1,45 @@
-"""Tool calls parsed out of generated text, one small module per format, chosen by family.
+"""Tool calls parsed out of generated text, one small module per format, chosen by the chat
+template the checkpoint ships: the format its tool-call instructions and examples are written
+in is the one the model was trained to emit.
 
 A parser is incremental: `feed(delta)` returns the output items complete so far (plain text and
 whole tool calls), holding back any tail that may be the start of a tag, and `finish()` flushes
-what is left at the end of the reply. A call whose body is not valid JSON is given back as text.
+what is left at the end of the reply. A call that does not decode is given back as text.
 """
 
 from __future__ import annotations
 
-from . import hermes
+from typing import Protocol
+
+from . import glm, harmony, hermes, mistral, qwen_xml
 from .base import Item, ToolCall
 
-__all__ = ["FORMATS", "Item", "ToolCall", "parser_for", "tag_tokens"]
-
-# family -> the parser its chat template's tool format needs
-FORMATS = {"qwen3_moe": hermes.HermesParser, "qwen2_moe": hermes.HermesParser}
+__all__ = ["PARSERS", "Item", "Parser", "ToolCall", "parser_for", "tag_tokens"]
 
 
-def parser_for(family: str) -> type | None:
-    """The parser class for a family's tool-call format, or None when it has none we know."""
-    return FORMATS.get(family)
+class Parser(Protocol):
+    """A format's parser (base.Format says which format; one instance parses one reply)."""
+
+    TAGS: tuple[str, ...]
+    FRAMES_EVERY_REPLY: bool
+
+    def feed(self, delta: str) -> list[Item]: ...
+
+    def finish(self) -> list[Item]: ...
 
 
-def tag_tokens(family: str) -> tuple[str, ...]:
-    """Tag strings whose tokens must stay in the decoded text for the family's parser."""
-    cls = parser_for(family)
+# Most specific first: the Qwen XML and GLM formats sit inside hermes' <tool_call> tags.
+PARSERS = (harmony.HarmonyParser, glm.GLMParser, qwen_xml.QwenXMLParser, hermes.HermesParser,
+           mistral.MistralParser)
+
+
+def parser_for(template: str | None) -> type[Parser] | None:
+    """The parser for the tool-call format a chat template's text is written in, or None when
+    it has none we know (or no template)."""
+    return next((p for p in PARSERS if p.matches(template)), None) if template else None
+
+
+def tag_tokens(template: str | None) -> tuple[str, ...]:
+    """Tag strings whose tokens must stay in the decoded text for the template's parser."""
+    cls = parser_for(template)
     return cls.TAGS if cls else ()
