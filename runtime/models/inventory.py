@@ -142,9 +142,12 @@ def take_inventory(source: Source) -> Inventory:
     unreadable = [m for m in (family.map_name(n, inv.gguf) for n in unsupported) if m is not None]
     want_dense = family.dense_shapes(spec)
     for name, ref in source.tensors.items():
+        if family.skips(name, spec):
+            inv.skipped.append(name)
+            continue
         mapped = family.map_name(name, inv.gguf)
         if mapped is None:
-            (inv.skipped if family.skips(name, spec) else inv.unexpected).append(name)
+            inv.unexpected.append(name)
         elif mapped.canonical is not None:
             if mapped.canonical not in want_dense:
                 inv.unexpected.append(name)
