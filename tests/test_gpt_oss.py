@@ -227,33 +227,7 @@ def test_prefix_longer_than_the_window_resumes_bitwise(ftw):
     """A second prompt sharing 40 tokens (ten windows) with the first resumes from the prefix
     cache (every K/V row kept, the sliding layer's too) and generates from the logits of a cold
     prefill, bitwise on the CPU."""
-    from ftkit.runtime.engine.generate import generate
-    from ftkit.runtime.engine.sampling import SamplingParams
-
-    def run(rt: Runtime, ids: list[int]):
-        seen, real = [], rt.step.forward
-
-        def record(x, kv, **kwargs):
-            out = real(x, kv, **kwargs)
-            seen.append(out[-1].clone())
-            return out
-
-        rt.step.forward = record
-        out = generate(rt, ids, SamplingParams(max_tokens=4, ignore_eos=True))
-        del rt.step.forward
-        return out, torch.stack(seen[-4:])
-
-    gen = torch.Generator().manual_seed(6)
-    first = torch.randint(0, 256, (48,), generator=gen).tolist()
-    second = first[:40] + torch.randint(0, 256, (9,), generator=gen).tolist()
-    cached = Runtime(ftw, RuntimeOptions(strategy="cpu", threads=1, prefix_cache_tokens=4096))
-    plain = Runtime(ftw, RuntimeOptions(strategy="cpu", threads=1, prefix_cache=False))
-    run(cached, first)
-    (got, got_logits), (want, want_logits) = run(cached, second), run(plain, second)
-    assert got.cached_tokens >= 32 and want.cached_tokens == 0
-    assert got.token_ids == want.token_ids and torch.equal(got_logits, want_logits)
-    cached.close()
-    plain.close()
+    fx.assert_prefix_resumes_bitwise(ftw)
 
 
 def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
