@@ -3,6 +3,7 @@ online correction."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -141,3 +142,29 @@ def test_a_wide_spread_or_a_busy_machine_is_a_warning():
     assert measure.load_warning(7.5, 2) == ("the 1-minute load average is 7.5 on 2 cores: other work shares the "
                                             "CPU, so B_H will read low; measure on an idle machine")
     assert measure.load_warning(0.5, 2) is None
+
+
+def test_a_model_of_mixed_layers_is_measured_in_every_layers_format(tmp_path):
+    """`--model` on a llama-quantize mix: each call of the measurement runs one layer's experts
+    in that layer's format, the layers in their proportions, and the profile names the formats."""
+    from ftkit.tools.calibrate import measure
+
+    spec = dataclasses.replace(demo_spec(64), hidden_size=256, moe_intermediate_size=256)
+    formats = [("q4_k", "q4_k", "q6_k"), ("q4_k",) * 3, ("q4_k", "q4_k", "q6_k"), ("q8_0",) * 3]
+    write_random_ftw(tmp_path / "m.ftw", spec, expert_formats=formats, distinct_experts=1)
+    layouts = FTWModel(tmp_path / "m.ftw").layout.layers
+    slots = measure.working_set(layouts, 1 << 20)
+    cycle = measure.ExpertCycle(layouts, slots, tokens=1, per_call=2)
+    seen = []
+    for _ in range(8):
+        taken = cycle.take()
+        seen.append(cycle.layout.formats)
+        for slot in taken:  # each expert of a call is in the call's layout
+            row = next(i for i in range(len(slots)) if slot.data_ptr() == slots[i].data_ptr())
+            assert layouts[row % len(layouts)] == cycle.layout
+    assert seen == [lay.formats for lay in layouts] * 2
+    res = CliRunner().invoke(app, ["--model", str(tmp_path / "m.ftw"), "--threads", "1", "--working-set", "4M",
+                                   "--seconds", "0.05", "--json", "--out", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    printed = json.loads(res.stdout[res.stdout.index("{"):])
+    assert printed["expert"]["dtype"] == "q4_k/q6_k/q8_0" and printed["rows"][0]["cpu_gbps"] > 0

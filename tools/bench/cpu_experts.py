@@ -61,8 +61,8 @@ def main() -> None:
         raise SystemExit("the CPU kernel cannot be built here (see the warning above)")
     hidden, inter = (int(v) for v in args.shape.split(","))
     layout = layout_for(hidden, inter, MIXES.get(args.dtype, args.dtype))
-    slots = working_set(layout, int(args.gib * 2**30))
-    cycle = ExpertCycle(layout, slots, args.tokens, args.experts_per_call)
+    slots = working_set((layout,), int(args.gib * 2**30))
+    cycle = ExpertCycle((layout,), slots, args.tokens, args.experts_per_call)
     runner = kernel.runner() if args.shared else None
     copier = _copier(args.overlap, args.gib)
     rows = []
@@ -116,7 +116,7 @@ def _copier(overlap: bool, gib: float) -> Copier | None:
 
     if not torch.cuda.is_available():
         raise SystemExit("--overlap needs CUDA (it measures the kernel while host-to-device copies run)")
-    return Copier(working_set(layout_for(*QWEN3_30B_A3B, "bfloat16"), int(gib * 2**30), pin=True))
+    return Copier(working_set((layout_for(*QWEN3_30B_A3B, "bfloat16"),), int(gib * 2**30), pin=True))
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ def _round(gbps: float | None) -> float | None:
     return None if gbps is None else round(gbps, 2)
 
 
-def pick_layout(model: Path | None, slot_bytes: str | None, shape: str | None, dtype: str) -> SlotLayout:
-    """The expert slot to measure: a model's, a shape's, or bf16 experts of H=2048 filling a size."""
+def pick_layouts(model: Path | None, slot_bytes: str | None, shape: str | None, dtype: str) -> tuple[SlotLayout, ...]:
+    """The expert slots to measure: a model's (each MoE layer's layout, so a llama-quantize mix
+    is measured in the proportions of its layers), a shape's, or bf16 experts of H=2048 filling
+    a size."""
     dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in EXPERT_FORMATS:
         raise ValueError(f"--dtype must be one of {', '.join(EXPERT_FORMATS)} (or bf16, fp16, fp32)")
@@ -45,20 +47,18 @@ def pick_layout(model: Path | None, slot_bytes: str | None, shape: str | None, d
     if model is not None:
         from ftkit.runtime.ftw.reader import FTWModel
 
-        # one layer's slots: a model whose layers differ in format is measured at its first
-        # (ft-calibrate does not measure per format yet)
-        return FTWModel(model, allow_stub=True).layout.layers[0]
+        return FTWModel(model, allow_stub=True).layout.layers
     if slot_bytes is not None:
         hidden = measure.QWEN3_30B_A3B[0]
         inter = parse_bytes(slot_bytes, "--slot-bytes") // (3 * hidden * 2) // 32 * 32
         if inter < 32:
             raise ValueError(f"--slot-bytes {slot_bytes} is smaller than one expert of H={hidden}, I=32")
-        return measure.layout_for(hidden, inter, "bfloat16")
+        return (measure.layout_for(hidden, inter, "bfloat16"),)
     try:
         hidden, inter = measure.QWEN3_30B_A3B if shape is None else (int(v) for v in shape.split(","))
     except ValueError:
         raise ValueError(f"--shape takes H,I (two integers), got {shape!r}") from None
-    return measure.layout_for(hidden, inter, dtype)
+    return (measure.layout_for(hidden, inter, dtype),)
 
 
 def summary(profile: Profile) -> Table:
@@ -100,14 +100,15 @@ def calibrate(
     console = Console(stderr=as_json)
 
     def run() -> None:
-        layout = pick_layout(model, slot_bytes, shape, dtype)
+        layouts = pick_layouts(model, slot_bytes, shape, dtype)
+        layout = layouts[0]
         counts = sorted({int(v) for v in threads.split(",")}) if threads else [CPUExecutor.default_threads()]
         if not counts or min(counts) < 1:
             raise ValueError("--threads takes positive integers, e.g. 4,8,15")
         warnings = [w for w in [measure.load_warning(os.getloadavg()[0], os.cpu_count() or 1)] if w]
         gpu_info, kernel = gpu_identity(), load_cpu_kernel()
-        slots = measure.working_set(layout, parse_bytes(working_set, "--working-set"), pin=gpu_info is not None)
-        cycle = measure.ExpertCycle(layout, slots, tokens=1, per_call=8, bytes_per_expert=layout.slot_bytes)
+        slots = measure.working_set(layouts, parse_bytes(working_set, "--working-set"), pin=gpu_info is not None)
+        cycle = measure.ExpertCycle(layouts, slots, tokens=1, per_call=8, bytes_per_expert=layout.slot_bytes)
         copier = measure.Copier(slots) if gpu_info else None
         steps = (copier is not None) + len(counts) * (1 + 2 * (kernel is not None) * (copier is not None)
                                                       + (kernel is not None))
@@ -144,7 +145,8 @@ def calibrate(
             pcie_gbps=_round(pcie), rows=tuple(rows), gpu=gpu_info, host=platform.node(),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), tool=f"ft-calibrate {__version__}",
             cpu=CPUInfo(cpu_model(), os.cpu_count(), kernel.isa if kernel else "torch"),
-            expert=ExpertInfo(layout.dtype, tuple(layout.parts[0].shape[::-1]), layout.slot_bytes),
+            expert=ExpertInfo("/".join(sorted({f for lay in layouts for f in lay.formats})),
+                              tuple(layout.parts[0].shape[::-1]), layout.slot_bytes),
             working_set_bytes=slots.nbytes,
         )
         path = out or default_path(gpu_info)

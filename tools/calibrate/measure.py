@@ -46,16 +46,19 @@ def _part_bytes(p: Part, gen: torch.Generator) -> torch.Tensor:
     return w.to(getattr(torch, p.dtype)).reshape(-1).view(torch.uint8)
 
 
-def working_set(layout: SlotLayout, total_bytes: int, pin: bool = False) -> torch.Tensor:
-    """[n, slot_bytes] uint8 expert slots filling `total_bytes`: one random expert, copied n times
-    (the values do not matter for bandwidth, the distinct addresses do)."""
-    n = max(2, total_bytes // layout.slot_bytes)
-    one = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
+def working_set(layouts: tuple[SlotLayout, ...], total_bytes: int, pin: bool = False) -> torch.Tensor:
+    """[n, slot_bytes] uint8 expert slots filling `total_bytes`, slot i in layouts[i % L] (the
+    layers of a model whose layers differ in format, all of one slot size): one random expert per
+    layout, copied (the values do not matter for bandwidth, the distinct addresses do)."""
+    size = layouts[0].slot_bytes
+    n = max(2 * len(layouts), total_bytes // size // len(layouts) * len(layouts))
+    slots = torch.empty((n, size), dtype=torch.uint8, pin_memory=pin)
     gen = torch.Generator().manual_seed(0)
-    for p in layout.parts:
-        one[p.offset : p.offset + p.nbytes] = _part_bytes(p, gen)
-    slots = torch.empty((n, layout.slot_bytes), dtype=torch.uint8, pin_memory=pin)
-    slots.copy_(one.expand(n, -1))
+    for i, layout in enumerate(layouts):
+        one = torch.zeros(size, dtype=torch.uint8)
+        for p in layout.parts:
+            one[p.offset : p.offset + p.nbytes] = _part_bytes(p, gen)
+        slots[i :: len(layouts)] = one
     return slots
 
 
@@ -103,41 +106,54 @@ def load_warning(load: float, cores: int) -> str | None:
 
 
 class ExpertCycle:
-    """Calls of `per_call` experts x `tokens` tokens over the working set, round robin."""
+    """Calls of `per_call` experts x `tokens` tokens over the working set, round robin; call c
+    takes experts of layouts[c % L] (a layer's experts share a layout), as `working_set` lays
+    them out."""
 
-    def __init__(self, layout: SlotLayout, slots: torch.Tensor, tokens: int, per_call: int,
+    def __init__(self, layouts: tuple[SlotLayout, ...], slots: torch.Tensor, tokens: int, per_call: int,
                  bytes_per_expert: int | None = None):
         """`bytes_per_expert`: what one expert counts for (default: the bytes the kernel reads;
         ft-calibrate counts whole slots, the unit fills move)."""
-        self.layout, self.slots, self.tokens, self.per_call = layout, slots, tokens, min(per_call, len(slots))
-        hidden = layout.parts[0].shape[1]
+        self.layouts, self.slots, self.tokens = layouts, slots, tokens
+        self.per_call = min(per_call, len(slots) // len(layouts))
+        self.layout = layouts[0]
+        hidden = layouts[0].parts[0].shape[1]
         self.x = torch.randn(tokens, hidden)
         self.w = torch.rand(tokens * self.per_call)
         self.out = torch.empty(tokens * self.per_call, hidden)
         # Expert e of a call takes token t as assignment t * per_call + e (k = per_call).
         self.groups = [torch.arange(e, tokens * self.per_call, self.per_call) for e in range(self.per_call)]
-        self.next = 0
-        self.bytes_per_call = (bytes_per_expert or expert_bytes(layout)) * self.per_call
+        self.calls, self.next = 0, 0  # calls made; the next row of the current layout
+        self.bytes_per_call = [(bytes_per_expert or expert_bytes(lay)) * self.per_call for lay in layouts]
 
     def take(self) -> list[torch.Tensor]:
-        rows = [(self.next + e) % len(self.slots) for e in range(self.per_call)]
-        self.next = (self.next + self.per_call) % len(self.slots)
+        """The next call's experts (its layout: `self.layout`)."""
+        n = len(self.layouts)
+        i = self.calls % n
+        self.layout = self.layouts[i]
+        per = len(self.slots) // n  # rows of each layout
+        rows = [((self.next + e) % per) * n + i for e in range(self.per_call)]
+        self.calls += 1
+        if i == n - 1:
+            self.next = (self.next + self.per_call) % per
         return [self.slots[r] for r in rows]
 
     def kernel_step(self, kernel: Kernel, threads: int) -> Callable[[], int]:
         def step() -> int:
-            kernel.experts(self.layout, self.take(), self.groups, self.x, self.w, self.out, self.per_call, threads)
-            return self.bytes_per_call
+            slots = self.take()
+            kernel.experts(self.layout, slots, self.groups, self.x, self.w, self.out, self.per_call, threads)
+            return self.bytes_per_call[self.layouts.index(self.layout)]
         return step
 
     def shared_step(self, kernel: Kernel, runner: Runner, threads: int) -> Callable[[], int]:
         """The same call on the runner through a shared split the caller leaves whole: the
         kernel's one-expert-at-a-time schedule that hybrid's shared split runs."""
         def step() -> int:
-            kernel.start_experts(runner, self.layout, self.take(), self.groups, self.x, self.w, self.out,
+            slots = self.take()
+            kernel.start_experts(runner, self.layout, slots, self.groups, self.x, self.w, self.out,
                                  self.per_call, threads, split=kernel.new_split(self.per_call))
             runner.wait()
-            return self.bytes_per_call
+            return self.bytes_per_call[self.layouts.index(self.layout)]
         return step
 
     def torch_step(self) -> Callable[[], int]:
@@ -146,10 +162,11 @@ class ExpertCycle:
         x = self.x.to(dtype)
 
         def step() -> int:
-            for e, slot in enumerate(self.take()):
+            slots = self.take()
+            for e, slot in enumerate(slots):
                 weights = expert_weights(self.layout, slot, dtype)
                 self.out[self.groups[e]] = (expert_forward(x, weights, self.layout.activation) * self.w[self.groups[e], None]).float()
-            return self.bytes_per_call
+            return self.bytes_per_call[self.layouts.index(self.layout)]
         return step
 
 
