@@ -247,6 +247,10 @@ def test_presets_have_the_published_shapes():
     assert layout.part("down_bias").offset == matrices + 2 * bias
     assert layout.slot_bytes == -(-(matrices + 3 * bias) // 4096) * 4096
     assert preset_spec("gpt-oss-120b").num_experts == 128
+    q35 = preset_spec("qwen3.5-35b-a3b", 4)  # the multimodal checkpoint's language model
+    assert (q35.family, q35.layer_kinds) == ("qwen3_5_moe", (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,))
+    assert (q35.num_experts, q35.top_k, q35.shared_expert_intermediate_size, q35.vocab_size) == (256, 8, 512, 248320)
+    assert slot_layout(q35, "bfloat16").slot_bytes == 3 * 2048 * 512 * 2  # 6.29 MB
 
 
 def test_write_gpt_oss_at_toy_sizes(tmp_path):

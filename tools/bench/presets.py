@@ -68,6 +68,19 @@ PRESETS: dict[str, ModelSpec] = {
         "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rope_theta": 1e7, "partial_rotary_factor": 0.25,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
         "architectures": ["Qwen3NextForCausalLM"]}),
+    # 40 layers, 3 of every 4 gated DeltaNet, 256 experts of 6.29 MB (bf16), top-8 and a shared
+    # expert, the multimodal checkpoint's language model: transformers' Qwen3.5-35B-A3B defaults
+    "qwen3.5-35b-a3b": FAMILIES["qwen3_5_moe"].spec_from_config({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": {
+            "num_hidden_layers": 40, "hidden_size": 2048, "vocab_size": 248320, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "head_dim": 256, "num_experts": 256, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10, "full_attention_interval": 4,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+            "max_position_embeddings": 262144, "tie_word_embeddings": False}}),
     # 24 layers alternating sliding-window (128) and full attention, 32 experts of 49.8 MB (bf16),
     # top-4, expert biases and the clamped SwiGLU: from the published config, through the family
     "gpt-oss-20b": FAMILIES["gpt_oss"].spec_from_config(_gpt_oss(24, 32)),
