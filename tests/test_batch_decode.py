@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "qwen3_next"])
 def test_forward_batch_matches_single_sequences(hf_checkpoint, tmp_path, family):
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint(family)), path)
+    convert(prepare(hf_checkpoint(family)), path)
     rt = Runtime(path, RuntimeOptions(strategy="hybrid", cache_experts=6, bandwidth_ratio=0.5, threads=2))
     prompts = [[5, 9, 13, 2, 77], [40, 3], [8, 8, 8, 100, 31, 7, 19]]
     steps = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]

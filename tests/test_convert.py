@@ -19,7 +19,7 @@ from ftkit.kernels.dequant import dequantize_q8_0
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models.mixtral import unpermute_rows
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from gguf_fixtures import write_gguf_from_hf
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"]
@@ -77,7 +77,7 @@ def check_roundtrip(ckpt: Path, ftw: Path, family: str) -> None:
 def test_hf_roundtrip(hf_checkpoint, tmp_path, family, variant):
     ckpt = hf_checkpoint(family, sharded=variant == "sharded", stacked=variant == "stacked")
     out = tmp_path / "m.ftw"
-    convert(make_plan(ckpt), out)
+    convert(prepare(ckpt), out)
     check_roundtrip(ckpt, out, family)
     assert FTWModel(out).verify() == []
 
@@ -85,7 +85,7 @@ def test_hf_roundtrip(hf_checkpoint, tmp_path, family, variant):
 def test_sparse_layers_and_bf16(hf_checkpoint, tmp_path):
     ckpt = hf_checkpoint("qwen3_moe_sparse", dtype=torch.bfloat16)
     out = tmp_path / "m.ftw"
-    convert(make_plan(ckpt), out)
+    convert(prepare(ckpt), out)
     spec = FTWModel(out).spec
     assert spec.moe_layers == (1,) and FTWModel(out).layout.dtype == "bfloat16"
     check_roundtrip(ckpt, out, "qwen3_moe")
@@ -100,7 +100,7 @@ def test_gguf_roundtrip(hf_checkpoint, tmp_path, family, gtype):
     path = tmp_path / "m.gguf"
     write_gguf_from_hf(ckpt, path, gtype)
     out = tmp_path / "m.ftw"
-    convert(make_plan(path), out)
+    convert(prepare(path), out)
     model = FTWModel(out)
     spec = model.spec
     reader = gguf.GGUFReader(path)
@@ -256,5 +256,5 @@ def test_legacy_config_keys(hf_checkpoint, tmp_path):
     cfg["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in params.items()}
     cfg["num_experts"] = cfg.pop("num_local_experts")
     (legacy / "config.json").write_text(json.dumps(cfg))
-    a, b = make_plan(ckpt).spec, make_plan(legacy).spec
+    a, b = prepare(ckpt).spec, prepare(legacy).spec
     assert a == b and a.rope_scaling["rope_type"] == "yarn"

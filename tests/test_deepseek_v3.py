@@ -37,7 +37,7 @@ from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.models.kv_size import kv_bytes_per_token
 from ftkit.runtime.synthetic import write_tokenizer
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
 
 NAME = "deepseek_v3"
@@ -93,7 +93,7 @@ def hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ftw(hf_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dsv3-ftw") / "m.ftw"
-    convert(make_plan(hf_dir, dtype="float32"), out)
+    convert(prepare(hf_dir, dtype="float32"), out)
     return out
 
 
@@ -209,7 +209,7 @@ ODD = {**CONFIG, "first_k_dense_replace": 0, "n_shared_experts": 2, "v_head_dim"
 
 def test_kimi_like_settings_match_transformers(tmp_path):
     hf = make_checkpoint(tmp_path / "hf", KIMI, seed=3)
-    convert(make_plan(hf, dtype="float32"), tmp_path / "m.ftw")
+    convert(prepare(hf, dtype="float32"), tmp_path / "m.ftw")
     spec = FTWModel(tmp_path / "m.ftw").spec
     assert spec.extra["q_lora_rank"] == 0 and not spec.extra["rope_interleave"] and spec.rope_scaling is None
     assert "layers.0.attn.q.weight" in FAMILIES[NAME].dense_shapes(spec)
@@ -219,7 +219,7 @@ def test_kimi_like_settings_match_transformers(tmp_path):
 
 def test_other_shapes_match_transformers(tmp_path):
     hf = make_checkpoint(tmp_path / "hf", ODD, seed=4)
-    convert(make_plan(hf, dtype="float32"), tmp_path / "m.ftw")
+    convert(prepare(hf, dtype="float32"), tmp_path / "m.ftw")
     spec = FTWModel(tmp_path / "m.ftw").spec
     assert spec.moe_layers == (0, 1, 2) and spec.shared_expert_intermediate_size == 64 and spec.attention_bias
     assert_matches(tmp_path / "m.ftw", generate_reference(hf), strategy="hybrid", cache_experts=2,
@@ -228,7 +228,7 @@ def test_other_shapes_match_transformers(tmp_path):
 
 def test_bfloat16_logits_close_to_transformers(hf_dir, tmp_path):
     """A bf16 conversion run in bf16 against transformers in bf16 (routers float32 in both)."""
-    convert(make_plan(hf_dir, dtype="bfloat16"), tmp_path / "bf16.ftw")
+    convert(prepare(hf_dir, dtype="bfloat16"), tmp_path / "bf16.ftw")
     rt = Runtime(tmp_path / "bf16.ftw", RuntimeOptions(threads=2, strategy="cpu"))
     with torch.inference_mode():
         got = rt.step.forward(PROMPT, rt.new_kv(len(PROMPT)))
@@ -383,7 +383,7 @@ def test_gguf_f32_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path, spli
     write_deepseek2_gguf(hf_dir, path, split=split)
     r = diagnose(path)
     assert (r["verdict"], r["problems"], r["unexpected"], r["family"]) == ("PASS", [], [], NAME), r
-    convert(make_plan(path), tmp_path / "ftw")
+    convert(prepare(path), tmp_path / "ftw")
     spec, want = FTWModel(tmp_path / "ftw").spec, FTWModel(ftw).spec
     assert spec.extra == {**want.extra, "kv_b_split": split}
     same = ("moe_layers", "num_layers", "norm_topk_prob", "shared_expert_intermediate_size", "num_heads",
@@ -402,7 +402,7 @@ def test_gguf_with_a_kept_nextn_block(hf_dir, reference, tmp_path):
     assert (r["verdict"], r["problems"], r["layers"]) == ("PASS", [], 3), r
     assert r["unexpected"] == []
     assert any(n.startswith("the multi-token-prediction layer (blk.3.*) is skipped") for n in r["notes"])
-    convert(make_plan(path), tmp_path / "ftw")
+    convert(prepare(path), tmp_path / "ftw")
     assert_matches(tmp_path / "ftw", reference, strategy="cpu")
 
 
@@ -420,7 +420,7 @@ def test_gguf_q8_0_within_tolerance(hf_dir, reference, tmp_path):
     write_deepseek2_gguf(hf_dir, path, qtype="Q8_0")
     r = diagnose(path)
     assert (r["verdict"], r["problems"], r["family"], r["expert_dtype"]) == ("PASS", [], NAME, "q8_0"), r
-    convert(make_plan(path), tmp_path / "ftw")
+    convert(prepare(path), tmp_path / "ftw")
     rt = Runtime(tmp_path / "ftw", RuntimeOptions(threads=2, strategy="cpu"))
     tokens, logits = greedy(rt, n=1)
     rt.close()

@@ -33,7 +33,7 @@ from ftkit.runtime.engine.resolve import Machine, resolve
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.spec import ModelSpec
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.cli import app
 from ftkit.tools.diagnose.report import diagnose
 from ftkit.vocab import slot_layout
@@ -90,7 +90,7 @@ def model_path(hf_checkpoint, tmp_path_factory) -> Callable[..., Path]:
             write_gguf_from_hf(hf_checkpoint(name), path, variant.removeprefix("gguf_").upper())
         else:
             path = tmp / "ftw"
-            convert(make_plan(hf_checkpoint(name)), path)
+            convert(prepare(hf_checkpoint(name)), path)
         built[key] = path
         return path
 

@@ -19,7 +19,7 @@ from ftkit.runtime.models import FAMILIES, decoder
 from ftkit.runtime.models.decoder import MoEDecoder
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.spec import ModelSpec
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 
 FAMILY_NAMES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 COMMON = dict(
@@ -92,7 +92,7 @@ def new_cache(dec: MoEDecoder, tokens: int) -> KVCache:
 
 def _load(hf_dir: Path, out: Path, dtype: torch.dtype) -> tuple[MoEDecoder, torch.nn.Module]:
     """Our decoder over the converted FTW, and transformers' eager model, both in `dtype`."""
-    convert(make_plan(hf_dir, dtype=str(dtype).removeprefix("torch.")), out)
+    convert(prepare(hf_dir, dtype=str(dtype).removeprefix("torch.")), out)
     ours = ftw_decoder(out)
     ref = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=dtype, attn_implementation="eager", experts_implementation="eager"

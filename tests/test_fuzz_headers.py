@@ -6,7 +6,7 @@ GGUF's vocabulary and chat template). Each starts from a fixture and mutates its
 (tests/fuzz_inputs.py), then runs what the commands run:
 
 * `diagnose(path)` returns a report, never raises: problems one line each, strict JSON;
-* `make_plan` + `convert` (checkpoints) and `Runtime` (FTW, and every converted checkpoint)
+* `prepare` + `convert` (checkpoints) and `Runtime` (FTW, and every converted checkpoint)
   succeed or raise an InputError, one printable line; any other exception fails the test;
 * a PASS that is not a header-only stub converts and loads; what convert or load refuses,
   diagnose has failed first;
@@ -40,7 +40,7 @@ from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.spec import FULL_ATTENTION, LINEAR_ATTENTION
 from ftkit.runtime.synthetic import write_tokenizer
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
 from fuzz_inputs import (
     VT,
@@ -105,13 +105,13 @@ def check_checkpoint(path: Path, out: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tokenizer notes: a rebuild skipped is not a failure
         report = diagnosed(path)
-        plan = answer(lambda: make_plan(path))
-        if isinstance(plan, InputError):
+        conv = answer(lambda: prepare(path))
+        if isinstance(conv, InputError):
             outcome(f"diagnose {report['verdict']}, convert refused")
-            assert report["verdict"] == "FAIL" or report["header_only"], (report, plan)
+            assert report["verdict"] == "FAIL" or report["header_only"], (report, conv)
             return
-        assert_bounded(dataclasses.asdict(plan.spec), input_bytes(path), "plan")
-        done = answer(lambda: convert(plan, out))
+        assert_bounded(dataclasses.asdict(conv.spec), input_bytes(path), "conversion")
+        done = answer(lambda: convert(conv, out))
         assert not isinstance(done, InputError), f"planned, then refused: {done}"
         rt = loads(out)
         assert not isinstance(rt, InputError), f"converted, then refused to load: {rt}"
@@ -139,7 +139,7 @@ def seeds(hf_checkpoint, tmp_path_factory) -> dict[str, Path]:
     vocab = root / "vocab.gguf"
     vocab.write_bytes(encode_gguf(add_vocab(read_gguf(plain), hf)))
     ftw = root / "qwen3_moe.ftw"
-    convert(make_plan(hf), ftw)
+    convert(prepare(hf), ftw)
     out = {"hf": hf, "sharded": hf_checkpoint("qwen2_moe", sharded=True), "gguf": plain, "gguf_vocab": vocab,
            "ftw": ftw}
     for name, spec in _random_specs().items():

@@ -31,7 +31,7 @@ from ftkit.runtime.checkpoint.gguf import GGUFSource
 from ftkit.runtime.checkpoint.gguf_tokenizer import _CL100K, write_tokenizer_from_gguf
 from ftkit.runtime.engine.tokenizer import Tokenizer as RuntimeTokenizer
 from ftkit.runtime.synthetic import CHAT_TEMPLATE, CORPUS, EOS_TOKEN, PAD_TOKEN, write_tokenizer
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from gguf_fixtures import write_gguf_from_hf
 
 TT = gguf.TokenType
@@ -322,7 +322,7 @@ def test_convert_carries_tokenizer(hf_checkpoint, tmp_path, monkeypatch):
     src = tmp_path / "m.gguf"
     write_gguf_from_hf(hf, src, "F32")
     out = tmp_path / "m.ftw"
-    manifest = convert(make_plan(src), out)
+    manifest = convert(prepare(src), out)
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(manifest.files)
     original = Tokenizer.from_file(str(hf / "tokenizer.json"))
     rebuilt = Tokenizer.from_file(str(out / "tokenizer.json"))

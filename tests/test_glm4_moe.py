@@ -28,7 +28,7 @@ from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.synthetic import write_tokenizer
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
 
 NAME = "glm4_moe"
@@ -75,7 +75,7 @@ def hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ftw(hf_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("glm4moe-ftw") / "m.ftw"
-    convert(make_plan(hf_dir, dtype="float32"), out)
+    convert(prepare(hf_dir, dtype="float32"), out)
     return out
 
 
@@ -199,7 +199,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, tmp_path):
     r = diagnose(path)
     assert (r["verdict"], r["problems"], r["family"]) == ("PASS", [], NAME), r
     assert r["unexpected"] and all(n.startswith("blk.3.") for n in r["unexpected"])  # the NextN block
-    convert(make_plan(path), tmp_path / "ftw")
+    convert(prepare(path), tmp_path / "ftw")
     spec, want = FTWModel(tmp_path / "ftw").spec, FTWModel(ftw).spec
     # The converter writes no expert-group keys: a GGUF routes over one group.
     assert spec.extra == {**want.extra, "n_group": 1, "topk_group": 1}

@@ -38,7 +38,7 @@ from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.models.kv_size import kv_bytes_per_token
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
 from ftkit.vocab import slot_layout
 
@@ -58,7 +58,7 @@ def hf_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ftw(hf_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gptoss-ftw") / "m.ftw"
-    convert(make_plan(hf_dir), out)
+    convert(prepare(hf_dir), out)
     return out
 
 
@@ -166,7 +166,7 @@ def test_greedy_matches_transformers_every_strategy(ftw, reference, opts):
 def test_bfloat16_logits_close_to_transformers(hf_dir, tmp_path):
     """A bf16 conversion run in bf16 against transformers in bf16 (which keeps the RMSNorm weights
     float32, as the runtime does): the logits agree to bf16 noise amplified by random weights."""
-    convert(make_plan(hf_dir, dtype="bfloat16"), tmp_path / "bf16.ftw")
+    convert(prepare(hf_dir, dtype="bfloat16"), tmp_path / "bf16.ftw")
     rt = Runtime(tmp_path / "bf16.ftw", RuntimeOptions(threads=2, strategy="cpu"))
     assert rt.decoder.w["layers.0.attn_norm.weight"].dtype == torch.float32
     assert rt.decoder.w["layers.0.attn.sinks"].dtype == torch.bfloat16
@@ -300,8 +300,8 @@ def test_mxfp4_experts_convert_to_their_dequantized_values(mxfp4_dirs, tmp_path,
     assert inv.problems == [] and inv.unexpected == [] and inv.dequantized_experts == ["mxfp4"]
     assert inv.dequantize_note("bfloat16") == ("experts stored as mxfp4 are dequantized to bfloat16 "
                                                "(FTW does not keep these blocks yet)")
-    convert(make_plan(quant), tmp_path / "q.ftw")
-    convert(make_plan(plain), tmp_path / "p.ftw")
+    convert(prepare(quant), tmp_path / "q.ftw")
+    convert(prepare(plain), tmp_path / "p.ftw")
     a, b = FTWModel(tmp_path / "q.ftw"), FTWModel(tmp_path / "p.ftw")
     assert a.layout == b.layout and a.layout.dtype == "bfloat16"
     banks_a, banks_b = a.read_banks(pin=False), b.read_banks(pin=False)
@@ -317,7 +317,7 @@ def test_mxfp4_experts_convert_to_their_dequantized_values(mxfp4_dirs, tmp_path,
 def test_mxfp4_model_greedy_matches_transformers(mxfp4_dirs, tmp_path):
     """The MXFP4 model generates transformers' tokens (its reference: the dequantized experts)."""
     quant, plain = mxfp4_dirs
-    convert(make_plan(quant), tmp_path / "q.ftw")
+    convert(prepare(quant), tmp_path / "q.ftw")
     ref = load_reference(plain)
     with torch.no_grad():
         want = ref.generate(PROMPT[None], max_new_tokens=8, do_sample=False, pad_token_id=0,
@@ -374,7 +374,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     write_gpt_oss_gguf(hf_dir, path)
     r = diagnose(path)
     assert (r["verdict"], r["problems"], r["unexpected"], r["family"]) == ("PASS", [], [], NAME), r
-    convert(make_plan(path), tmp_path / "ftw")
+    convert(prepare(path), tmp_path / "ftw")
     spec, want = FTWModel(tmp_path / "ftw").spec, FTWModel(ftw).spec
     same = ("layer_kinds", "sliding_window", "rope_theta", "rope_scaling", "moe_layers", "num_experts", "top_k",
             "moe_intermediate_size", "head_dim", "expert_bias", "swiglu_alpha", "attention_out_bias")
@@ -409,10 +409,10 @@ def test_gguf_mxfp4_experts_stay_blocks(hf_dir, tmp_path):
     plain = gfx.dequantized_gguf(quant, tmp_path / "d.gguf")
     r = diagnose(quant)
     assert (r["verdict"], r["memory"]["expert_dtype"]) == ("PASS", "mxfp4"), r
-    plan = make_plan(quant)
-    assert plan.inventory.dequantized_experts == [] and plan.layout.dtype == "mxfp4" and plan.layout.biased
-    convert(plan, tmp_path / "q.ftw")
-    convert(make_plan(plain), tmp_path / "d.ftw")  # float32 experts
+    conv = prepare(quant)
+    assert conv.inventory.dequantized_experts == [] and conv.layout.dtype == "mxfp4" and conv.layout.biased
+    convert(conv, tmp_path / "q.ftw")
+    convert(prepare(plain), tmp_path / "d.ftw")  # float32 experts
     q, d = FTWModel(tmp_path / "q.ftw"), FTWModel(tmp_path / "d.ftw")
     assert d.layout.dtype == "float32" and q.layout.activation == d.layout.activation is not None
     a, b = q.read_banks(pin=False), d.read_banks(pin=False)

@@ -23,7 +23,7 @@ from ftkit.runtime.engine.scheduler import Request, Scheduler
 from ftkit.runtime.models.kv import KVCache
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
 from ftkit.runtime.spec import SLIDING_ATTENTION
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -46,7 +46,7 @@ def model(tmp_path_factory):
 def next_model(hf_checkpoint, tmp_path_factory):
     """Qwen3-Next: three gated-DeltaNet layers (recurrent states) and a gated attention layer."""
     path = tmp_path_factory.mktemp("graphs-next") / "m.ftw"
-    convert(make_plan(hf_checkpoint("qwen3_next")), path)
+    convert(prepare(hf_checkpoint("qwen3_next")), path)
     return path
 
 
@@ -86,7 +86,7 @@ def test_graph_decode_matches_fused(model, cfg):
     ref, ref_rt, _ = run(model, graphs=False, device="cpu", strategy="fused")
     ref_rt.close()
     got, rt, decoded = run(model, graphs=True, device=device, **cfg)
-    assert rt.store.device_plan is not None, "the graph path did not run"
+    assert rt.store.device_planner is not None, "the graph path did not run"
     rel = (got - ref).norm() / ref.norm()
     assert rel < 1e-3, rel  # float32: attention reduction order and tf32, not bitwise
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
@@ -111,11 +111,11 @@ def test_graph_decode_matches_fused_across_families(hf_checkpoint, tmp_path, fam
     ones (sparse Qwen3-MoE), a family's own token mixers (Qwen3-Next: recurrent states in
     static buffers, gated attention, (1 + weight) norms)."""
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint(family)), path)
+    convert(prepare(hf_checkpoint(family)), path)
     ref, ref_rt, _ = run(path, graphs=False, device="cpu", strategy="fused")
     ref_rt.close()
     got, rt, _ = run(path, graphs=True, device="cuda" if CUDA else "cpu", strategy="offload", cache_experts=6)
-    assert rt.store.device_plan is not None, "the graph path did not run"
+    assert rt.store.device_planner is not None, "the graph path did not run"
     graphs, w = rt.step.graphs, rt.decoder.w
     hybrid = family in ("qwen3_next", "qwen3_5_moe")
     assert bool(graphs.qkv) == (family != "olmoe" and not hybrid)
@@ -163,9 +163,9 @@ def test_graph_decode_survives_a_cache_rebuild(model):
         for n, t in enumerate(DECODE[:6]):
             if n == 3:
                 rt.store.rebuild(20)
-                assert rt.store.device_plan is None and rt.store.cache.capacity == 20
+                assert rt.store.device_planner is None and rt.store.cache.capacity == 20
             got.append(rt.step.forward(torch.tensor([t], device=rt.device), kv))
-    assert rt.store.device_plan is not None and rt.store.version == 1
+    assert rt.store.device_planner is not None and rt.store.version == 1
     for a, b in zip(got, ref, strict=True):
         assert torch.allclose(a.float().cpu(), b.float(), rtol=1e-3, atol=1e-3)
     rt.close()
@@ -377,7 +377,7 @@ def test_hybrid_split_follows_the_slower_side(model):
     what came before a rebase (a graph's warm-up) does not count."""
     rt = Runtime(model, RuntimeOptions(threads=2, strategy="hybrid", cache_experts=12, bandwidth_ratio=0.5,
                                        dtype="float32"))
-    plan = rt.store.device_plan_for_graphs()
+    plan = rt.store.device_planner_for_graphs()
     start = plan.fill_fraction
 
     def after(gpu_ns: int, cpu_ns: int, layers: int) -> float:
@@ -454,10 +454,10 @@ def test_resident_count_follows_graph_decode(model):
         before = len(rt.store.cache)
         for t in DECODE[:4]:
             rt.step.forward(torch.tensor([t], device=rt.device), kv)
-    assert rt.store.device_plan.on_device and len(rt.store.cache) == before  # the host copy is stale
+    assert rt.store.device_planner.on_device and len(rt.store.cache) == before  # the host copy is stale
     during = rt.store.resident()
     assert during > before
-    rt.store.device_plan.to_host()
+    rt.store.device_planner.to_host()
     assert len(rt.store.cache) == during == rt.store.resident()
     rt.close()
 
@@ -600,7 +600,7 @@ def _turns(path, turns: list[list[int]], fused: bool, capacity: int = 128, **cfg
     if fused:
         def counted(ids, cache, last=False, real=rt.step.graphs.extend):
             out = real(ids, cache, last)
-            taken.append((len(ids), rt.store.device_plan.on_device))  # on_device: planned there
+            taken.append((len(ids), rt.store.device_planner.on_device))  # on_device: planned there
             return out
 
         rt.step.graphs.extend = counted
@@ -644,7 +644,7 @@ def test_a_short_extend_matches_across_families(hf_checkpoint, tmp_path, family)
     between MoE ones (sparse Qwen3-MoE), the torch attention (OLMoE), a family's own token
     mixers and recurrent states (Qwen3-Next): the extend path against the eager forward pass."""
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint(family)), path)
+    convert(prepare(hf_checkpoint(family)), path)
     turns = [PROMPT, [33], MORE]
     got = _turns(path, turns, True, strategy="offload", cache_experts=6)
     # offload plans on the device only where a layer's experts fit the cache: the prompt's

@@ -13,7 +13,7 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.engine.scheduler import Request, Scheduler
 from ftkit.runtime.random_model import demo_spec, write_random_ftw
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 
 PROMPTS = [list(range(3, 40)), [40, 3, 17, 99, 5, 6, 7, 8, 1], list(range(100, 170, 2))]
 
@@ -21,7 +21,7 @@ PROMPTS = [list(range(3, 40)), [40, 3, 17, 99, 5, 6, 7, 8, 1], list(range(100, 1
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_forward_many_is_each_prompts_own_forward(hf_checkpoint, tmp_path, family):
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint(family)), path)
+    convert(prepare(hf_checkpoint(family)), path)
     rt = Runtime(path, RuntimeOptions(strategy="cpu", threads=2))
     cuts = [[16, 32], [], [16]]
     alone, together = [rt.new_kv(80) for _ in PROMPTS], [rt.new_kv(80) for _ in PROMPTS]
@@ -42,7 +42,7 @@ def test_forward_many_is_each_prompts_own_forward(hf_checkpoint, tmp_path, famil
 
 def test_forward_many_refuses_snapshots_of_several(hf_checkpoint, tmp_path):
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint("qwen3_moe")), path)
+    convert(prepare(hf_checkpoint("qwen3_moe")), path)
     rt = Runtime(path, RuntimeOptions(strategy="cpu", threads=1))
     with pytest.raises(ValueError, match="one sequence"):
         rt.decoder.forward_many([torch.tensor(p) for p in PROMPTS[:2]], [rt.new_kv(64) for _ in range(2)],
@@ -92,7 +92,7 @@ def test_requests_arriving_together_prefill_in_one_forward(model):
 @pytest.mark.parametrize("strategy", ["offload", "hybrid"])
 def test_forward_many_on_the_gpu_agrees_with_each_forward(hf_checkpoint, tmp_path, strategy):
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint("qwen3_moe")), path)
+    convert(prepare(hf_checkpoint("qwen3_moe")), path)
     rt = Runtime(path, RuntimeOptions(device="cuda", dtype="float32", strategy=strategy, cache_experts=6,
                                       bandwidth_ratio=0.5, threads=2))
     inputs = [torch.tensor(p, device="cuda") for p in PROMPTS]

@@ -118,10 +118,10 @@ def test_graph_decode_reserves_the_recurrent_states(hf_checkpoint, tmp_path):
     """A hybrid-attention model's graph decode keeps its recurrent states in static buffers and a
     saved copy (engine/graphs.py): the plan reserves both, beside the graph K/V."""
     from ftkit.runtime.models import qwen3_next
-    from ftkit.tools.convert.pipeline import convert, make_plan
+    from ftkit.tools.convert.pipeline import convert, prepare
 
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint("qwen3_next"), dtype="bfloat16"), path)
+    convert(prepare(hf_checkpoint("qwen3_next"), dtype="bfloat16"), path)
     opts = RuntimeOptions(device="cuda", strategy="offload", cache_experts=8)
     plan = plan_memory(path, opts, 256)
     states = qwen3_next.FAMILY.recurrent_state_bytes(FTWModel(path).spec, torch.bfloat16)

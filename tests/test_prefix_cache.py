@@ -19,7 +19,7 @@ from ftkit.runtime.prefix_cache.anchors import TAIL
 from ftkit.runtime.server.quirks import normalise
 from ftkit.tools.bench import agent_trace as trace
 from ftkit.tools.bench.agent_trace import HARNESSES, session
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3_next", "gpt_oss", "qwen3_5_moe")
 SLACK = 4  # tokens between an anchor before a marker and the edit just after it ("<tool_response>\n")
@@ -33,7 +33,7 @@ def ftw_of(hf_checkpoint, tmp_path_factory):
         if family not in built:
             src = hf_checkpoint(family)
             out = tmp_path_factory.mktemp(f"pc-{family}") / "m.ftw"
-            convert(make_plan(src, dtype="float32"), out)
+            convert(prepare(src, dtype="float32"), out)
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 if not (out / name).exists():
                     shutil.copy(src / name, out / name)

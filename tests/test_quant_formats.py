@@ -27,7 +27,7 @@ from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.ftw.reader import FTWModel
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.convert.quant_presets import preset_formats
 from ftkit.tools.diagnose.cli import app as diagnose_app
 from ftkit.tools.diagnose.report import diagnose
@@ -270,7 +270,7 @@ def test_diagnose_passes_and_prices_the_quantized_bytes(quant_gguf, key):
     stored = expert_formats(path)
     assert r["verdict"] == "PASS", r["problems"]
     assert r["expert_dtype"] == "/".join(stored)
-    spec = make_plan(path).spec
+    spec = prepare(path).spec
     layout = expert_layout(spec, gguf_layer_formats(path))
     assert r["memory"]["expert_formats"] == stored == list(layout.formats)
     assert r["memory"]["expert_slot_bytes"] == layout.slot_bytes < slot_layout(spec, "bfloat16").slot_bytes
@@ -316,7 +316,7 @@ def test_ftw_convert_keeps_the_expert_blocks(quant_gguf, tmp_path, key):
 
 
 def _converted(path: Path, out: Path, dtype: str | None = None) -> Path:
-    convert(make_plan(path, dtype=dtype), out)
+    convert(prepare(path, dtype=dtype), out)
     return out
 
 

@@ -38,7 +38,7 @@ from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES, family_for_config
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.spec import FULL_ATTENTION, LINEAR_ATTENTION
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
 
 NAME = "qwen3_5_moe"
@@ -55,7 +55,7 @@ def ftw(hf_dir, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for dtype in ("float32", "bfloat16"):
         out[dtype] = tmp_path_factory.mktemp(f"q35-{dtype}") / "m.ftw"
-        convert(make_plan(hf_dir, dtype=dtype), out[dtype])
+        convert(prepare(hf_dir, dtype=dtype), out[dtype])
     return out
 
 
@@ -123,7 +123,7 @@ def test_text_only_checkpoint_matches_transformers(hf_checkpoint, tmp_path):
     assert (inv.spec.family, inv.problems, inv.unexpected, inv.skipped_note()) == (NAME, [], [], None)
     assert FAM.skipped_note(["mtp.fc.weight", "mtp.norm.weight"]) == \
         "the multi-token-prediction block (mtp.*, 2 tensors) is skipped: ftkit does not decode speculatively"
-    convert(make_plan(hf), tmp_path / "m.ftw")
+    convert(prepare(hf), tmp_path / "m.ftw")
     dec = ftw_decoder(tmp_path / "m.ftw")
     with torch.no_grad():
         want = fx.load_reference(hf)(PROMPT[None]).logits[0]
@@ -137,14 +137,14 @@ def test_other_shapes_tied_and_four_value_heads_per_key_head(hf_checkpoint, tmp_
     from test_fidelity import assert_greedy_matches
 
     hf = hf_checkpoint("qwen3_5_moe_tied")
-    convert(make_plan(hf), tmp_path / "hf.ftw")
+    convert(prepare(hf), tmp_path / "hf.ftw")
     spec = FTWModel(tmp_path / "hf.ftw").spec
     assert spec.tie_word_embeddings and spec.layer_kinds == (LINEAR_ATTENTION, FULL_ATTENTION) * 2
     ref = fx.load_reference(hf)
     with torch.no_grad():
         want = ref(PROMPT[None]).logits[0]
     write_qwen35moe_gguf(hf, tmp_path / "m.gguf", "F32")
-    convert(make_plan(tmp_path / "m.gguf"), tmp_path / "gguf.ftw")
+    convert(prepare(tmp_path / "m.gguf"), tmp_path / "gguf.ftw")
     assert FTWModel(tmp_path / "gguf.ftw").spec.extra["linear_value_order"] == "tiled"
     for path in (tmp_path / "hf.ftw", tmp_path / "gguf.ftw"):
         dec = ftw_decoder(path)
@@ -268,7 +268,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     write_qwen35moe_gguf(hf_dir, path, "F32")
     r = diagnose(path)
     assert (r["verdict"], r["problems"], r["family"]) == ("PASS", [], NAME), r
-    convert(make_plan(path), tmp_path / "ftw")
+    convert(prepare(path), tmp_path / "ftw")
     spec, want = FTWModel(tmp_path / "ftw").spec, FTWModel(ftw["float32"]).spec
     assert spec.extra == {**want.extra, "linear_value_order": "tiled"}  # kept as the converter wrote it
     assert (spec.layer_kinds, spec.partial_rotary_factor, spec.shared_expert_gate, spec.norm_topk_prob) == \
@@ -283,7 +283,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     # quantized it in (ssm_out's columns tiled), the others as they are.
     write_qwen35moe_gguf(hf_dir, tmp_path / "q8.gguf", "Q8_0")
     assert diagnose(tmp_path / "q8.gguf")["verdict"] == "PASS"
-    convert(make_plan(tmp_path / "q8.gguf", dtype="float32"), tmp_path / "ftw-q8")
+    convert(prepare(tmp_path / "q8.gguf", dtype="float32"), tmp_path / "ftw-q8")
     dec = ftw_decoder(tmp_path / "ftw-q8")
     got = dec.forward(PROMPT, new_cache(dec, len(PROMPT)))
     with torch.no_grad():

@@ -34,7 +34,7 @@ from ftkit.runtime.models import FAMILIES, decoder, qwen3_next, qwen3_next_forwa
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.layers import attention
 from ftkit.runtime.spec import FULL_ATTENTION, LINEAR_ATTENTION
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
 
 NAME = "qwen3_next"
@@ -54,7 +54,7 @@ def ftw(hf_dir, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for dtype in ("float32", "bfloat16"):
         out[dtype] = tmp_path_factory.mktemp(f"q3n-{dtype}") / "m.ftw"
-        convert(make_plan(hf_dir, dtype=dtype), out[dtype])
+        convert(prepare(hf_dir, dtype=dtype), out[dtype])
     return out
 
 
@@ -347,7 +347,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     write_qwen3next_gguf(hf_dir, path, "F32")
     r = diagnose(path)
     assert (r["verdict"], r["problems"], r["family"]) == ("PASS", [], NAME), r
-    convert(make_plan(path), tmp_path / "ftw")
+    convert(prepare(path), tmp_path / "ftw")
     spec = FTWModel(tmp_path / "ftw").spec
     want = FTWModel(ftw["float32"]).spec
     assert spec.extra == {**want.extra, "linear_in_proj": "qkv_z"}
@@ -362,7 +362,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     # F16: the same as transformers with the same weights rounded to float16 (this random model
     # amplifies that rounding to ~1e-2 of the logits, so compare like with like).
     write_qwen3next_gguf(hf_dir, tmp_path / "f16.gguf", "F16")
-    convert(make_plan(tmp_path / "f16.gguf", dtype="float32"), tmp_path / "ftw-f16")
+    convert(prepare(tmp_path / "f16.gguf", dtype="float32"), tmp_path / "ftw-f16")
     rounded = fx.load_reference(hf_dir)
     with torch.no_grad():
         for name, p in rounded.named_parameters():
@@ -375,7 +375,7 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     # Q8_0 loads and converts (dequantized); its logits stay recognisably the model's.
     write_qwen3next_gguf(hf_dir, tmp_path / "q8.gguf", "Q8_0")
     assert diagnose(tmp_path / "q8.gguf")["verdict"] == "PASS"
-    convert(make_plan(tmp_path / "q8.gguf", dtype="float32"), tmp_path / "ftw-q8")
+    convert(prepare(tmp_path / "q8.gguf", dtype="float32"), tmp_path / "ftw-q8")
     dec = ftw_decoder(tmp_path / "ftw-q8")
     got = dec.forward(PROMPT, new_cache(dec, len(PROMPT)))
     assert (got.argmax(-1) == logits.argmax(-1)).float().mean() >= 0.75

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from fixtures import load_reference
 from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_argv, runtime_flags
 from ftkit.runtime.engine.loader import RuntimeOptions
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 
 FT_RUN = [sys.executable, "-m", "ftkit.runtime.cli"]
 
@@ -29,7 +29,7 @@ def ft_run(*args: str) -> subprocess.CompletedProcess:
 def test_generate_json_matches_transformers(hf_checkpoint, tmp_path, family):
     ckpt = hf_checkpoint(family)
     out = tmp_path / "m.ftw"
-    convert(make_plan(ckpt), out)
+    convert(prepare(ckpt), out)
     prompt = [4, 19, 77, 150, 23, 9]
     ref = load_reference(ckpt)
     with torch.no_grad():

@@ -27,8 +27,8 @@ def one_at_a_time(tmp_path_factory):
 
 
 def test_soak_accounts_for_every_request(one_at_a_time):
-    plan = soak.Plan(sessions=2, turns=6, max_tokens=8, disconnect=0.5, rebuild_every=3, replay=6)
-    r = soak.soak(one_at_a_time.url, KEY, plan, pid=os.getpid(), say=lambda line: None)
+    work = soak.Workload(sessions=2, turns=6, max_tokens=8, disconnect=0.5, rebuild_every=3, replay=6)
+    r = soak.soak(one_at_a_time.url, KEY, work, pid=os.getpid(), say=lambda line: None)
     assert r["model"] == "soak" and r["context"] == 1024
     assert r["sent"] == 12 and r["completed"] + r["disconnected"] == 12, r
     assert (r["lost"], r["4xx"], r["5xx"], r["errors"]) == (0, 0, 0, [])

@@ -11,7 +11,7 @@ from ftkit.runtime.experts.cache import SlotCache
 from ftkit.runtime.experts.planner import Planner, hybrid_fill_count
 from ftkit.runtime.experts.streaming import LayerPrefetcher
 from ftkit.runtime.profile import Bandwidths
-from ftkit.tools.convert.pipeline import convert, make_plan
+from ftkit.tools.convert.pipeline import convert, prepare
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 140, 21, 77, 190, 2, 56, 203, 9, 33, 118]  # 4+ items per expert
 DECODE = [33, 120, 7, 7, 201, 15, 80, 2]
@@ -22,7 +22,7 @@ def ftw_models(hf_checkpoint, tmp_path_factory):
     out = {}
     for family in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral"):
         path = tmp_path_factory.mktemp(family) / "m.ftw"
-        convert(make_plan(hf_checkpoint(family)), path)
+        convert(prepare(hf_checkpoint(family)), path)
         out[family] = path
     return out
 
@@ -161,7 +161,7 @@ def test_a_long_chunk_keeps_the_hottest_experts(hf_checkpoint, tmp_path, stream,
     when streaming, one for on-demand fills, as an extend with one item per expert takes
     where the store could stream); the most recently used rest stays resident."""
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts: 32 rows
+    convert(prepare(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts: 32 rows
     capacity = 24 if stream else 12
     rt = Runtime(path, RuntimeOptions(strategy="offload", cache_experts=capacity, threads=2))
     if stream:
@@ -193,7 +193,7 @@ def test_a_short_extend_moves_only_its_misses(hf_checkpoint, tmp_path):
     """An extend that touches every expert once (too few items per expert to stream whole
     layers) plans each layer from its own routing: no layer is copied in ahead."""
     path = tmp_path / "m.ftw"
-    convert(make_plan(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts
+    convert(prepare(hf_checkpoint("qwen3_next")), path)  # 4 MoE layers of 8 experts
     rt = Runtime(path, RuntimeOptions(strategy="hybrid", cache_experts=24, bandwidth_ratio=0.3, threads=2,
                                       trace_stats=True))
     rt.store.streaming.prefetcher = LayerPrefetcher(rt.pool, rt.device)

@@ -200,7 +200,7 @@ def _logits(path, graphs: bool, **opts) -> torch.Tensor:
     with torch.inference_mode():
         out = [rt.step.forward(torch.tensor(c, device=rt.device), kv).float().cpu() for c in chunks]
     if graphs:
-        assert rt.store.device_plan is not None, "the device-planned path did not run"
+        assert rt.store.device_planner is not None, "the device-planned path did not run"
     rt.close()
     return torch.cat(out)
 

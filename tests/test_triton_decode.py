@@ -206,9 +206,9 @@ def test_delta_rule_step_matches_torch(hf_checkpoint, tmp_path, monkeypatch, dty
     from ftkit.kernels.triton import delta_rule
     from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
     from ftkit.runtime.models import qwen3_next_forward
-    from ftkit.tools.convert.pipeline import convert, make_plan
+    from ftkit.tools.convert.pipeline import convert, prepare
 
-    convert(make_plan(hf_checkpoint("qwen3_next"), dtype=dtype), tmp_path / "m.ftw")
+    convert(prepare(hf_checkpoint("qwen3_next"), dtype=dtype), tmp_path / "m.ftw")
     rt = Runtime(tmp_path / "m.ftw", RuntimeOptions(threads=2, device=DEV, strategy="fused", graphs=False))
     tokens, runs = [5, 77, 300, 12, 9, 41], []
     for kernels in (None, delta_rule):

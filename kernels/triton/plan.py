@@ -2,7 +2,7 @@
 
 The same decisions as torch tensor ops cost some thirty tiny kernels per layer, and in a CUDA
 graph each still costs a few microseconds: at 12-48 layers a token that adds up to milliseconds.
-`plan` makes every decision of `DevicePlan` for one decode token, in one program over its k
+`plan` makes every decision of `DevicePlanner` for one decode token, in one program over its k
 routed items:
 - hit: the row's residency table entry is a slot;
 - the first q misses in top-k order are filled (q = m for offload, 0 for cpu, round(m * ratio)

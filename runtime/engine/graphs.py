@@ -19,7 +19,7 @@ becomes the bottleneck. Here a step has fixed shapes and no host decision:
   place;
 - each residual add and the RMSNorm after it are one Triton launch (kernels/triton/norm.py), so
   a piece hands the next one the residual stream and its normed value;
-- the routed experts go through the store's DevicePlan (hits, fills and the CPU set decided on
+- the routed experts go through the store's DevicePlanner (hits, fills and the CPU set decided on
   the GPU, the CPU branch started by a doorbell, not by Python);
 - a step is a few graphs of two layers each, replayed back to back, so the GPU need not wait
   for the host to launch the whole step;
@@ -57,7 +57,7 @@ from ..spec import QK_NORM_HEAD, QK_NORM_NONE
 from .sampling import Sampler
 
 if TYPE_CHECKING:
-    from ..experts.device_plan import DevicePlan
+    from ..experts.device_planner import DevicePlanner
 
 FIRST_SPAN = 256  # attention span of the smallest graph; each next one doubles it
 # A step is captured as several graphs of this many layers: launching a graph costs host time
@@ -77,7 +77,7 @@ def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
         return "dynamic NTK rope changes with the sequence length"
     if store.stats.trace:
         return "per-step expert statistics need the host planner"
-    return store.device_plan_unsupported()
+    return store.device_planner_unsupported()
 
 
 def _fused_attention(decoder: MoEDecoder):
@@ -198,7 +198,7 @@ class GraphDecode:
     def step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [1, V] for one token at position cache.length; appends its K/V."""
         span = self._prepare(cache, cache.length + 1)
-        self.store.device_plan.adapt()
+        self.store.device_planner.adapt()
         self.token.copy_(input_ids.reshape(1))
         self.pos.fill_(cache.length)
         logits = self._launch(span)
@@ -230,7 +230,7 @@ class GraphDecode:
         draws = [{}, {}]  # the sampler's generators before each of the two steps
 
         def launch(i: int) -> None:
-            self.store.device_plan.adapt()  # between steps, from the counters of those finished
+            self.store.device_planner.adapt()  # between steps, from the counters of those finished
             if self.flat is not None:  # what to put back should the caller stop before this step
                 self.flat_saved.copy_(self.flat)
             logits = self._launch(span)
@@ -275,10 +275,10 @@ class GraphDecode:
             span *= 2
         return min(span, self.capacity)
 
-    def _plan_on_device(self) -> DevicePlan:
+    def _plan_on_device(self) -> DevicePlanner:
         """The device planner, holding the residency; the graphs captured before a rebuild of
         the cache are dropped (its slots moved)."""
-        plan = self.store.device_plan_for_graphs()
+        plan = self.store.device_planner_for_graphs()
         if self.store.version != self.version:
             self.graphs.clear()
             self.logits.clear()
@@ -339,7 +339,7 @@ class GraphDecode:
             def mix(i: int, h: torch.Tensor) -> torch.Tensor:
                 return dec.mixer(i, h, cos, sin, bound, kv)
 
-        x, h = self._layers(state, layers, mix, self.store.device_plan)
+        x, h = self._layers(state, layers, mix, self.store.device_planner)
         if layers.stop < s.num_layers:
             return x, h
         logits = F.linear(h, dec.lm_head)
@@ -357,7 +357,7 @@ class GraphDecode:
         with the dense part as a graph step has it: one Q/K/V product, norms, RoPE and the cache
         writes in one launch, the few-query attention kernel, each residual add fused with the
         RMSNorm after it (8 kernels a layer instead of ~23). The experts are planned on the
-        device (`DevicePlan.takes`): no layer waits for its routing on the host, which with the
+        device (`DevicePlanner.takes`): no layer waits for its routing on the host, which with the
         host planner cost ~0.8 ms a layer, more than the launches (docs/benchmarks.md). A family
         with its own token mixer (Qwen3-Next) runs that as its forward pass does, over the
         cache's rows and recurrent states, with the rest as here."""
@@ -388,7 +388,7 @@ class GraphDecode:
         n = len(caches)
         return (self.fused is not None and 1 < n <= self.max_batch
                 and all(c.max_tokens <= self.capacity and c.length < c.max_tokens for c in caches)
-                and self.store.device_plan_for_graphs().takes(n))
+                and self.store.device_planner_for_graphs().takes(n))
 
     def _batch_inputs(self, caches: list[KVCache]) -> _Batch:
         """The device inputs of a batched step of these sequences, their positions and cache
@@ -422,7 +422,7 @@ class GraphDecode:
                last_only: bool = False) -> torch.Tensor:
         """`extend` and `batch`: input_ids holds counts[b] tokens for each caches[b] in turn."""
         dec, t = self.decoder, input_ids.shape[0]
-        plan = self.store.device_plan_for_graphs()
+        plan = self.store.device_planner_for_graphs()
         on_device = plan.takes(t)
         if on_device:
             plan.to_device()
@@ -509,7 +509,7 @@ class GraphDecode:
     def _capture(self, key: tuple[int, int], batch: _Batch | None) -> list[torch.cuda.CUDAGraph]:
         """Capture the step of `key` (span, sequences) as `_launch` replays it."""
         span = key[0]
-        plan = self.store.device_plan_for_graphs()
+        plan = self.store.device_planner_for_graphs()
         kept = [t for t in (plan.counts, self.token, self.pos, self.flat) if t is not None]
         saved = [t.clone() for t in kept]
         # Warm-up on a side stream (Triton compiles, cuBLAS picks kernels): it runs this very

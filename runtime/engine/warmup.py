@@ -60,7 +60,7 @@ def warm_up(rt: Runtime) -> float | None:
                 if not captured:  # the eager batch: one size compiles its kernels
                     break
         torch.cuda.synchronize(rt.device)
-    plan = rt.store.device_plan
+    plan = rt.store.device_planner
     if plan is not None:
         plan.restart()  # compile time is no measure of the hybrid split
     rt.store.stats.reset()

@@ -17,7 +17,7 @@ decided up front (the host must not wait on either branch), and from outcomes ra
 fill is queued) and flatter whichever branch runs alone at the end; with the split from rates the
 CPU took ~63% of an extend's misses and the device waited for it every layer. The rates' fraction
 (`rate_fraction`) still serves graph decode as its start. Graph decode corrects its own fractions
-by the same rule (`rebalanced`, DevicePlan.adapt).
+by the same rule (`rebalanced`, DevicePlanner.adapt).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ computes the resident experts (`ExpertKernels`). The store owns the cache, the f
 the two branches share a layer's misses.
 
 Graph decode and short extends on CUDA (engine/graphs.py) plan their layers on the GPU through
-`DevicePlan`, which makes the same decisions there; the next host-planned call takes the
+`DevicePlanner`, which makes the same decisions there; the next host-planned call takes the
 residency back first.
 """
 
@@ -43,7 +43,7 @@ from .stats import ExpertStats, LayerClock
 from .streaming import LayerPrefetcher, PrefillStreaming
 
 if TYPE_CHECKING:
-    from .device_plan import DevicePlan
+    from .device_planner import DevicePlanner
 
 __all__ = ["ExpertStore"]
 
@@ -90,7 +90,7 @@ class ExpertStore:
                   f"({2 * spec.num_experts}): disabling prefill layer streaming (on-demand fills)",
                   file=sys.stderr)
         self._fill_events: deque = deque()  # (bytes, start, end) CUDA events of fills not yet timed
-        self.device_plan: DevicePlan | None = None  # device-side planning of graph decode steps
+        self.device_planner: DevicePlanner | None = None  # device-side planning of graph decode steps
         self.version = 0  # bumped when the cache is rebuilt (captured graphs point at its slots)
         # each next piece's routing (the ids tensor itself), read back ahead by `expect` and sorted
         self.ahead: deque[tuple[torch.Tensor, np.ndarray, list[int]]] = deque()
@@ -126,8 +126,8 @@ class ExpertStore:
         """Gate-weighted sum of the routed experts for `hidden` [T, H] at model layer `layer`.
         `final=False`: more pieces of this layer follow (a layer-by-layer prefill), so the layer
         streamed in stays where it is until its last piece."""
-        if self.device_plan is not None and self.device_plan.on_device:
-            self.device_plan.to_host()  # the host planner takes over again (prefill, batches)
+        if self.device_planner is not None and self.device_planner.on_device:
+            self.device_planner.to_host()  # the host planner takes over again (prefill, batches)
         self._mark("enter")
         t, k = topk_ids.shape
         moe = self.spec.moe_index(layer)
@@ -323,19 +323,19 @@ class ExpertStore:
     def resident_rows(self) -> list[int]:
         """The resident rows, least recently used first (takes the residency back from graph
         decode: a synchronisation)."""
-        if self.device_plan is not None:
-            self.device_plan.to_host()
+        if self.device_planner is not None:
+            self.device_planner.to_host()
         return list(self.cache.lru)
 
     def resident(self) -> int:
         """Experts resident in the device cache: from the device table while graph decode owns
         the residency (the host cache catches up only when the host planner takes over)."""
-        p = self.device_plan
+        p = self.device_planner
         if p is not None and p.on_device:
             return int((p.owner >= 0).sum())
         return len(self.cache)
 
-    def device_plan_unsupported(self) -> str | None:
+    def device_planner_unsupported(self) -> str | None:
         """Why graph decode cannot plan on the device with this store, or None."""
         k = self.spec.top_k
         if importlib.util.find_spec("triton") is None:
@@ -348,23 +348,23 @@ class ExpertStore:
             return "the CPU branch needs the compiled CPU kernel"
         return None
 
-    def device_plan_for_graphs(self) -> DevicePlan:
-        if self.device_plan is None:
-            from .device_plan import DevicePlan  # imports Triton
+    def device_planner_for_graphs(self) -> DevicePlanner:
+        if self.device_planner is None:
+            from .device_planner import DevicePlanner  # imports Triton
 
             # its state must stay writable outside inference mode (graph capture restores it),
             # also when an extend under inference mode creates it
             with torch.inference_mode(False):
-                self.device_plan = DevicePlan(self.spec, self.pool, self.cache, self.strategy, self.planner.rate_fraction,
+                self.device_planner = DevicePlanner(self.spec, self.pool, self.cache, self.strategy, self.planner.rate_fraction,
                                               self.kernels.kernel, self.cpu.threads, self.stats)
-            self.stats.pull = self.device_plan.flush_stats
-        return self.device_plan
+            self.stats.pull = self.device_planner.flush_stats
+        return self.device_planner
 
-    def _drop_device_plan(self) -> None:
-        if self.device_plan is not None:
-            self.device_plan.to_host()
-            self.device_plan.close()
-            self.device_plan = None
+    def _drop_device_planner(self) -> None:
+        if self.device_planner is not None:
+            self.device_planner.to_host()
+            self.device_planner.close()
+            self.device_planner = None
             self.stats.pull = None
 
     def rebuild(self, capacity: int) -> None:
@@ -375,7 +375,7 @@ class ExpertStore:
         the error is raised."""
         if self.strategy in (FUSED, CPU):
             raise ValueError(f"strategy {self.strategy} has no resizable cache")
-        self._drop_device_plan()
+        self._drop_device_planner()
         self.version += 1
         self.streaming.release(self.cache)
         rows = self.spec.num_expert_rows
@@ -393,7 +393,7 @@ class ExpertStore:
             raise MemoryError(f"cannot allocate {capacity} expert slots; kept {old}") from e
 
     def close(self) -> None:
-        self._drop_device_plan()
+        self._drop_device_planner()
         self.cpu.close()
 
 

@@ -248,26 +248,26 @@ def serve_cmd(
     an agent session, concurrent streams), each figure beside the engine's own for the same work."""
 
     def body() -> None:
-        plan = serve_bench.Plan(tuple(int(n) for n in lengths.split(",") if n), tokens, turns,
+        work = serve_bench.Workload(tuple(int(n) for n in lengths.split(",") if n), tokens, turns,
                                 tuple(int(n) for n in suffixes.split(",") if n), concurrent, shared, own, first,
                                 tuple(n for n in scenarios.split(",") if n))
-        if unknown := set(plan.scenarios) - set(serve_bench.SCENARIOS):
+        if unknown := set(work.scenarios) - set(serve_bench.SCENARIOS):
             raise ValueError(f"--scenarios: unknown {', '.join(sorted(unknown))} (of {', '.join(serve_bench.SCENARIOS)})")
-        if not plan.lengths or min(plan.lengths) < 2 or not plan.suffixes or min(
-                tokens, turns, *plan.suffixes, concurrent, first) < 1:
+        if not work.lengths or min(work.lengths) < 2 or not work.suffixes or min(
+                tokens, turns, *work.suffixes, concurrent, first) < 1:
             raise ValueError("lengths need 2 or more tokens; tokens, turns, suffixes, concurrent and first 1 or more")
         serve_args = ["--max-running", str(max_running)] + (["--kv-tokens", str(kv_tokens)] if kv_tokens else [])
         figures = (lambda rt: _figures(rt, pcie_gbps, cpu_gbps)) if engine else None
-        result = serve_bench.measure(model, opts, serve_args, plan, log, figures,
+        result = serve_bench.measure(model, opts, serve_args, work, log, figures,
                                      say=lambda line: console.print(line, markup=False, highlight=False))
         table = Table(title=f"ft-bench serve: {model}")
         for col in ("what", "through the server", "the engine", "server / engine"):
             table.add_column(col, justify="right")
-        for row in serve_bench.rows(result, plan):
+        for row in serve_bench.rows(result, work):
             table.add_row(*row)
         show(table)
         if as_json:
-            as_json.write_text(json.dumps({"machine": _machine(), "model": str(model), "plan": dataclasses.asdict(plan),
+            as_json.write_text(json.dumps({"machine": _machine(), "model": str(model), "workload": dataclasses.asdict(work),
                                            "options": {k: str(v) for k, v in vars(opts).items()},
                                            "serve_args": serve_args, **result}, indent=1, default=str))
 
@@ -281,14 +281,14 @@ def soak_cmd(
     url: Annotated[str | None, typer.Option(help="or soak a running server (its RSS with --pid)")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="FTKIT_API_KEY", help="with --url: its key")] = None,
     pid: Annotated[int | None, typer.Option(help="with --url: the server's process, for its RSS")] = None,
-    minutes: Annotated[float, typer.Option(help="how long the sessions run")] = soak.Plan.minutes,
-    sessions: Annotated[int, typer.Option(help="concurrent agent sessions (half OpenAI, half Anthropic)")] = soak.Plan.sessions,
+    minutes: Annotated[float, typer.Option(help="how long the sessions run")] = soak.Workload.minutes,
+    sessions: Annotated[int, typer.Option(help="concurrent agent sessions (half OpenAI, half Anthropic)")] = soak.Workload.sessions,
     turns: Annotated[int | None, typer.Option(help="at most this many turns a session (default: until the time is up)")] = None,
-    max_tokens: Annotated[int, typer.Option(help="tokens a reply decodes at most")] = soak.Plan.max_tokens,
-    disconnect: Annotated[float, typer.Option(help="share of the streamed turns the client drops mid-stream")] = soak.Plan.disconnect,
-    rebuild_every: Annotated[int, typer.Option(help="completed requests between expert-cache rebuilds (0: none)")] = soak.Plan.rebuild_every,
-    replay: Annotated[int, typer.Option(help="completed requests sent again alone at the end and compared")] = soak.Plan.replay,
-    seed: Annotated[int, typer.Option(help="seed of the sessions' scripts")] = soak.Plan.seed,
+    max_tokens: Annotated[int, typer.Option(help="tokens a reply decodes at most")] = soak.Workload.max_tokens,
+    disconnect: Annotated[float, typer.Option(help="share of the streamed turns the client drops mid-stream")] = soak.Workload.disconnect,
+    rebuild_every: Annotated[int, typer.Option(help="completed requests between expert-cache rebuilds (0: none)")] = soak.Workload.rebuild_every,
+    replay: Annotated[int, typer.Option(help="completed requests sent again alone at the end and compared")] = soak.Workload.replay,
+    seed: Annotated[int, typer.Option(help="seed of the sessions' scripts")] = soak.Workload.seed,
     max_running: Annotated[int, typer.Option(help="ft-run serve --max-running")] = 4,
     log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-soak.log"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
@@ -304,12 +304,12 @@ def soak_cmd(
         if min(minutes, sessions, max_tokens) <= 0 or not 0 <= disconnect <= 1 or min(rebuild_every, replay) < 0:
             raise ValueError("minutes, sessions and max-tokens must be positive, disconnect 0..1, "
                              "rebuild-every and replay 0 or more")
-        plan = soak.Plan(sessions, minutes, turns, max_tokens, disconnect, rebuild_every, replay, seed)
+        work = soak.Workload(sessions, minutes, turns, max_tokens, disconnect, rebuild_every, replay, seed)
         say = lambda line: console.print(line, markup=False, highlight=False)  # noqa: E731
         if model is not None:
-            result = soak.measure(model, opts, ["--max-running", str(max_running)], plan, log, say)
+            result = soak.measure(model, opts, ["--max-running", str(max_running)], work, log, say)
         else:
-            result = soak.soak(url.rstrip("/"), api_key, plan, pid, say)
+            result = soak.soak(url.rstrip("/"), api_key, work, pid, say)
         table = Table(title=f"ft-bench soak: {model or url}")
         table.add_column("what")
         table.add_column("figure", justify="right")

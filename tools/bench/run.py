@@ -117,8 +117,8 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         rt.store.stats.reset()
         sync(rt)
         sides = _sides(rt)
-        hybrid = sides is not None and rt.store.device_plan.strategy == HYBRID
-        fraction = rt.store.device_plan.fill_fraction if hybrid else None
+        hybrid = sides is not None and rt.store.device_planner.strategy == HYBRID
+        fraction = rt.store.device_planner.fill_fraction if hybrid else None
         t0 = time.perf_counter()
         if pipelined:  # as generation runs: the next step queued while a token is read
             for _ in graphs.pipeline(first, kv, tokens, sampler, feed=ids[start : start + tokens]):
@@ -170,7 +170,7 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
         "bound_at_worker_tok_s": 1 / tight if tight else None,
         "of_bound_at_worker": tokens / seconds * tight if tight else None,
         # hybrid's adaptive fill fraction when the timed steps began and when they ended
-        "fill_fraction": [fraction, rt.store.device_plan.fill_fraction] if hybrid else None,
+        "fill_fraction": [fraction, rt.store.device_planner.fill_fraction] if hybrid else None,
     }
 
 
@@ -222,7 +222,7 @@ def decode_batch(rt: Runtime, tokens: int, prompt: int, size: int, figures: Figu
 def _sides(rt: Runtime) -> list[int] | None:
     """The device planner's counters of decode layers with CPU items: [GPU ns, layers, worker
     ns] (None without its CPU worker). Read after a sync; the GPU's are in mapped memory."""
-    plan = rt.store.device_plan
+    plan = rt.store.device_planner
     if plan is None or plan.worker is None:
         return None
     return [int(plan.gpu_ns[0]), int(plan.busy_ns[1]), int(plan.busy_ns[0])]
@@ -403,13 +403,13 @@ def _turn(rt: Runtime, ids: torch.Tensor, kv, chunk: int, answer: int, extend: i
         sync(rt)
         seconds = time.perf_counter() - t0
         rt.store.clock = None
-        e, dp = rt.store.stats.totals(), rt.store.device_plan
+        e, dp = rt.store.stats.totals(), rt.store.device_planner
         on_device = dp is not None and dp.strategy == HYBRID and dp.takes(extend)  # the extend was planned there
         split = dp.fractions[1].fraction if on_device else rt.store.planner.fill_fraction
         phases = {f"extend_{name}_ms": ms for name, ms in clock.phases_ms().items()}
         return {**out, "extend": extend, "answer": answer, "extend_seconds": seconds, "extend_active": e.active,
                 "extend_moved_gb": e.misses * slot / 1e9, "extend_cpu_gb": e.cpu * slot / 1e9, **phases,
-                # hybrid's split after the extend: the device plan's (extends planned there) or the
+                # hybrid's split after the extend: the device planner's (extends planned there) or the
                 # host planner's up-front one (None: not balanced from outcomes)
                 "extend_fill_fraction": split}
 

@@ -43,7 +43,7 @@ KEY = "ft-bench"
 
 
 @dataclass(frozen=True)
-class Plan:
+class Workload:
     """What to send: prompt lengths, tokens a reply, agent turns and their new tokens (one
     session each), concurrent sessions and the prefix they share."""
 
@@ -163,39 +163,39 @@ class Driver:
         out["experts"] = stats["experts"]
         return out
 
-    def first(self, plan: Plan) -> list[dict]:
-        return [self.one(self.ids(plan.first), plan.tokens) for _ in range(2)]
+    def first(self, work: Workload) -> list[dict]:
+        return [self.one(self.ids(work.first), work.tokens) for _ in range(2)]
 
-    def single(self, plan: Plan) -> list[dict]:
-        return [self.one(self.ids(n), plan.tokens) for n in plan.lengths]
+    def single(self, work: Workload) -> list[dict]:
+        return [self.one(self.ids(n), work.tokens) for n in work.lengths]
 
-    def agent(self, plan: Plan, suffix: int) -> list[dict]:
-        prompt, turns = self.ids(plan.agent_length), []
-        for _ in range(plan.turns):
-            turns.append(self.one(prompt, plan.tokens))
+    def agent(self, work: Workload, suffix: int) -> list[dict]:
+        prompt, turns = self.ids(work.agent_length), []
+        for _ in range(work.turns):
+            turns.append(self.one(prompt, work.tokens))
             prompt = prompt + self.ids(suffix)
         return turns
 
-    def concurrent(self, plan: Plan) -> dict:
-        shared = self.ids(plan.shared)
-        prompts = [shared + self.ids(plan.own) for _ in range(plan.concurrent + 1)]
-        alone = self.one(prompts[0], plan.tokens)
+    def concurrent(self, work: Workload) -> dict:
+        shared = self.ids(work.shared)
+        prompts = [shared + self.ids(work.own) for _ in range(work.concurrent + 1)]
+        alone = self.one(prompts[0], work.tokens)
         results: dict[int, dict] = {}
-        start = threading.Barrier(plan.concurrent)
+        start = threading.Barrier(work.concurrent)
 
         def go(i: int) -> None:
             start.wait()
             try:
-                results[i] = stream(self.client, prompts[i + 1], plan.tokens, 10_000 + i)
+                results[i] = stream(self.client, prompts[i + 1], work.tokens, 10_000 + i)
             except Exception as e:  # reported below, not lost in a thread
                 results[i] = {"error": f"{type(e).__name__}: {e}"}
 
-        threads = [threading.Thread(target=go, args=(i,)) for i in range(plan.concurrent)]
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(work.concurrent)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        streams = [results[i] for i in range(plan.concurrent)]
+        streams = [results[i] for i in range(work.concurrent)]
         if errors := [s["error"] for s in streams if "error" in s]:
             raise ValueError(f"a concurrent stream failed: {errors[0]}")
         begin, end = min(s["first_at"] for s in streams), max(s["last_at"] for s in streams)
@@ -213,29 +213,29 @@ def _server_side(recent: dict) -> dict:
     return {k: recent.get(k) for k in keys}
 
 
-def engine(model: Path, opts: RuntimeOptions, plan: Plan, figures: Callable[[Runtime], run.Figures]) -> dict:
+def engine(model: Path, opts: RuntimeOptions, work: Workload, figures: Callable[[Runtime], run.Figures]) -> dict:
     """The engine's own figures for the same work: each prompt length's warm prefill (as ft-run
     runs it) with the suffix's extend behind it, and batch-1 decode at that context."""
-    longest = max(plan.lengths) + plan.turns * max(plan.suffixes) + 2 * plan.tokens + 64
+    longest = max(work.lengths) + work.turns * max(work.suffixes) + 2 * work.tokens + 64
     rt = Runtime(model, replace(opts, kv_tokens=max(opts.kv_tokens, longest)))
     try:
         figs = figures(rt)
         out: dict = {"extend_s": {}}
-        for n in sorted({*plan.lengths, plan.shared + plan.own, plan.first}):
+        for n in sorted({*work.lengths, work.shared + work.own, work.first}):
             pre = run.prefill(rt, n, figs, repeat=3)
-            dec = run.decode(rt, plan.tokens, n, None, figs)
+            dec = run.decode(rt, work.tokens, n, None, figs)
             out[n] = {"prefill_s": pre["seconds"], "prefill_tok_s": pre["tok_s"], "decode_tok_s": dec["tok_s"],
                       "decode_bound_tok_s": dec["bound_tok_s"]}
-        if "concurrent" in plan.scenarios:  # the streams' decode as one batched step each token
-            out["batch"] = run.decode_batch(rt, plan.tokens, plan.shared + plan.own, plan.concurrent, figs)
-        for s in plan.suffixes:  # behind the agent's first prompt
-            out["extend_s"][s] = run.prefill(rt, plan.agent_length, figs, extend=s, answer=32, repeat=3)["extend_seconds"]
+        if "concurrent" in work.scenarios:  # the streams' decode as one batched step each token
+            out["batch"] = run.decode_batch(rt, work.tokens, work.shared + work.own, work.concurrent, figs)
+        for s in work.suffixes:  # behind the agent's first prompt
+            out["extend_s"][s] = run.prefill(rt, work.agent_length, figs, extend=s, answer=32, repeat=3)["extend_seconds"]
         return out
     finally:
         rt.close()
 
 
-def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], plan: Plan, log: Path,
+def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], work: Workload, log: Path,
             figures: Callable[[Runtime], run.Figures] | None, say: Callable[[str], None] = print) -> dict:
     """Every scenario through the server, then (with `figures`) the engine's figures."""
     from ftkit.runtime.ftw.reader import FTWModel
@@ -245,25 +245,25 @@ def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], plan: Plan
     try:
         d = Driver(server, vocab)
         out = {"startup_s": server.startup_seconds}
-        if "first" in plan.scenarios:
-            out["first"] = d.first(plan)
+        if "first" in work.scenarios:
+            out["first"] = d.first(work)
             say(f"first request: TTFT {out['first'][0]['ttft_s']:.2f} s, then {out['first'][1]['ttft_s']:.2f} s")
-        if "single" in plan.scenarios:
-            out["single"] = d.single(plan)
-        if "agent" in plan.scenarios:
-            out["agent"] = {s: d.agent(plan, s) for s in plan.suffixes}
-        if "concurrent" in plan.scenarios:
-            out["concurrent"] = d.concurrent(plan)
+        if "single" in work.scenarios:
+            out["single"] = d.single(work)
+        if "agent" in work.scenarios:
+            out["agent"] = {s: d.agent(work, s) for s in work.suffixes}
+        if "concurrent" in work.scenarios:
+            out["concurrent"] = d.concurrent(work)
         out["stats"] = server.stats()
     finally:
         server.stop()
     if figures is not None:
         say("engine figures (the same work in this process)")
-        out["engine"] = engine(model, opts, plan, figures)
+        out["engine"] = engine(model, opts, work, figures)
     return out
 
 
-def rows(result: dict, plan: Plan) -> list[tuple[str, str, str, str]]:
+def rows(result: dict, work: Workload) -> list[tuple[str, str, str, str]]:
     """(what, through the server, the engine's figure, server / engine) for the table."""
     eng = result.get("engine", {})
 
@@ -275,12 +275,12 @@ def rows(result: dict, plan: Plan) -> list[tuple[str, str, str, str]]:
     out = []
     if "first" in result:
         f0, f1 = result["first"]
-        out.append(pair(f"first request TTFT ({plan.first} tok; beside: the next)", f0["ttft_s"], f1["ttft_s"], " s"))
+        out.append(pair(f"first request TTFT ({work.first} tok; beside: the next)", f0["ttft_s"], f1["ttft_s"], " s"))
     for r in result.get("single", []):
         e = eng.get(r["prompt"], {})
         out.append(pair(f"{r['prompt']} tok prompt TTFT", r["ttft_s"], e.get("prefill_s"), " s"))
         out.append(pair(f"{r['prompt']} tok prompt decode", r["decode_tok_s"], e.get("decode_tok_s"), " tok/s", "{:.1f}"))
-    e = eng.get(plan.agent_length, {})
+    e = eng.get(work.agent_length, {})
     for s, session in result.get("agent", {}).items():
         for k, r in enumerate(session, 1):
             label = f"+{s} turn {k} ({r['cached']}/{r['prompt']} cached)"
@@ -290,15 +290,15 @@ def rows(result: dict, plan: Plan) -> list[tuple[str, str, str, str]]:
     if "concurrent" not in result:
         return out
     c = result["concurrent"]
-    e = eng.get(plan.shared + plan.own, {})
+    e = eng.get(work.shared + work.own, {})
     alone = c["alone"]["decode_tok_s"]
     out.append(pair("one stream alone, decode", alone, e.get("decode_tok_s"), " tok/s", "{:.1f}"))
-    out.append(pair(f"{plan.concurrent} streams together (beside: alone)", c["aggregate_tok_s"], alone,
+    out.append(pair(f"{work.concurrent} streams together (beside: alone)", c["aggregate_tok_s"], alone,
                     " tok/s", "{:.1f}"))
-    out.append(pair(f"{plan.concurrent} streams together (beside: the engine's batched steps)",
+    out.append(pair(f"{work.concurrent} streams together (beside: the engine's batched steps)",
                     c["aggregate_tok_s"], eng.get("batch", {}).get("tok_s"), " tok/s", "{:.1f}"))
     per = statistics.median(s["decode_tok_s"] for s in c["streams"] if s["decode_tok_s"])
-    out.append(pair(f"{plan.concurrent} streams, each (median)", per, alone, " tok/s", "{:.1f}"))
-    out.append(pair(f"{plan.concurrent} streams, worst TTFT (beside: alone)", max(c["ttft_s"]),
+    out.append(pair(f"{work.concurrent} streams, each (median)", per, alone, " tok/s", "{:.1f}"))
+    out.append(pair(f"{work.concurrent} streams, worst TTFT (beside: alone)", max(c["ttft_s"]),
                     c["alone"]["ttft_s"], " s"))
     return out

@@ -47,7 +47,7 @@ WORDS = "def class return import self value path line error test file module sta
 
 
 @dataclass(frozen=True)
-class Plan:
+class Workload:
     sessions: int = 8
     minutes: float = 30.0
     turns: int | None = None  # at most this many turns a session (None: until the time is up)
@@ -95,11 +95,11 @@ def _tool_output(rng: random.Random, most: int) -> str:
 class Session:
     """One agent conversation, restarted when its prompt nears the context."""
 
-    def __init__(self, index: int, api: str, clients: dict[str, Any], model: str, context: int, plan: Plan,
+    def __init__(self, index: int, api: str, clients: dict[str, Any], model: str, context: int, work: Workload,
                  tally: Tally, on_done: Callable[[int], None]):
-        self.api, self.clients, self.model, self.context, self.plan = api, clients, model, context, plan
+        self.api, self.clients, self.model, self.context, self.work = api, clients, model, context, work
         self.tally, self.on_done = tally, on_done
-        self.rng = random.Random(plan.seed * 1000 + index)
+        self.rng = random.Random(work.seed * 1000 + index)
         self.index, self.calls = index, 0
         # A character is a token at most, so a tool result stays within a quarter of the context;
         # 16k characters is a big file already.
@@ -112,9 +112,9 @@ class Session:
 
     def run(self, deadline: float) -> None:
         turn = 0
-        while time.time() < deadline and (self.plan.turns is None or turn < self.plan.turns):
+        while time.time() < deadline and (self.work.turns is None or turn < self.work.turns):
             stream = turn % 2 == 1
-            drop = stream and self.rng.random() < self.plan.disconnect
+            drop = stream and self.rng.random() < self.work.disconnect
             self.turn(stream, drop)
             turn += 1
 
@@ -152,11 +152,11 @@ class Session:
             tools = [{"type": "function", "function": {"name": n, "description": d, "parameters": {
                 "type": "object", "properties": p, "required": list(p)}}} for n, d, p in TOOLS]
             return {"model": self.model, "messages": [{"role": "system", "content": system}, *self.history],
-                    "tools": tools, "max_tokens": self.plan.max_tokens, "temperature": 0}
+                    "tools": tools, "max_tokens": self.work.max_tokens, "temperature": 0}
         tools = [{"name": n, "description": d, "input_schema": {"type": "object", "properties": p, "required": list(p)}}
                  for n, d, p in TOOLS]
         return {"model": self.model, "system": system, "messages": list(self.history), "tools": tools,
-                "max_tokens": self.plan.max_tokens, "temperature": 0}
+                "max_tokens": self.work.max_tokens, "temperature": 0}
 
     def grow(self, reply: str) -> None:
         """The reply, then (one time in two) a user follow-up, else a tool call and its result."""
@@ -241,8 +241,8 @@ def served_facts(url: str, key: str | None) -> tuple[str, int]:
     return chat["model"]["enum"][0], next(b["maximum"] for b in chat["max_tokens"]["anyOf"] if "maximum" in b)
 
 
-def soak(url: str, key: str | None, plan: Plan, pid: int | None = None, say: Callable[[str], None] = print) -> dict:
-    """Run `plan` against the server at `url` (its process `pid`, for RSS) and report."""
+def soak(url: str, key: str | None, work: Workload, pid: int | None = None, say: Callable[[str], None] = print) -> dict:
+    """Run `work` against the server at `url` (its process `pid`, for RSS) and report."""
     import anthropic
     import openai
 
@@ -254,8 +254,8 @@ def soak(url: str, key: str | None, plan: Plan, pid: int | None = None, say: Cal
 
     def maybe_rebuild(completed: int) -> None:
         """Half the start-up expert cache, then the start-up size again, and so on."""
-        if plan.rebuild_every and start and completed % plan.rebuild_every == 0:  # start 0: no cache to resize
-            experts = max(1, start // 2) if completed // plan.rebuild_every % 2 else start
+        if work.rebuild_every and start and completed % work.rebuild_every == 0:  # start 0: no cache to resize
+            experts = max(1, start // 2) if completed // work.rebuild_every % 2 else start
             try:
                 call(url, "POST", "/v1/cache/rebuild", key, {"experts": experts})
                 tally.add("rebuilds applied")
@@ -264,9 +264,9 @@ def soak(url: str, key: str | None, plan: Plan, pid: int | None = None, say: Cal
                 kind = "5xx" if status is None or status[1] >= "500" else "rebuilds refused" if status[1] == "409" else "4xx"
                 tally.add(kind, str(e))
 
-    sessions = [Session(i, "openai" if i % 2 == 0 else "anthropic", clients, model, context, plan, tally,
-                        maybe_rebuild) for i in range(plan.sessions)]
-    deadline = time.time() + plan.minutes * 60
+    sessions = [Session(i, "openai" if i % 2 == 0 else "anthropic", clients, model, context, work, tally,
+                        maybe_rebuild) for i in range(work.sessions)]
+    deadline = time.time() + work.minutes * 60
     t0 = time.time()
     threads = [threading.Thread(target=s.run, args=(deadline,), daemon=True) for s in sessions]
     for t in threads:
@@ -275,7 +275,7 @@ def soak(url: str, key: str | None, plan: Plan, pid: int | None = None, say: Cal
     while any(t.is_alive() for t in threads):
         time.sleep(1)
         elapsed = time.time() - t0
-        if "warm" not in rss and tally.counts["completed"] >= plan.sessions:  # every path has run about once
+        if "warm" not in rss and tally.counts["completed"] >= work.sessions:  # every path has run about once
             rss["warm"] = rss_bytes(pid) if pid else None
             say(f"warm after {elapsed:.0f} s: server RSS {_mib(rss['warm'])}")
         if not samples or elapsed - samples[-1][0] >= RSS_EVERY_S:
@@ -285,11 +285,11 @@ def soak(url: str, key: str | None, plan: Plan, pid: int | None = None, say: Cal
     # Half way through: allocators and caches grow to their working size early and stay there;
     # a leak goes on growing in the second half too.
     rss["mid"] = min(samples, key=lambda s: abs(s[0] - seconds / 2))[1]
-    say(f"sessions done after {seconds:.0f} s: {dict(tally.counts)}; replaying {plan.replay} alone")
-    replayed = replay(clients, tally.samples, plan.replay)
+    say(f"sessions done after {seconds:.0f} s: {dict(tally.counts)}; replaying {work.replay} alone")
+    replayed = replay(clients, tally.samples, work.replay)
     stats = call(url, "GET", "/v1/stats", key)["requests"]
     c = tally.counts
-    return {"plan": vars(plan), "seconds": round(seconds, 1), "model": model, "context": context,
+    return {"workload": vars(work), "seconds": round(seconds, 1), "model": model, "context": context,
             "sent": c["sent"], "completed": c["completed"], "disconnected": c["disconnected"],
             "lost": c["lost"], "4xx": c["4xx"], "5xx": c["5xx"],
             "rebuilds": {"applied": c["rebuilds applied"], "refused": c["rebuilds refused"]},
@@ -325,12 +325,12 @@ def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], plan: Plan, log: Path,
+def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], work: Workload, log: Path,
             say: Callable[[str], None] = print) -> dict:
     """`ft-run serve` started for `model` (serve.Server), soaked, stopped."""
     server = serve_bench.Server(model, opts, serve_args, log, say)
     try:
-        return soak(server.url, serve_bench.KEY, plan, server.proc.pid, say)
+        return soak(server.url, serve_bench.KEY, work, server.proc.pid, say)
     finally:
         server.stop()
 
@@ -338,7 +338,7 @@ def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], plan: Plan
 def rows(result: dict) -> list[tuple[str, str]]:
     """(what, figure) lines of the report."""
     rss, rep = result["rss_bytes"], result["replay"]
-    return [("duration", f"{result['seconds']:.0f} s, {result['plan']['sessions']} sessions"),
+    return [("duration", f"{result['seconds']:.0f} s, {result['workload']['sessions']} sessions"),
             ("requests sent", str(result["sent"])), ("completed", str(result["completed"])),
             ("dropped by the client (by design)", str(result["disconnected"])), ("lost", str(result["lost"])),
             ("4xx", str(result["4xx"])), ("5xx", str(result["5xx"])),

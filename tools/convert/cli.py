@@ -20,26 +20,26 @@ from ftkit.runtime.checkpoint.hub import local_path
 from ftkit.runtime.console import Version, guarded, parse_bytes
 from ftkit.vocab import human_bytes
 
-from .pipeline import CAST_DTYPES, Plan, convert, make_plan
+from .pipeline import CAST_DTYPES, Conversion, convert, prepare
 
 console = Console()
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, help="Convert a checkpoint (HF directory or GGUF file) to FTW.")
 
 
-def plan_table(plan: Plan, out: Path) -> Table:
-    spec, inv = plan.spec, plan.inventory
-    t = Table(title=f"ftw-convert plan -> {out}", show_header=False)
+def conversion_table(conv: Conversion, out: Path) -> Table:
+    spec, inv = conv.spec, conv.inventory
+    t = Table(title=f"ftw-convert -> {out}", show_header=False)
     t.add_row("source", f"{inv.source.kind}: {inv.source.path}")
     t.add_row("family", f"{spec.family} ({spec.architecture})")
     t.add_row("layers", f"{spec.num_layers} ({spec.num_moe_layers} MoE), hidden {spec.hidden_size}")
     t.add_row("experts", f"{spec.num_experts} per layer, top-{spec.top_k}, FFN {spec.moe_intermediate_size}, "
                          f"stored {inv.expert_layout}")
-    t.add_row("expert dtype", f"{'/'.join(sorted(inv.expert_dtypes))} -> {plan.layout.describe()}")
-    t.add_row("expert slot", f"{human_bytes(plan.layout.slot_bytes)} ({plan.layout.slot_bytes} bytes, 4096-aligned)")
-    t.add_row("expert pool", f"{human_bytes(plan.expert_bytes)} in {plan.num_banks} bank file(s), "
+    t.add_row("expert dtype", f"{'/'.join(sorted(inv.expert_dtypes))} -> {conv.layout.describe()}")
+    t.add_row("expert slot", f"{human_bytes(conv.layout.slot_bytes)} ({conv.layout.slot_bytes} bytes, 4096-aligned)")
+    t.add_row("expert pool", f"{human_bytes(conv.expert_bytes)} in {conv.num_banks} bank file(s), "
                              f"{spec.num_expert_rows} rows")
-    t.add_row("dense", f"{len(plan.dense)} tensors, {human_bytes(plan.dense_bytes)}")
-    t.add_row("side files", ", ".join(rel for _, rel in plan.side_files) or "none")
+    t.add_row("dense", f"{len(conv.dense)} tensors, {human_bytes(conv.dense_bytes)}")
+    t.add_row("side files", ", ".join(rel for _, rel in conv.side_files) or "none")
     if inv.unexpected:
         t.add_row("skipped", f"{len(inv.unexpected)} tensor(s) the family does not use, e.g. {inv.unexpected[0]}")
     return t
@@ -53,7 +53,7 @@ def main(
     out: Path = typer.Option(..., "-o", "--out", help="FTW directory to write"),
     dtype: str | None = typer.Option(None, help=f"cast weights to one of {', '.join(CAST_DTYPES)}"),
     force: bool = typer.Option(False, help="replace OUT if it exists"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, write nothing"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print what would be written, write nothing"),
     bank_size: str = typer.Option("4G", help="largest expert bank file (whole layers per file)"),
     version: Version = False,
 ) -> None:
@@ -62,17 +62,17 @@ def main(
     def run() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = make_plan(local_path(src), dtype, parse_bytes(bank_size, "--bank-size"))
+            conv = prepare(local_path(src), dtype, parse_bytes(bank_size, "--bank-size"))
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
-        console.print(plan_table(plan, out))
-        inv = plan.inventory
+        console.print(conversion_table(conv, out))
+        inv = conv.inventory
         for note in (*getattr(inv.source, "notes", ()), inv.skipped_note()):
             if note:
                 console.print(f"[yellow]note:[/] {note}")
         if note := inv.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
-        if note := inv.dequantize_note(plan.layout.dtype):
+        if note := inv.dequantize_note(conv.layout.dtype):
             console.print(f"[yellow]note:[/] {note}")
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")
@@ -81,9 +81,9 @@ def main(
             raise FileExistsError(f"{out} exists; pass --force to replace it")
         cols = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
         with Progress("[progress.description]{task.description}", *cols, console=console) as bar:
-            task = bar.add_task("converting", total=plan.source_bytes)
-            convert(plan, out, force, on_bytes=lambda n: bar.advance(task, n))
-        console.print(f"[green]wrote[/] {out} ({human_bytes(plan.expert_bytes + plan.dense_bytes)})")
+            task = bar.add_task("converting", total=conv.source_bytes)
+            convert(conv, out, force, on_bytes=lambda n: bar.advance(task, n))
+        console.print(f"[green]wrote[/] {out} ({human_bytes(conv.expert_bytes + conv.dense_bytes)})")
 
     guarded(run)
 

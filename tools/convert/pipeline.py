@@ -34,7 +34,7 @@ CAST_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
-class Plan:
+class Conversion:
     inventory: Inventory
     dense: list[tuple[str, str, tuple[int, ...]]]  # (canonical, out dtype, shape), write order
     dense_bytes: int
@@ -65,7 +65,7 @@ def _out_dtype(src: str, cast: str | None) -> str:
     return "float32" if src in BLOCK_FORMATS else src  # GGUF blocks dequantize exactly to float32
 
 
-def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_BYTES) -> Plan:
+def prepare(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_BYTES) -> Conversion:
     if dtype is not None and dtype not in CAST_DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype}")
     source = open_source(src, allow_stub=False)
@@ -84,7 +84,7 @@ def make_plan(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BAN
     for path, rel in side_files:  # the tokenizer ft-run will load, loaded now (a bad one refused)
         if rel == TOKENIZER_JSON:
             Tokenizer(path.parent)
-    return Plan(
+    return Conversion(
         inventory=inv,
         dense=dense,
         dense_bytes=sum(stored_nbytes(d, s) for _, d, s in dense),
@@ -102,12 +102,12 @@ def _cast(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
     return t.to(storage_dtype(dst))
 
 
-def convert(plan: Plan, out: Path, force: bool = False, on_bytes: Callable[[int], None] = lambda n: None) -> Manifest:
-    """Write `plan` to `out` atomically; returns the manifest written."""
-    inv, spec, source = plan.inventory, plan.spec, plan.inventory.source
+def convert(conv: Conversion, out: Path, force: bool = False, on_bytes: Callable[[int], None] = lambda n: None) -> Manifest:
+    """Write `conv` to `out` atomically; returns the manifest written."""
+    inv, spec, source = conv.inventory, conv.spec, conv.inventory.source
     with atomic_dir(out, force) as tmp:
-        dense = DenseWriter(tmp / DENSE_FILE, plan.dense)
-        for canonical, dtype, shape in plan.dense:
+        dense = DenseWriter(tmp / DENSE_FILE, conv.dense)
+        for canonical, dtype, shape in conv.dense:
             name, mapped = inv.dense[canonical]
             ref = source.tensors[name]
             t = inv.family.sanitize(mapped, source.read(name), spec, inv.gguf)
@@ -115,24 +115,24 @@ def convert(plan: Plan, out: Path, force: bool = False, on_bytes: Callable[[int]
             on_bytes(ref.nbytes)
         dense_sha = dense.close()
 
-        banks = BankWriter(tmp, plan.layout, spec.num_expert_rows, plan.rows_per_bank)
+        banks = BankWriter(tmp, conv.layout, spec.num_expert_rows, conv.rows_per_bank)
         for moe_index, layer in enumerate(spec.moe_layers):
-            for e, parts in enumerate(_layer_experts(plan, layer, on_bytes)):
+            for e, parts in enumerate(_layer_experts(conv, layer, on_bytes)):
                 banks.write_slot(moe_index * spec.num_experts + e, parts)
         bank_list = banks.close()
 
         files = {}
-        for path, rel in plan.side_files:
+        for path, rel in conv.side_files:
             dst = tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dst)
             files[rel] = sha256_file(dst)
         manifest = Manifest(
             spec=spec,
-            layout=plan.layout,
+            layout=conv.layout,
             banks=bank_list,
             dense={"file": DENSE_FILE, "sha256": dense_sha,
-                   "tensors": {c: {"dtype": d, "shape": list(s)} for c, d, s in plan.dense}},
+                   "tensors": {c: {"dtype": d, "shape": list(s)} for c, d, s in conv.dense}},
             files=files,
             writer=f"ftkit {__version__}",
             source={"kind": source.kind, "path": str(Path(source.path).absolute()),
@@ -142,12 +142,12 @@ def convert(plan: Plan, out: Path, force: bool = False, on_bytes: Callable[[int]
     return manifest
 
 
-def _layer_experts(plan: Plan, layer: int, on_bytes: Callable[[int], None]):
+def _layer_experts(conv: Conversion, layer: int, on_bytes: Callable[[int], None]):
     """Yield each expert's {part: tensor in its slot format} for one model layer, in order:
     blocks as stored (raw rows), floats cast (biases to float32), or all cast to --dtype."""
-    inv, spec = plan.inventory, plan.spec
+    inv, spec = conv.inventory, conv.spec
     le = inv.experts[layer]
-    slot = plan.layout.for_layer(spec.moe_index(layer))
+    slot = conv.layout.for_layer(spec.moe_index(layer))
     stacked: dict[str, tuple[torch.Tensor, str]] = {}
     for part, name in le.stacked.items():
         ref = inv.source.tensors[name]

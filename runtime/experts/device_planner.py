@@ -54,7 +54,7 @@ class _FillFraction:
         self.seen = (0, 0, 0)  # (gpu ns, cpu ns, layers) at the last update
 
 
-class DevicePlan:
+class DevicePlanner:
     def __init__(self, spec: ModelSpec, pool: HostPool, cache: SlotCache, strategy: str, fill_fraction: float | None,
                  kernel, threads: int, stats: ExpertStats):
         """`kernel`: the loaded CPU kernel (its doorbell worker runs the CPU set)."""
