@@ -117,6 +117,19 @@ def test_a_v1_directory_still_loads():
     assert out.token_ids == ref and len(set(ref)) > 1
 
 
+@pytest.mark.parametrize("dtype", [None, 7, ["bfloat16"], {"x": 1}])
+def test_a_v1_layout_without_a_format_name_is_one_line(tmp_path, dtype):
+    """A v1 manifest whose layout names no format (found by test_fuzz_ftw): FTWError, not a
+    TypeError from the layout builder."""
+    shutil.copytree(V1, tmp_path / "m.ftw")
+    path = tmp_path / "m.ftw" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["experts"]["layout"]["dtype"] = dtype
+    path.write_text(json.dumps(m))
+    with pytest.raises(FTWError, match=r"malformed FTW manifest \(experts.layout.dtype is [a-z ]+, not a format name\)"):
+        FTWModel(tmp_path / "m.ftw")
+
+
 def test_layers_and_parts_keep_their_own_formats(tmp_path):
     """A v2 layout: each MoE layer's parts in their own formats, one slot size (the largest
     layer's), written and read back byte for byte."""

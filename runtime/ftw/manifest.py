@@ -110,8 +110,12 @@ class Manifest:
             raise FTWError(f"{where}: spec: {e}") from None
         ex = m.object(d.get("experts"), "experts")
         lay = m.object(ex.get("layout"), "experts.layout")
+        if version > 1:
+            formats = m.formats(lay, spec.num_moe_layers)
+        elif type(formats := lay.get("dtype")) is not str:  # v1: one format for every part
+            m.fail(f"experts.layout.dtype is {type_name(formats)}, not a format name")
         try:
-            layout = expert_layout(spec, m.formats(lay, spec.num_moe_layers) if version > 1 else lay.get("dtype"))
+            layout = expert_layout(spec, formats)
         except FormatError as e:
             raise FTWError(f"{where}: expert layout: {e}") from None
         recomputed = layout.to_dict() if version > 1 else layout.layers[0].to_dict()
