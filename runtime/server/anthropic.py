@@ -95,7 +95,7 @@ def router(state: ServerState) -> APIRouter:
         req = await read_json(request, CountTokensRequest)
         state.check_model(req.model)
         ids = await asyncio.to_thread(state.encode_chat, chat_messages(req), chat_tools(req), False,
-                                      anthropic_effort(req.thinking))
+                                      effort=anthropic_effort(req.thinking))
         return {"input_tokens": len(ids)}
 
     @r.post("/v1/messages", openapi_extra=request_body(MessagesRequest))

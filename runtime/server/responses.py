@@ -1,6 +1,7 @@
 """OpenAI Responses API (`POST /v1/responses`), as Codex uses it: string or item input, function
-tools (other tool kinds are ignored, not refused), streaming events. Responses are not stored,
-so `previous_response_id` is refused with a clear error; an empty input is answered at once."""
+tools (other tool kinds are ignored, not refused), streaming events, the model's reasoning as a
+`reasoning` output item. Responses are not stored, so `previous_response_id` is refused with a
+clear error; an empty input is answered at once."""
 
 from __future__ import annotations
 
