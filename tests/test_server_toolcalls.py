@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ftkit.runtime.server.toolcalls import ToolCall, parser_for
+from ftkit.runtime.server.toolcalls import Reasoning, ToolCall, parser_for
 from ftkit.runtime.server.toolcalls.glm import GLMParser
 from ftkit.runtime.server.toolcalls.harmony import HarmonyParser
 from ftkit.runtime.server.toolcalls.hermes import HermesParser
@@ -47,21 +47,23 @@ CASES = {
                     ["Calling. ", ("f", {"a": 1}), ("g", {})]),
     HarmonyParser: ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
                     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
-                    [("get_weather", {"city": "Paris"})]),
+                    [Reasoning("Need weather."), ("get_weather", {"city": "Paris"})]),
 }
 
 
 def run(cls, chunks: list[str]) -> list:
+    """The items, adjacent text (and adjacent reasoning) merged so chunkings compare equal; calls
+    as (name, arguments)."""
     p = cls()
-    items = [i for c in chunks for i in p.feed(c)] + p.finish()
-    out, text = [], ""
-    for i in items:  # merge adjacent text so chunkings compare equal
+    out: list = []
+    for i in [i for c in chunks for i in p.feed(c)] + p.finish():
         if isinstance(i, ToolCall):
-            out += [text, (i.name, json.loads(i.arguments))] if text else [(i.name, json.loads(i.arguments))]
-            text = ""
+            out.append((i.name, json.loads(i.arguments)))
+        elif out and type(out[-1]) is type(i):
+            out[-1] = out[-1] + i if isinstance(i, str) else Reasoning(out[-1].text + i.text)
         else:
-            text += i
-    return out + ([text] if text else [])
+            out.append(i)
+    return out
 
 
 @pytest.mark.parametrize("cls", list(TEMPLATES), ids=lambda c: c.__name__)
@@ -109,10 +111,12 @@ def test_mistral_newer_args_form():
     assert run(MistralParser, [text]) == ["x", ("f", {"a": 1}), ("g", {})]
 
 
-def test_harmony_final_text_streams_and_analysis_is_left_out():
+def test_harmony_analysis_is_reasoning_and_final_text_streams():
     p = HarmonyParser()
-    assert p.feed("<|channel|>analysis<|message|>thinking") == []
-    assert p.feed("<|end|><|start|>assistant<|channel|>final<|message|>Hel") == ["Hel"]
+    assert not p.in_reasoning
+    assert p.feed("<|channel|>analysis<|message|>think") == [Reasoning("think")] and p.in_reasoning
+    assert p.feed("ing<|") == [Reasoning("ing")]  # "<|" held: may be <|end|>
+    assert p.feed("end|><|start|>assistant<|channel|>final<|message|>Hel") == ["Hel"] and not p.in_reasoning
     assert p.feed("lo<|") == ["lo"]  # "<|" held: may be <|return|>
     assert p.feed("return|>") == [] and p.finish() == []
     # plain text with no harmony header at all is the reply's text

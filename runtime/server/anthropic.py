@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from .core import Job, Reply, ServerState, read_json, sampling, sse, text_of
 from .errors import ApiError, anthropic_body
+from .reasoning import anthropic_effort
 from .schemas import (
     ClientTool,
     CountTokensRequest,
@@ -22,7 +23,7 @@ from .schemas import (
     ToolUseBlock,
     request_body,
 )
-from .toolcalls import ToolCall
+from .toolcalls import Reasoning, ToolCall
 
 
 def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
@@ -67,6 +68,11 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
             "input": json.loads(call.arguments)}
 
 
+def _thinking(text: str) -> dict[str, Any]:
+    """A thinking block; its signature is empty, as nothing here can verify one sent back."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _stop_reason(gen: Any, calls: bool) -> str:
     if calls and gen.finish_reason == "stop":
         return "tool_use"
@@ -88,7 +94,8 @@ def router(state: ServerState) -> APIRouter:
     async def count_tokens(request: Request) -> dict:
         req = await read_json(request, CountTokensRequest)
         state.check_model(req.model)
-        ids = await asyncio.to_thread(state.encode_chat, chat_messages(req), chat_tools(req), False)
+        ids = await asyncio.to_thread(state.encode_chat, chat_messages(req), chat_tools(req), False,
+                                      effort=anthropic_effort(req.thinking))
         return {"input_tokens": len(ids)}
 
     @r.post("/v1/messages", openapi_extra=request_body(MessagesRequest))
@@ -96,7 +103,8 @@ def router(state: ServerState) -> APIRouter:
         req = await read_json(request, MessagesRequest)
         state.check_model(req.model)
         tools = chat_tools(req)
-        ids = await asyncio.to_thread(state.encode_chat, chat_messages(req), tools)  # off the event loop
+        ids = await asyncio.to_thread(state.encode_chat, chat_messages(req), tools,  # off the event loop
+                                      effort=anthropic_effort(req.thinking))
         limit = state.max_tokens(req.max_tokens, "max_tokens", state.context)
         job = Job(state, ids, sampling(req, limit, req.stop_sequences, req.top_k))
         head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
@@ -104,15 +112,19 @@ def router(state: ServerState) -> APIRouter:
         reply = Reply(state, tools is not None)
         if req.stream:
             return StreamingResponse(_stream(job, reply, head), media_type="text/event-stream")
-        text, calls, gen = [], [], None
+        text, calls, thought, gen = [], [], [], None
         async for ev in job.events(request):
             gen = ev.gen
             for item in reply.finish() if ev.done else reply.feed(ev.delta):
-                (calls if isinstance(item, ToolCall) else text).append(item)
+                if isinstance(item, Reasoning):
+                    thought.append(item.text)
+                else:
+                    (calls if isinstance(item, ToolCall) else text).append(item)
         if gen is None:
             raise ApiError(499, "the client went away")
         joined = "".join(text).strip() if calls else "".join(text)  # newlines around calls are layout
-        content = ([{"type": "text", "text": joined}] if joined else []) + [_tool_use(c) for c in calls]
+        content = ([_thinking("".join(thought))] if thought else []) + \
+            ([{"type": "text", "text": joined}] if joined else []) + [_tool_use(c) for c in calls]
         return {**head, "content": content, "stop_reason": _stop_reason(gen, bool(calls)),
                 "stop_sequence": gen.stop_string, "usage": _usage(job.prompt_tokens, len(gen.token_ids), gen.cached_tokens)}
 
@@ -127,17 +139,19 @@ async def _stream(job: Job, reply: Reply, head: dict) -> AsyncIterator[str]:
         return event("message_start", message={**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                                "usage": _usage(job.prompt_tokens, 0, cached)})
 
-    index, text_open, calls, started = 0, False, 0, False
+    # `open_kind`: the text or thinking block being streamed into, if any
+    index, open_kind, calls, started = 0, None, 0, False
     try:
         async for ev in job.events():
             if not started:
                 yield start(ev.gen.cached_tokens)
                 started = True
             for item in reply.finish() if ev.done else reply.feed(ev.delta):
+                kind = "tool_use" if isinstance(item, ToolCall) else "thinking" if isinstance(item, Reasoning) else "text"
+                if open_kind and open_kind != kind:
+                    yield event("content_block_stop", index=index)
+                    index, open_kind = index + 1, None
                 if isinstance(item, ToolCall):
-                    if text_open:
-                        yield event("content_block_stop", index=index)
-                        index, text_open = index + 1, False
                     block = _tool_use(item)
                     yield event("content_block_start", index=index, content_block={**block, "input": {}})
                     yield event("content_block_delta", index=index,
@@ -145,12 +159,15 @@ async def _stream(job: Job, reply: Reply, head: dict) -> AsyncIterator[str]:
                     yield event("content_block_stop", index=index)
                     index, calls = index + 1, calls + 1
                     continue
-                if not text_open:
-                    yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
-                    text_open = True
-                yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": item})
+                if open_kind is None:
+                    block = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
+                    yield event("content_block_start", index=index, content_block=block)
+                    open_kind = kind
+                delta = {"type": "thinking_delta", "thinking": item.text} if kind == "thinking" \
+                    else {"type": "text_delta", "text": item}
+                yield event("content_block_delta", index=index, delta=delta)
             if ev.done:
-                if text_open:
+                if open_kind:
                     yield event("content_block_stop", index=index)
                 gen = ev.gen
                 yield event("message_delta", delta={"stop_reason": _stop_reason(gen, calls > 0),

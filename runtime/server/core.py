@@ -14,7 +14,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Event, Request, Scheduler
 from . import limits, quirks, schemas
 from .errors import ApiError
-from .toolcalls import Item, Parser, parser_for, tag_tokens
+from .toolcalls import Item, Parser, ToolCall, parser_for, tag_tokens
 
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -56,14 +56,18 @@ class ServerState:
             raise ApiError(404, f"model '{model}' not found; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, check: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, check: bool = True,
+                    effort: str | None = None) -> list[int]:
+        """The prompt's ids; `effort` is the template's `reasoning_effort` (reasoning.py), left
+        undefined when None so that the template's own default applies."""
         tok = self.rt.tokenizer
         if tok is None or tok.template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         if not messages:  # Anthropic user turns of thinking blocks or empty content render to nothing
             raise ApiError(400, "the messages hold no text, tool call or tool result to render")
         try:
-            text = tok.chat(quirks.normalise(messages), tools=tools or None)
+            extra = {"reasoning_effort": effort} if effort else {}
+            text = tok.chat(quirks.normalise(messages), tools=tools or None, **extra)
         except Exception as e:  # a template's raise_exception() or a message it cannot render
             raise ApiError(400, f"the chat template rejected the messages: {e}") from None
         ids = tok.encode(text)
@@ -159,16 +163,20 @@ def sse(data: Any, event: str | None = None) -> str:
 
 
 class Reply:
-    """Generated text -> items (text pieces and tool calls); parsed when tools are on, or when
-    the format frames every reply (`ServerState.tool_parser`)."""
+    """Generated text -> items (text pieces, tool calls, reasoning pieces); parsed when tools are
+    on, or when the format frames every reply (`ServerState.tool_parser`)."""
 
     def __init__(self, state: ServerState, tools_on: bool):
         self.parser = state.tool_parser(tools_on)
         self.calls = 0
+        self.reasoning_tokens = 0  # tokens fed while the parser was inside reasoning
 
     def feed(self, delta: str) -> list[Item]:
+        """The items one generated token's `delta` completes."""
         if self.parser:
-            return self._layout(self.parser.feed(delta))
+            items = self._layout(self.parser.feed(delta))
+            self.reasoning_tokens += self.parser.in_reasoning
+            return items
         return [delta] if delta else []
 
     def finish(self) -> list[Item]:
@@ -181,7 +189,7 @@ class Reply:
             if isinstance(item, str):
                 if self.calls and not item.strip():
                     continue
-            else:
+            elif isinstance(item, ToolCall):
                 self.calls += 1
             out.append(item)
         return out

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from .core import Job, Reply, ServerState, read_json, sampling, sse, text_of
 from .errors import ApiError
+from .reasoning import openai_effort
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -20,17 +21,19 @@ from .schemas import (
     OpenAIRequest,
     request_body,
 )
-from .toolcalls import ToolCall
+from .toolcalls import Reasoning, ToolCall
 
 
-def usage(prompt: int, gen: Any) -> dict[str, Any]:
+def usage(prompt: int, gen: Any, reasoning: int = 0) -> dict[str, Any]:
     completion = len(gen.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """OpenAI messages -> the chat template's messages (developer is system; text parts joined)."""
+    """OpenAI messages -> the chat template's messages (developer is system; text parts joined;
+    an assistant's earlier `reasoning_content` is not re-rendered)."""
     out = []
     for m in req.messages:
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
@@ -71,7 +74,8 @@ def router(state: ServerState) -> APIRouter:
         req = await read_json(request, ChatCompletionRequest)
         stream, include_usage = _common(state, req)
         messages, tools = chat_messages(req), chat_tools(req)
-        ids = await asyncio.to_thread(state.encode_chat, messages, tools)  # off the event loop
+        ids = await asyncio.to_thread(state.encode_chat, messages, tools,  # off the event loop
+                                      effort=openai_effort(req.reasoning_effort))
         if req.max_completion_tokens is not None:
             limit = state.max_tokens(req.max_completion_tokens, "max_completion_tokens", state.context)
         else:
@@ -81,22 +85,25 @@ def router(state: ServerState) -> APIRouter:
         reply = Reply(state, tools is not None)
         if stream:
             return StreamingResponse(_chat_stream(job, reply, head, include_usage), media_type="text/event-stream")
-        text, calls, gen = [], [], None
+        text, calls, thought, gen = [], [], [], None
         async for ev in job.events(request):
             gen = ev.gen
             items = reply.finish() if ev.done else reply.feed(ev.delta)
             text += [i for i in items if isinstance(i, str)]
             calls += [i for i in items if isinstance(i, ToolCall)]
+            thought += [i.text for i in items if isinstance(i, Reasoning)]
         if gen is None:
             raise ApiError(499, "the client went away")
         content = "".join(text).strip() if calls else "".join(text)  # newlines around calls are layout
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if thought:
+            message["reasoning_content"] = "".join(thought)
         if calls:
             message["tool_calls"] = [_tool_call(c) for c in calls]
         finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                "usage": usage(job.prompt_tokens, gen)}
+                "usage": usage(job.prompt_tokens, gen, reply.reasoning_tokens)}
 
     @r.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Any:
@@ -138,6 +145,8 @@ async def _chat_stream(job: Job, reply: Reply, head: dict, include_usage: bool) 
                 if isinstance(item, ToolCall):
                     yield chunk({"tool_calls": [_tool_call(item, calls)]})
                     calls += 1
+                elif isinstance(item, Reasoning):
+                    yield chunk({"reasoning_content": item.text})
                 else:
                     yield chunk({"content": item})
             if ev.done:
@@ -145,7 +154,7 @@ async def _chat_stream(job: Job, reply: Reply, head: dict, include_usage: bool) 
                 yield chunk({}, "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason)
                 if include_usage:
                     yield sse({**head, "object": "chat.completion.chunk", "choices": [],
-                               "usage": usage(job.prompt_tokens, gen)})
+                               "usage": usage(job.prompt_tokens, gen, reply.reasoning_tokens)})
     except ApiError as e:
         yield sse({"error": {"message": e.message, "type": "server_error"}})
     yield sse("[DONE]")

@@ -1,6 +1,7 @@
 """OpenAI Responses API (`POST /v1/responses`), as Codex uses it: string or item input, function
-tools (other tool kinds are ignored, not refused), streaming events. Responses are not stored,
-so `previous_response_id` is refused with a clear error; an empty input is answered at once."""
+tools (other tool kinds are ignored, not refused), streaming events, the model's reasoning as a
+`reasoning` output item. Responses are not stored, so `previous_response_id` is refused with a
+clear error; an empty input is answered at once."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from .core import Job, Reply, ServerState, read_json, sampling, sse, text_of
 from .errors import ApiError
+from .reasoning import openai_effort
 from .schemas import (
     FunctionCallItem,
     FunctionCallOutput,
@@ -23,7 +25,7 @@ from .schemas import (
     ResponsesRequest,
     request_body,
 )
-from .toolcalls import Item, ToolCall
+from .toolcalls import Item, Reasoning, ToolCall
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -57,12 +59,17 @@ def function_tools(req: ResponsesRequest) -> list[dict] | None:
     return out or None
 
 
+# The output items text streams into: a message's output_text, a reasoning item's reasoning_text
+# (the Responses API's full reasoning, not a summary), each with its id prefix and event names.
+TEXT_KINDS = {"message": ("msg_", "output_text"), "reasoning": ("rs_", "reasoning_text")}
+
+
 class Builder:
     """Reply items -> output items and the stream events that build them."""
 
     def __init__(self, head: dict[str, Any]):
         self.head, self.output, self.seq = head, [], 0
-        self.message: dict[str, Any] | None = None  # the open message item, if any
+        self.open: dict[str, Any] | None = None  # the message or reasoning item text streams into, if any
 
     def event(self, kind: str, **data: Any) -> dict[str, Any]:
         self.seq += 1
@@ -74,7 +81,7 @@ class Builder:
 
     def add(self, item: Item) -> Iterator[dict]:
         if isinstance(item, ToolCall):
-            yield from self.close_message()
+            yield from self.close()
             fc = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": item.id,
                   "name": item.name, "arguments": "", "status": "in_progress"}
             idx = len(self.output)
@@ -87,36 +94,46 @@ class Builder:
                              arguments=item.arguments)
             yield self.event("response.output_item.done", output_index=idx, item=fc)
             return
-        if self.message is None:
-            self.message = {"type": "message", "id": "msg_" + secrets.token_hex(12), "status": "in_progress",
-                            "role": "assistant", "content": []}
-            self.output.append(self.message)
-            yield self.event("response.output_item.added", output_index=len(self.output) - 1,
-                             item={**self.message, "content": []})
-            part = {"type": "output_text", "text": "", "annotations": []}
-            self.message["content"].append(part)
-            yield self.event("response.content_part.added", item_id=self.message["id"],
-                             output_index=len(self.output) - 1, content_index=0, part=dict(part))
-        self.message["content"][0]["text"] += item
-        yield self.event("response.output_text.delta", item_id=self.message["id"],
-                         output_index=self.output.index(self.message), content_index=0, delta=item)
+        kind, delta = ("reasoning", item.text) if isinstance(item, Reasoning) else ("message", item)
+        if self.open is not None and self.open["type"] != kind:
+            yield from self.close()
+        if self.open is None:
+            yield from self._start(kind)
+        m = self.open
+        m["content"][0]["text"] += delta
+        yield self.event(f"response.{m['content'][0]['type']}.delta", item_id=m["id"],
+                         output_index=self.output.index(m), content_index=0, delta=delta)
 
-    def close_message(self) -> Iterator[dict]:
-        if self.message is None:
+    def _start(self, kind: str) -> Iterator[dict]:
+        prefix, part_type = TEXT_KINDS[kind]
+        item: dict[str, Any] = {"type": kind, "id": prefix + secrets.token_hex(12), "status": "in_progress"}
+        item.update({"role": "assistant", "content": []} if kind == "message" else {"summary": [], "content": []})
+        self.open = item
+        self.output.append(item)
+        idx = len(self.output) - 1
+        yield self.event("response.output_item.added", output_index=idx, item={**item, "content": []})
+        part = {"type": part_type, "text": "", **({"annotations": []} if kind == "message" else {})}
+        item["content"].append(part)
+        yield self.event("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
+                         part=dict(part))
+
+    def close(self) -> Iterator[dict]:
+        """Finish the open message or reasoning item, if any."""
+        if self.open is None:
             return
-        m, self.message = self.message, None
+        m, self.open = self.open, None
         idx, part = self.output.index(m), m["content"][0]
         m["status"] = "completed"
-        yield self.event("response.output_text.done", item_id=m["id"], output_index=idx, content_index=0,
+        yield self.event(f"response.{part['type']}.done", item_id=m["id"], output_index=idx, content_index=0,
                          text=part["text"])
         yield self.event("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0,
                          part=part)
         yield self.event("response.output_item.done", output_index=idx, item=m)
 
 
-def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+def _usage(prompt: int, completion: int, cached: int = 0, reasoning: int = 0) -> dict[str, Any]:
     return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-            "input_tokens_details": {"cached_tokens": cached}, "output_tokens_details": {"reasoning_tokens": 0}}
+            "input_tokens_details": {"cached_tokens": cached}, "output_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def router(state: ServerState) -> APIRouter:
@@ -146,7 +163,8 @@ def router(state: ServerState) -> APIRouter:
                           b.event("response.completed", response=done)]
                 return StreamingResponse(iter(sse(e, e["type"]) for e in events), media_type="text/event-stream")
             return done
-        ids = await asyncio.to_thread(state.encode_chat, messages, tools)  # off the event loop
+        effort = openai_effort(req.reasoning.effort if req.reasoning else None)
+        ids = await asyncio.to_thread(state.encode_chat, messages, tools, effort=effort)  # off the event loop
         limit = state.max_tokens(req.max_output_tokens, "max_output_tokens", state.context)
         job = Job(state, ids, sampling(req, limit, None))
         reply = Reply(state, tools is not None)
@@ -170,13 +188,13 @@ async def _events(job: Job, reply: Reply, b: Builder, http_request: Any = None) 
             for e in b.add(item):
                 yield e
         if ev.done:
-            for e in b.close_message():
+            for e in b.close():
                 yield e
             length = ev.gen.finish_reason == "length"
             kind = "response.incomplete" if length else "response.completed"
-            yield b.event(kind, response=b.response(
-                "incomplete" if length else "completed", _usage(job.prompt_tokens, len(ev.gen.token_ids), ev.gen.cached_tokens),
-                "max_output_tokens" if length else None))
+            usage = _usage(job.prompt_tokens, len(ev.gen.token_ids), ev.gen.cached_tokens, reply.reasoning_tokens)
+            yield b.event(kind, response=b.response("incomplete" if length else "completed", usage,
+                                                    "max_output_tokens" if length else None))
 
 
 async def _stream(job: Job, reply: Reply, b: Builder) -> AsyncIterator[str]:

@@ -56,6 +56,8 @@ MaxTokens = integer(ge=1, json_schema_extra=served("context"))
 Seed = integer(ge=-(2**63), le=2**64 - 1)  # what a torch generator takes
 TokenId = integer(ge=0, json_schema_extra=served("last_token_id"))
 Stop = str | list[str]
+# OpenAI's reasoning efforts (reasoning.py maps them onto the template's low / medium / high)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class Sampling(Body):
@@ -147,6 +149,8 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: MaxTokens | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = Field(None, description="none disables the tools; other choices offer them")
+    reasoning_effort: ReasoningEffort | None = Field(None, description="the chat template's reasoning_effort: "
+                                                     "none and minimal are low, xhigh and max high")
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -202,6 +206,10 @@ ResponsesTool = Annotated[Annotated[ResponsesFunctionTool, Tag("function")] | An
                           _kind(None, ("function",))]
 
 
+class ReasoningOptions(Body):
+    effort: ReasoningEffort | None = Field(None, description="as chat's reasoning_effort")
+
+
 class ResponsesRequest(Sampling):
     model: str
     input: str | list[InputItem]
@@ -215,6 +223,7 @@ class ResponsesRequest(Sampling):
     previous_response_id: Annotated[str | None, WithJsonSchema(
         {"type": "null", "description": "an id is refused: responses are not stored"})] = None
     metadata: dict[str, Any] | None = None
+    reasoning: ReasoningOptions | None = None
 
 
 # ---- Anthropic Messages ---------------------------------------------------------------------
@@ -274,12 +283,20 @@ class AnthropicToolChoice(Body):
     name: str | None = None
 
 
+class ThinkingConfig(Body):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: integer(ge=1) | None = Field(None, description="enabled: below 4096 low, below 16384 medium, "
+                                                                   "else high; none given: medium")
+
+
 class CountTokensRequest(Body):
     model: str
     messages: list[Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = Field(None, description="the chat template's reasoning_effort: disabled is "
+                                                              "low, adaptive medium, enabled by budget_tokens")
 
 
 class MessagesRequest(CountTokensRequest, Sampling):

@@ -2,8 +2,8 @@
 template the checkpoint ships: the format its tool-call instructions and examples are written
 in is the one the model was trained to emit.
 
-A parser is incremental: `feed(delta)` returns the output items complete so far (plain text and
-whole tool calls), holding back any tail that may be the start of a tag, and `finish()` flushes
+A parser is incremental: `feed(delta)` returns the output items complete so far (plain text,
+whole tool calls, and reasoning where the format marks it), holding back any tail that may be the start of a tag, and `finish()` flushes
 what is left at the end of the reply. A call that does not decode is given back as text.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from . import glm, harmony, hermes, mistral, qwen_xml
-from .base import Item, ToolCall
+from .base import Item, Reasoning, ToolCall
 
-__all__ = ["PARSERS", "Item", "Parser", "ToolCall", "parser_for", "tag_tokens"]
+__all__ = ["PARSERS", "Item", "Parser", "Reasoning", "ToolCall", "parser_for", "tag_tokens"]
 
 
 class Parser(Protocol):
@@ -22,6 +22,7 @@ class Parser(Protocol):
 
     TAGS: tuple[str, ...]
     FRAMES_EVERY_REPLY: bool
+    in_reasoning: bool
 
     def feed(self, delta: str) -> list[Item]: ...
 

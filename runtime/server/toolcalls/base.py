@@ -1,5 +1,5 @@
-"""What every tool-call parser returns (text pieces and whole calls), and the framing most
-formats share: calls between an opening and a closing tag, text around them."""
+"""What every tool-call parser returns (text pieces, whole calls, reasoning pieces), and the
+framing most formats share: calls between an opening and a closing tag, text around them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,15 @@ class ToolCall:
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
 
-Item = str | ToolCall
+@dataclass
+class Reasoning:
+    """A piece of the model's reasoning (harmony's analysis channel): each API carries it in its
+    own reasoning field, apart from the reply's text."""
+
+    text: str
+
+
+Item = str | ToolCall | Reasoning
 
 
 def held(text: str, *tags: str) -> int:
@@ -47,6 +55,7 @@ class Format:
     TAGS: ClassVar[tuple[str, ...]]  # tag strings whose tokens must stay in the decoded text
     MARKERS: ClassVar[tuple[str, ...]]  # all of these in a chat template: it is this format
     FRAMES_EVERY_REPLY: ClassVar[bool] = False  # parse replies to requests without tools too
+    in_reasoning: bool = False  # inside reasoning now: the token just fed counts as a reasoning token
 
     @classmethod
     def matches(cls, template: str) -> bool:

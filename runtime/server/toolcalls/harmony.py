@@ -6,19 +6,18 @@ messages of a header and a body,
     <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
 
 A message addressed `to=functions.NAME` (in its header, before or after the channel) is a call
-with its body as the JSON arguments; `final` and other `commentary` bodies are the reply's text,
-streamed as they come; `analysis` (the model's reasoning) is left out, as there is no reasoning
-field to carry it yet. The reply may end without the last message's terminator (`<|call|>` and
-`<|return|>` are stop tokens). Text with no header is text (held until a `<|message|>` or the
-reply's end shows it is not a header); a call whose body is not a JSON object is given back as
-the text it was."""
+with its body as the JSON arguments; `final` and other `commentary` bodies are the reply's text
+and `analysis` bodies its reasoning (`Reasoning` items), both streamed as they come. The reply
+may end without the last message's terminator (`<|call|>` and `<|return|>` are stop tokens).
+Text with no header is text (held until a `<|message|>` or the reply's end shows it is not a
+header); a call whose body is not a JSON object is given back as the text it was."""
 
 from __future__ import annotations
 
 import json
 import re
 
-from .base import Format, Item, ToolCall, call, held
+from .base import Format, Item, Reasoning, ToolCall, call, held
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -66,6 +65,10 @@ class HarmonyParser(Format):
             return [rest] if rest else []
         return self._body(rest, done=True)
 
+    @property
+    def in_reasoning(self) -> bool:
+        return self.in_body and self.channel == "analysis" and not self.recipient
+
     def _open(self, header: str) -> None:
         m, r = CHANNEL_NAME.search(header), RECIPIENT.search(header)
         self.header, self.channel, self.recipient = header, (m[1] if m else ""), (r[1] if r else None)
@@ -78,9 +81,9 @@ class HarmonyParser(Format):
                 return []
             c = _call(self.recipient.removeprefix("functions."), text)
             return [c] if c else [self.header + MESSAGE + text]
-        if self.channel == "analysis" or not text:
+        if not text:
             return []
-        return [text]
+        return [Reasoning(text)] if self.channel == "analysis" else [text]
 
 
 def _call(name: str, body: str) -> ToolCall | None:
