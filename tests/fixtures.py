@@ -280,6 +280,24 @@ def interpreter_starts_with_torch() -> bool:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip() == "True"
 
 
+def greedy_steps(rt: Any, prompt: torch.Tensor, n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill, then one token at a time through a runtime's step: (tokens, each step's logits)."""
+    kv = rt.new_kv(len(prompt) + n)
+    tokens, logits = [], []
+    with torch.inference_mode():
+        step = rt.step.forward(prompt, kv)[-1]
+        for _ in range(n):
+            logits.append(step)
+            tokens.append(int(step.argmax()))
+            step = rt.step.forward(torch.tensor(tokens[-1:]), kv)[-1]
+    return tokens, logits
+
+
+def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude."""
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
 def assert_prefix_resumes_bitwise(ftw: Path) -> None:
     """A second prompt sharing 40 tokens with a first resumes from the prefix cache and generates
     what a cold prefill of it does, logits bitwise (cpu strategy)."""

@@ -113,20 +113,10 @@ def generate_reference(hf_dir: Path, **overrides) -> tuple[list[int], list[torch
 
 
 def greedy(rt: Runtime, prompt: torch.Tensor = PROMPT, n: int = NEW_TOKENS) -> tuple[list[int], list[torch.Tensor]]:
-    """Prefill, then one token at a time through the runtime's step: (tokens, each step's logits)."""
-    kv = rt.new_kv(len(prompt) + n)
-    tokens, logits = [], []
-    with torch.inference_mode():
-        step = rt.step.forward(prompt, kv)[-1]
-        for _ in range(n):
-            logits.append(step)
-            tokens.append(int(step.argmax()))
-            step = rt.step.forward(torch.tensor(tokens[-1:]), kv)[-1]
-    return tokens, logits
+    return fx.greedy_steps(rt, prompt, n)
 
 
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+_rel_err = fx.max_rel_err
 
 
 def assert_matches(path: Path, reference, **opts) -> None:
