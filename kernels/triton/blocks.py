@@ -1,7 +1,8 @@
 """GGUF block formats decoded in registers (Triton): what the grouped expert kernels multiply.
 
 `weights(base, n, k, mask, ROW, FMT, lut)` gives the float32 weights [n, k] of a matrix whose
-rows of ROW weights are stored in format FMT from byte `base` on, row after row (FTW's
+rows of ROW weights are stored in format FMT (a float dtype or a block format) from byte `base`
+on, row after row (FTW's
 `ggml-rows` packing: ggml's blocks as GGUF stores them, kernels/dequant.py documents each).
 `n` and `k` broadcast against each other, so the same call serves the GEMV's [rows, reduction]
 tiles and the GEMM's transposed ones.
@@ -22,15 +23,14 @@ import triton
 import triton.language as tl
 
 from ftkit.kernels.dequant import E2M1_LEVELS_X2, IQ4_LEVELS
-from ftkit.vocab import FORMATS
 
 # Format codes the kernels specialise on (constexpr). TYPED (0): the weights are the slot
-# pointer's own dtype (every part of the layout a float format: the original float path).
+# pointer's own dtype (every part of the layout one float format: experts.py's float path, which
+# does not come here).
 TYPED = 0
 CODES = {name: i for i, name in enumerate((
     "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
     "iq4_nl", "iq4_xs", "mxfp4"), start=1)}
-FORMATS_DECODED = tuple(CODES)
 _LUT: dict[torch.device, torch.Tensor] = {}
 
 
@@ -40,11 +40,6 @@ def lut(device: torch.device) -> torch.Tensor:
     if device not in _LUT:
         _LUT[device] = torch.tensor((*IQ4_LEVELS, *E2M1_LEVELS_X2), dtype=torch.float32, device=device)
     return _LUT[device]
-
-
-def row_bytes(fmt: str, row: int) -> int:
-    f = FORMATS[fmt]
-    return row // f.block * f.block_bytes
 
 
 @triton.jit
@@ -109,11 +104,9 @@ def _block(base, n, k, ROW, BLK: tl.constexpr, BB: tl.constexpr):
 
 @triton.jit
 def weights(base, n, k, mask, ROW, FMT: tl.constexpr, lut_ptr):
-    """Float32 weights (n, k) of a row-major matrix of ROW weights per row stored at `base`
-    (a uint8 pointer; a typed one for TYPED) in format code FMT."""
-    if FMT == 0:  # TYPED
-        w = tl.load(base + n * ROW + k, mask=mask, other=0.0).to(tl.float32)
-    elif FMT == 1:  # float32
+    """Float32 weights (n, k) of a row-major matrix of ROW weights per row stored from the
+    uint8 pointer `base` in format code FMT."""
+    if FMT == 1:  # float32
         p = (base + (n * ROW + k) * 4).to(tl.pointer_type(tl.float32), bitcast=True)
         w = tl.load(p, mask=mask, other=0.0)
     elif FMT == 2:  # float16

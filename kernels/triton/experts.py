@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from ftkit.kernels.triton import interpreting
-from ftkit.kernels.triton.blocks import CODES, TYPED, lut, row_bytes, tile, weights
-from ftkit.vocab import SlotLayout
+from ftkit.kernels.triton.blocks import CODES, TYPED, lut, tile, weights
+from ftkit.vocab import SlotLayout, stored_nbytes
 
 _TYPED = tl.constexpr(TYPED)  # as the kernels compare it
 
@@ -210,8 +210,8 @@ def _expert_fn(layout: SlotLayout, esize: int, device: torch.device) -> dict:
                alpha=layout.activation.alpha if layout.activation else 1.0,
                limit=layout.activation.limit if layout.activation else 0.0,
                tail=(last.offset + last.nbytes - down.offset) // esize,
-               g_row=gate.shape[1] if typed else row_bytes(gate.dtype, gate.shape[1]),
-               u_row=up.shape[1] if typed else row_bytes(up.dtype, up.shape[1]), lut_ptr=lut(device))
+               g_row=gate.shape[1] if typed else stored_nbytes(gate.dtype, gate.shape[1:]),
+               u_row=up.shape[1] if typed else stored_nbytes(up.dtype, up.shape[1:]), lut_ptr=lut(device))
     for name, part in (("FMT_G", gate), ("FMT_U", up), ("FMT_D", down)):
         out[name] = TYPED if typed else CODES[part.dtype]
     for name in ("gate_bias", "up_bias", "down_bias"):

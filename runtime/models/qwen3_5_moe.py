@@ -35,7 +35,7 @@ from ftkit.errors import shown
 from ..spec import LINEAR_ATTENTION, ModelSpec, SpecError
 from .base import GGUF_RULES, HF_RULES, Mapped, rules, text_config
 from .config import text
-from .qwen3_next import Qwen3Next
+from .qwen3_next import GGUF_DELTANET_RULES, Qwen3Next
 
 LINEAR = r"\.(\d+)\.linear_attn\."
 HF_35_RULES = rules(
@@ -45,17 +45,9 @@ HF_35_RULES = rules(
 ) + HF_RULES
 
 GGUF_35_RULES = rules(
-    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{1}.mlp_norm.weight"),
-    (r"blk\.(\d+)\.attn_qkv\.weight", "layers.{1}.linear_attn.in_proj_qkv.weight"),
-    (r"blk\.(\d+)\.attn_gate\.weight", "layers.{1}.linear_attn.in_proj_z.weight"),
     (r"blk\.(\d+)\.ssm_beta\.weight", "layers.{1}.linear_attn.in_proj_b.weight"),
     (r"blk\.(\d+)\.ssm_alpha\.weight", "layers.{1}.linear_attn.in_proj_a.weight"),
-    (r"blk\.(\d+)\.ssm_conv1d\.weight", "layers.{1}.linear_attn.conv1d.weight"),
-    (r"blk\.(\d+)\.ssm_a", "layers.{1}.linear_attn.A_log"),
-    (r"blk\.(\d+)\.ssm_dt\.bias", "layers.{1}.linear_attn.dt_bias"),
-    (r"blk\.(\d+)\.ssm_norm\.weight", "layers.{1}.linear_attn.norm.weight"),
-    (r"blk\.(\d+)\.ssm_out\.weight", "layers.{1}.linear_attn.out_proj.weight"),
-) + GGUF_RULES
+) + GGUF_DELTANET_RULES + GGUF_RULES
 
 LANGUAGE_MODEL = re.compile(r"model\.language_model\.")
 VISION, MTP = "model.visual.", "mtp."

@@ -73,17 +73,21 @@ HF_NEXT_RULES = rules(
     (r"model\.layers\.(\d+)\.linear_attn\.(A_log|dt_bias)", "layers.{1}.linear_attn.{2}"),
 ) + HF_RULES
 
-GGUF_NEXT_RULES = rules(
+# llama.cpp's names of a gated-DeltaNet layer that Qwen3-Next and Qwen3.5 share (their beta/alpha
+# projections differ: one fused `ssm_ba` here, two in qwen3_5_moe.py)
+GGUF_DELTANET_RULES = rules(
     (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{1}.mlp_norm.weight"),
     (r"blk\.(\d+)\.attn_qkv\.weight", "layers.{1}.linear_attn.in_proj_qkv.weight"),
     (r"blk\.(\d+)\.attn_gate\.weight", "layers.{1}.linear_attn.in_proj_z.weight"),
-    (r"blk\.(\d+)\.ssm_ba\.weight", "layers.{1}.linear_attn.in_proj_ba.weight"),
     (r"blk\.(\d+)\.ssm_conv1d\.weight", "layers.{1}.linear_attn.conv1d.weight"),
     (r"blk\.(\d+)\.ssm_a", "layers.{1}.linear_attn.A_log"),
     (r"blk\.(\d+)\.ssm_dt\.bias", "layers.{1}.linear_attn.dt_bias"),
     (r"blk\.(\d+)\.ssm_norm\.weight", "layers.{1}.linear_attn.norm.weight"),
     (r"blk\.(\d+)\.ssm_out\.weight", "layers.{1}.linear_attn.out_proj.weight"),
-) + GGUF_RULES
+)
+GGUF_NEXT_RULES = rules(
+    (r"blk\.(\d+)\.ssm_ba\.weight", "layers.{1}.linear_attn.in_proj_ba.weight"),
+) + GGUF_DELTANET_RULES + GGUF_RULES
 
 LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                "linear_value_head_dim", "linear_conv_kernel_dim")

@@ -26,7 +26,6 @@ from ftkit.tools.calibrate.measure import (
     ExpertCycle,
     cpu_experts_gbps,
     dram_read_gbps,
-    expert_bytes,
     layout_for,
     overlapped_gbps,
     shared_experts_gbps,
@@ -66,7 +65,7 @@ def main() -> None:
     runner = kernel.runner() if args.shared else None
     copier = _copier(args.overlap, args.gib)
     rows = []
-    flop_per_byte = 6 * hidden * inter * args.tokens / expert_bytes(layout)  # GFLOP/s per GB/s
+    flop_per_byte = 6 * hidden * inter * args.tokens / layout.data_bytes  # GFLOP/s per GB/s
     with console.status("measuring") as status:
         for t in (int(v) for v in args.threads.split(",")):
             status.update(f"{t} thread(s)")
@@ -88,7 +87,7 @@ def main() -> None:
     result = {
         "cpu": cpu_model(), "host": platform.node(), "isa": kernel.isa, "dtype": args.dtype,
         "formats": list(layout.formats), "gflop_per_gb": flop_per_byte,
-        "shape": [hidden, inter], "expert_bytes": expert_bytes(layout), "working_set_bytes": slots.nbytes,
+        "shape": [hidden, inter], "expert_bytes": layout.data_bytes, "working_set_bytes": slots.nbytes,
         "tokens": args.tokens, "experts_per_call": cycle.per_call, "rows": rows,
     }
     table = Table(title=f"CPU experts {args.dtype} H={hidden} I={inter}, {args.tokens} token(s), "

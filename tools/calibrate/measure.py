@@ -32,11 +32,6 @@ def layout_for(hidden: int, inter: int, dtype: str) -> SlotLayout:
     return slot_layout(dataclasses.replace(demo_spec(64), hidden_size=hidden, moe_intermediate_size=inter), dtype)
 
 
-def expert_bytes(layout: SlotLayout) -> int:
-    """Bytes a kernel reads per expert (the slot without its alignment padding)."""
-    return sum(p.nbytes for p in layout.parts)
-
-
 def _part_bytes(p: Part, gen: torch.Generator) -> torch.Tensor:
     w = torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5  # normal numbers: no denormal stalls
     if p.dtype in BLOCK_FORMATS:
@@ -116,7 +111,7 @@ class ExpertCycle:
         ft-calibrate counts whole slots, the unit fills move)."""
         self.layouts, self.slots, self.tokens = layouts, slots, tokens
         self.per_call = min(per_call, len(slots) // len(layouts))
-        self.layout = layouts[0]
+        self.at = 0  # the layout of the call `take` gave last
         hidden = layouts[0].parts[0].shape[1]
         self.x = torch.randn(tokens, hidden)
         self.w = torch.rand(tokens * self.per_call)
@@ -124,13 +119,16 @@ class ExpertCycle:
         # Expert e of a call takes token t as assignment t * per_call + e (k = per_call).
         self.groups = [torch.arange(e, tokens * self.per_call, self.per_call) for e in range(self.per_call)]
         self.calls, self.next = 0, 0  # calls made; the next row of the current layout
-        self.bytes_per_call = [(bytes_per_expert or expert_bytes(lay)) * self.per_call for lay in layouts]
+        self.bytes_per_call = [(bytes_per_expert or lay.data_bytes) * self.per_call for lay in layouts]
+
+    @property
+    def layout(self) -> SlotLayout:
+        return self.layouts[self.at]
 
     def take(self) -> list[torch.Tensor]:
         """The next call's experts (its layout: `self.layout`)."""
         n = len(self.layouts)
-        i = self.calls % n
-        self.layout = self.layouts[i]
+        self.at = i = self.calls % n
         per = len(self.slots) // n  # rows of each layout
         rows = [((self.next + e) % per) * n + i for e in range(self.per_call)]
         self.calls += 1
@@ -142,7 +140,7 @@ class ExpertCycle:
         def step() -> int:
             slots = self.take()
             kernel.experts(self.layout, slots, self.groups, self.x, self.w, self.out, self.per_call, threads)
-            return self.bytes_per_call[self.layouts.index(self.layout)]
+            return self.bytes_per_call[self.at]
         return step
 
     def shared_step(self, kernel: Kernel, runner: Runner, threads: int) -> Callable[[], int]:
@@ -153,7 +151,7 @@ class ExpertCycle:
             kernel.start_experts(runner, self.layout, slots, self.groups, self.x, self.w, self.out,
                                  self.per_call, threads, split=kernel.new_split(self.per_call))
             runner.wait()
-            return self.bytes_per_call[self.layouts.index(self.layout)]
+            return self.bytes_per_call[self.at]
         return step
 
     def torch_step(self) -> Callable[[], int]:
@@ -166,7 +164,7 @@ class ExpertCycle:
             for e, slot in enumerate(slots):
                 weights = expert_weights(self.layout, slot, dtype)
                 self.out[self.groups[e]] = (expert_forward(x, weights, self.layout.activation) * self.w[self.groups[e], None]).float()
-            return self.bytes_per_call[self.layouts.index(self.layout)]
+            return self.bytes_per_call[self.at]
         return step
 
 
