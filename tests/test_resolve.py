@@ -215,8 +215,14 @@ def test_gpu_strategies_take_block_slots(q4, strategy):
     assert resolve(q4, RuntimeOptions(device="cuda", strategy=strategy, bandwidth_ratio=0.5), machine).strategy == strategy
 
 
-def test_auto_on_a_gpu_picks_from_the_profile_for_block_slots(q4):
-    got = resolve(q4, RuntimeOptions(device="cuda", bandwidth_ratio=0.5), Machine(torch.device("cuda"), H200, 139 * GiB))
-    assert got.strategy in ("hybrid", "fused") and got.cache_slots > 0
+def test_auto_on_a_gpu_runs_block_slots_there(q4):
+    """auto decides for block slots as for float ones: every expert fits the GPU, so fused; a
+    budget that holds some of them, hybrid by the ratio."""
+    gpu = Machine(torch.device("cuda"), H200, 139 * GiB)
+    got = resolve(q4, RuntimeOptions(device="cuda", bandwidth_ratio=0.5), gpu)
+    assert (got.strategy, got.cache_slots) == ("fused", q4.spec.num_expert_rows)
+    half = got.memory.total_bytes - q4.spec.num_expert_rows // 2 * q4.layout.slot_bytes
+    some = resolve(q4, RuntimeOptions(device="cuda", bandwidth_ratio=0.5, gpu_budget=half), gpu)
+    assert some.strategy == "hybrid" and 0 < some.cache_slots < q4.spec.num_expert_rows
     # on a CPU every strategy's device tier is host memory, where the CPU kernel reads blocks
     assert resolve(q4, RuntimeOptions(strategy="offload", cache_experts=8), Machine(torch.device("cpu"))).strategy == "offload"
