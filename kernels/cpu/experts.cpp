@@ -422,8 +422,8 @@ struct BQ3_K {
 // j .. j + 15 in one register (`weights16`), so `dot_blocks` multiplies them as they are decoded
 // instead of through a decoded block in L1: the same expression of the same values as `decode`
 // (a product, then a difference, each rounded), so the same sums. At one thread on the dev box
-// (cpu_experts, 1 token, 8 experts a call) Q6_K went from 4.0 GFLOP/s through L1 to 6.4 so, Q4_K
-// stayed at 9.7-10.0 (its loop vectorized already); bf16 reads DRAM at 10.4-10.8.
+// (cpu_experts, 1 token, 8 experts a call) Q6_K went from 4.0 GFLOP/s (decoded through L1) to 6.4,
+// Q4_K stayed at 9.7-10.0 (its loop vectorized already); bf16 reads DRAM at 10.4-10.8.
 using Vi = __m512i;
 inline Vi u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline Vi field(Vi v, int shift, int mask) {
