@@ -32,6 +32,13 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// Q4_K/Q5_K/Q6_K decoded in registers (see BQ45_K) take AVX-512 F and BW (every AVX-512 x86
+// since Skylake-SP)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FUSED_BLOCKS 1
+#else
+#define FUSED_BLOCKS 0
+#endif
 
 namespace {
 
@@ -417,17 +424,35 @@ struct BQ3_K {
         }
   }
 };
-#if defined(__AVX512F__)
-// Q4_K, Q5_K and Q6_K (what llama-quantize's _K_M mixes are made of) also give their weights
-// j .. j + 15 in one register (`weights16`), so `dot_blocks` multiplies them as they are decoded
-// instead of through a decoded block in L1: the same expression of the same values as `decode`
-// (a product, then a difference, each rounded), so the same sums. At one thread on the dev box
-// (cpu_experts, 1 token, 8 experts a call) Q6_K went from 4.0 GFLOP/s (decoded through L1) to 6.4,
-// Q4_K stayed at 9.7-10.0 (its loop vectorized already); bf16 reads DRAM at 10.4-10.8.
+#if FUSED_BLOCKS
+// Q4_K, Q5_K and Q6_K (what llama-quantize's _K_M mixes are made of) also hand their weights to
+// `dot_blocks` a register at a time (`each`), multiplied as they are decoded instead of through
+// a decoded block in L1: the same expression of the same values as `decode` (a product, then a
+// difference, each rounded), so the same sums. Q4_K/Q5_K look each weight up in a register of
+// its sub-block's 16 (32) values d * q - dmin * m, made once per 32 weights: one permute a vector
+// instead of a convert, a product and a difference. Q6_K puts a half-block's 6-bit values
+// together 64 bytes at a time. Scales are decoded a block at a time in vector registers and
+// broadcast from memory. At one thread on the dev box (cpu_experts, 1 token, 8 experts a call),
+// GFLOP/s: Q4_K 8.5 -> 23.5, Q6_K 8.4 -> 15.4 (4.0 through L1), q4_k_m 8.4 -> 19.4; bf16 reads
+// DRAM at 12.8 there.
 using Vi = __m512i;
 inline Vi u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-inline Vi field(Vi v, int shift, int mask) {
-  return _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift)), _mm512_set1_epi32(mask));
+inline Vi i32(int v) { return _mm512_set1_epi32(v); }
+// *p in every lane, loaded so: a broadcast from memory takes a load port, where g++ otherwise keeps
+// the scales in registers and spends two shuffles of the permute's port on each
+inline __m512 bcast(const float* p) {
+  __m512 v;
+  asm("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+  return v;
+}
+// (a & b) | c, one instruction
+inline Vi and_or(Vi a, Vi b, Vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0xEA); }
+const __m512 Q0_15 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+             Q16_31 = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+// d * float(q[i]) for the 8 bytes of q (a u64, little-endian), into out[0..7]
+inline void scaled8(uint64_t q, float d, float* out) {
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(q))));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), v));
 }
 #endif
 // Q4_K/Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
@@ -442,17 +467,27 @@ inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* m) {
 // c * 32 .. c * 32 + 31; Q5_K's fifth bit of weight l of sub-block j is bit j of high byte l.
 template <bool FIFTH>
 struct BQ45_K {
-  static constexpr int BLOCK = 256, BYTES = FIFTH ? 176 : 144;
+  static constexpr int BLOCK = 256, BYTES = FIFTH ? 176 : 144, CHUNK = 64;
   struct Scales {
     float d[8], dm[8];  // per sub-block: d * scale, dmin * min
   };
   static void scales(const uint8_t* b, Scales& s) {
     const float d = f16_at(b), dmin = f16_at(b + 2);
+#if FUSED_BLOCKS
+    // scale_min_k4 for the 8 sub-blocks at once, as 4 bytes in each u32: 6-bit scales of 0..3 in
+    // word 0, mins in word 1; 4..7 take 4 low bits from word 2 and 2 high ones from words 0 and 1
+    const uint32_t w0 = u32_at(b + 4), w1 = u32_at(b + 8), w2 = u32_at(b + 12);
+    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+    const uint32_t sc_hi = (w2 & lo4) | (((w0 >> 6) & lo2) << 4), m_hi = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
+    scaled8(uint64_t(w0 & lo6) | uint64_t(sc_hi) << 32, d, s.d);
+    scaled8(uint64_t(w1 & lo6) | uint64_t(m_hi) << 32, dmin, s.dm);
+#else
     for (int j = 0; j < 8; ++j) {
       int sc, m;
       scale_min_k4(b + 4, j, &sc, &m);
       s.d[j] = d * float(sc), s.dm[j] = dmin * float(m);
     }
+#endif
   }
   static void decode(const uint8_t* b, float* o) {
     Scales s;
@@ -469,12 +504,33 @@ struct BQ45_K {
       }
     }
   }
-#if defined(__AVX512F__)
-  static V weights16(const uint8_t* b, const Scales& s, int j) {
-    const int sb = j / 32, l0 = j % 32;  // sub-block sb: the low (even) or high (odd) nibbles of run sb / 2
-    Vi q = field(u8x16(b + (FIFTH ? 48 : 16) + (sb / 2) * 32 + l0), 4 * (sb % 2), 15);
-    if constexpr (FIFTH) q = _mm512_or_si512(q, _mm512_slli_epi32(field(u8x16(b + 16 + l0), sb, 1), 4));
-    return _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s.d[sb]), _mm512_cvtepi32_ps(q)), _mm512_set1_ps(s.dm[sb]));
+#if FUSED_BLOCKS
+  // sub-block j's values d * q - dmin * m for the 16 q of `q`, as `decode` computes them
+  static V values(const Scales& s, int j, V q) {
+    return _mm512_sub_ps(_mm512_mul_ps(bcast(s.d + j), q), bcast(s.dm + j));
+  }
+  // f(i, weights i .. i + 15) for the 64 weights from c (sub-blocks c / 32 and c / 32 + 1), in order
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int c, F f) {
+    const int j = c / 32;
+    const uint8_t* q = b + (FIFTH ? 48 : 16) + c / 2;
+    const Vi a = u8x16(q), a16 = u8x16(q + 16);
+    if constexpr (!FIFTH) {  // vpermps reads the low 4 bits of each index: the low nibble as it is
+      const V t0 = values(s, j, Q0_15), t1 = values(s, j + 1, Q0_15);
+      f(c, _mm512_permutexvar_ps(a, t0));
+      f(c + 16, _mm512_permutexvar_ps(a16, t0));
+      f(c + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), t1));
+      f(c + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(a16, 4), t1));
+    } else {  // 32 values a sub-block, two registers; the index's bit 4 is the fifth bit
+      const V t0 = values(s, j, Q0_15), t0h = values(s, j, Q16_31), t1 = values(s, j + 1, Q0_15), t1h = values(s, j + 1, Q16_31);
+      const Vi h = _mm512_slli_epi32(u8x16(b + 16), 4), h16 = _mm512_slli_epi32(u8x16(b + 32), 4);
+      const Vi b4 = i32(16), n4 = i32(15);
+      auto fifth = [&](Vi hv, int bit) { return _mm512_and_si512(_mm512_srli_epi32(hv, bit), b4); };
+      f(c, _mm512_permutex2var_ps(t0, and_or(a, n4, fifth(h, j)), t0h));
+      f(c + 16, _mm512_permutex2var_ps(t0, and_or(a16, n4, fifth(h16, j)), t0h));
+      f(c + 32, _mm512_permutex2var_ps(t1, _mm512_or_si512(_mm512_srli_epi32(a, 4), fifth(h, j + 1)), t1h));
+      f(c + 48, _mm512_permutex2var_ps(t1, _mm512_or_si512(_mm512_srli_epi32(a16, 4), fifth(h16, j + 1)), t1h));
+    }
   }
 #endif
 };
@@ -482,13 +538,18 @@ struct BQ45_K {
 // (k >= 2) of byte h * 64 + (k % 2) * 32 + l and bits 2k..2k+1 of byte 128 + h * 32 + l; one int8
 // scale per 16 weights.
 struct BQ6_K {
-  static constexpr int BLOCK = 256, BYTES = 210;
+  static constexpr int BLOCK = 256, BYTES = 210, CHUNK = 128;
   struct Scales {
     float d[16];  // per 16 weights: d * scale
   };
   static void scales(const uint8_t* b, Scales& s) {
     const float d = f16_at(b + 208);
+#if defined(__AVX512F__)
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192))));
+    _mm512_storeu_ps(s.d, _mm512_mul_ps(_mm512_set1_ps(d), sc));
+#else
     for (int g = 0; g < 16; ++g) s.d[g] = d * float(int8_t(b[192 + g]));
+#endif
   }
   static void decode(const uint8_t* b, float* o) {
     Scales s;
@@ -504,13 +565,25 @@ struct BQ6_K {
             out[l] = dl * float((((ql[l] >> shift) & 15) | (((qh[l] >> (2 * k)) & 3) << 4)) - 32);
         }
   }
-#if defined(__AVX512F__)
-  static V weights16(const uint8_t* b, const Scales& s, int j) {
-    const int g = j / 16, h = g / 8, k = (g % 8) / 2, half = g % 2;
-    const Vi low = field(u8x16(b + h * 64 + (k % 2) * 32 + half * 16), k < 2 ? 0 : 4, 15);
-    const Vi high = field(u8x16(b + 128 + h * 32 + half * 16), 2 * k, 3);
-    const Vi q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
-    return _mm512_mul_ps(_mm512_set1_ps(s.d[g]), _mm512_cvtepi32_ps(q));
+#if FUSED_BLOCKS
+  // f(i, weights i .. i + 15) for the half of 128 weights from c, in order. The half's 6-bit
+  // values are put together as bytes, 64 at a time (its low nibbles are 64 bytes in a row, its
+  // high bits 32), minus 32 as int8 in the weights' own order; each 16 then widen, convert and
+  // take their scale.
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int c, F f) {
+    const Vi ql = _mm512_loadu_si512(b + c / 2);  // k = 0 | k = 1 low nibbles; k = 2 | 3 high
+    const Vi qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + c / 4)));
+    // bits 2k, 2k + 1 of the high bytes moved to bits 4, 5: 16-bit shifts, bytes apart by the masks
+    const Vi sh01 = _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
+    const Vi sh23 = _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1));
+    const Vi n4 = _mm512_set1_epi8(15), b45 = _mm512_set1_epi8(48), b32 = _mm512_set1_epi8(32);
+    alignas(64) int8_t q[128];
+    _mm512_store_si512(q, _mm512_sub_epi8(and_or(sh01, b45, _mm512_and_si512(ql, n4)), b32));
+    _mm512_store_si512(q + 64, _mm512_sub_epi8(and_or(sh23, b45, _mm512_and_si512(_mm512_srli_epi16(ql, 4), n4)), b32));
+    const float* d = s.d + c / 16;
+    for (int v = 0; v < 8; ++v)
+      f(c + 16 * v, _mm512_mul_ps(bcast(d + v), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i*)(q + 16 * v))))));
   }
 #endif
 };
@@ -532,14 +605,17 @@ struct BIQ4_XS {
 // accumulator per row and token), so the result is dot<LoadF32>'s on the dequantized rows.
 template <class D, class = void>
 struct fused : std::false_type {};
+#if FUSED_BLOCKS
 template <class D>
-struct fused<D, std::void_t<decltype(&D::weights16)>> : std::true_type {};
+struct fused<D, std::void_t<decltype(D::CHUNK)>> : std::true_type {};
+#endif
 
 template <class D, int R, int TB>
 void dot_blocks(const uint8_t* const* rows, int n, const float* const* xs, float (*s)[TBMAX]) {
   V acc[R][TB];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TB; ++t) acc[r][t] = vzero();
+#if FUSED_BLOCKS
   if constexpr (fused<D>::value) {  // each vector of weights decoded where it is multiplied
     typename D::Scales sc[R];
     const uint8_t* b[R];
@@ -550,19 +626,17 @@ void dot_blocks(const uint8_t* const* rows, int n, const float* const* xs, float
         D::scales(b[r], sc[r]);
       }
       const int base = blk * D::BLOCK;
-      for (int j = 0; j < D::BLOCK; j += W) {
-        V x[TB];
-        for (int t = 0; t < TB; ++t) x[t] = pin(vload(xs[t] + base + j));
-        for (int r = 0; r < R; ++r) {
-          const V w = D::weights16(b[r], sc[r], j);
-          for (int t = 0; t < TB; ++t) acc[r][t] = vfma(w, x[t], acc[r][t]);
-        }
-      }
+      for (int c = 0; c < D::BLOCK; c += D::CHUNK)
+        for (int r = 0; r < R; ++r)
+          D::each(b[r], sc[r], c, [&](int j, V w) {
+            for (int t = 0; t < TB; ++t) acc[r][t] = vfma(w, vload(xs[t] + base + j), acc[r][t]);
+          });
     }
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < TB; ++t) s[r][t] = vsum(acc[r][t]);
     return;
   }
+#endif
   alignas(64) float buf[R][D::BLOCK];
   for (int blk = 0; blk < n / D::BLOCK; ++blk) {
     for (int r = 0; r < R; ++r) {
