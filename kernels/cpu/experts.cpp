@@ -340,12 +340,68 @@ inline void lut32(const uint8_t* qs, float scale, const float* table, float* o) 
 #endif
 }
 
+#if FUSED_BLOCKS
+// Formats with a CHUNK hand their weights to `dot_blocks` a register at a time (`each`),
+// multiplied as they are decoded instead of through a decoded block in L1: each register is the
+// same expression of the same values as `decode`, so the same sums. Most look each weight up in
+// a register of its block's (or sub-block's) 16 or 32 values, made once per 32 weights: one
+// permute a vector instead of a convert and a product or two. Dev box, one thread, GFLOP/s
+// (cpu_experts, a busy box): q4_0 16.9 -> 22.2, q5_0 2.7 -> 12.0 (its fifth bits were picked one
+// weight at a time), mxfp4 22.6 -> 25.3.
+using Vi = __m512i;
+inline Vi u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline Vi i32(int v) { return _mm512_set1_epi32(v); }
+// *p in every lane, loaded so: a broadcast from memory takes a load port, where g++ otherwise keeps
+// the scales in registers and spends two shuffles of the permute's port on each
+inline __m512 bcast(const float* p) {
+  __m512 v;
+  asm("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+  return v;
+}
+// (a & b) | c, one instruction
+inline Vi and_or(Vi a, Vi b, Vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0xEA); }
+const __m512 Q0_15 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+             Q16_31 = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+// d * float(q[i]) for the 8 bytes of q (a u64, little-endian), into out[0..7]
+inline void scaled8(uint64_t q, float d, float* out) {
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(q))));
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), v));
+}
+const __m512 Q_8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
+             Q_16 = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+const __m512i LANES = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+// f(0, weights 0..15), f(16, weights 16..31) of a 32-weight block whose 16 bytes at qs hold
+// weight j's 4-bit index in the low (j < 16) or high nibble of byte j % 16: t[index]; with qh
+// (bit j: weight j's fifth bit), the index's fifth bit picks hi over lo
+template <class F>
+inline void each32(const uint8_t* qs, V t, F f) {
+  const Vi q = u8x16(qs);  // vpermps reads the low 4 bits of each index: the low nibble as it is
+  f(0, _mm512_permutexvar_ps(q, t));
+  f(16, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t));
+}
+template <class F>
+inline void each32(const uint8_t* qs, uint32_t qh, V lo, V hi, F f) {
+  const Vi q = u8x16(qs), b4 = i32(16);
+  const Vi h0 = _mm512_and_si512(_mm512_srlv_epi32(i32(int(qh << 4)), LANES), b4);   // bit j at bit 4
+  const Vi h1 = _mm512_and_si512(_mm512_srlv_epi32(i32(int(qh >> 12)), LANES), b4);  // bit 16 + j
+  f(0, _mm512_permutex2var_ps(lo, and_or(q, i32(15), h0), hi));
+  f(16, _mm512_permutex2var_ps(lo, _mm512_or_si512(_mm512_srli_epi32(q, 4), h1), hi));
+}
+#endif
+
 struct BQ4_0 {
   static constexpr int BLOCK = 32, BYTES = 18;
   static void decode(const uint8_t* b, float* o) {
     const float d = f16_at(b);
     nibbles32(b + 2, o, [d](int q, int) { return d * float(q - 8); });
   }
+#if FUSED_BLOCKS
+  static constexpr int CHUNK = 32;
+  struct Scales { V t; };  // the 16 values d * (q - 8)
+  static void scales(const uint8_t* b, Scales& s) { s.t = _mm512_mul_ps(_mm512_set1_ps(f16_at(b)), Q_8); }
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int, F f) { each32(b + 2, s.t, f); }
+#endif
 };
 struct BQ4_1 {
   static constexpr int BLOCK = 32, BYTES = 20;
@@ -353,6 +409,15 @@ struct BQ4_1 {
     const float d = f16_at(b), m = f16_at(b + 2);
     nibbles32(b + 4, o, [d, m](int q, int) { return d * float(q) + m; });
   }
+#if FUSED_BLOCKS
+  static constexpr int CHUNK = 32;
+  struct Scales { V t; };  // d * q + m
+  static void scales(const uint8_t* b, Scales& s) {
+    s.t = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f16_at(b)), Q0_15), _mm512_set1_ps(f16_at(b + 2)));
+  }
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int, F f) { each32(b + 4, s.t, f); }
+#endif
 };
 // q5's fifth bits: bit j of the little-endian u32 before the nibbles is weight j's
 inline uint32_t u32_at(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
@@ -363,6 +428,16 @@ struct BQ5_0 {
     const uint32_t qh = u32_at(b + 2);
     nibbles32(b + 6, o, [d, qh](int q, int j) { return d * float((q | int((qh >> j) & 1) << 4) - 16); });
   }
+#if FUSED_BLOCKS
+  static constexpr int CHUNK = 32;
+  struct Scales { V lo, hi; };  // d * (q - 16) for q < 16, q >= 16
+  static void scales(const uint8_t* b, Scales& s) {
+    const V d = _mm512_set1_ps(f16_at(b));
+    s.lo = _mm512_mul_ps(d, Q_16), s.hi = _mm512_mul_ps(d, Q0_15);
+  }
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int, F f) { each32(b + 6, u32_at(b + 2), s.lo, s.hi, f); }
+#endif
 };
 struct BQ5_1 {
   static constexpr int BLOCK = 32, BYTES = 24;
@@ -371,6 +446,16 @@ struct BQ5_1 {
     const uint32_t qh = u32_at(b + 4);
     nibbles32(b + 8, o, [d, m, qh](int q, int j) { return d * float(q | int((qh >> j) & 1) << 4) + m; });
   }
+#if FUSED_BLOCKS
+  static constexpr int CHUNK = 32;
+  struct Scales { V lo, hi; };  // d * q + m for q < 16, q >= 16
+  static void scales(const uint8_t* b, Scales& s) {
+    const V d = _mm512_set1_ps(f16_at(b)), m = _mm512_set1_ps(f16_at(b + 2));
+    s.lo = _mm512_add_ps(_mm512_mul_ps(d, Q0_15), m), s.hi = _mm512_add_ps(_mm512_mul_ps(d, Q16_31), m);
+  }
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int, F f) { each32(b + 8, u32_at(b + 4), s.lo, s.hi, f); }
+#endif
 };
 struct BIQ4_NL {
   static constexpr int BLOCK = 32, BYTES = 18;
@@ -378,16 +463,33 @@ struct BIQ4_NL {
     const float d = f16_at(b);
     lut32(b + 2, d, IQ4_LEVELS, o);
   }
+#if FUSED_BLOCKS
+  static constexpr int CHUNK = 32;
+  struct Scales { V t; };  // d * level
+  static void scales(const uint8_t* b, Scales& s) {
+    s.t = _mm512_mul_ps(_mm512_set1_ps(f16_at(b)), _mm512_loadu_ps(IQ4_LEVELS));
+  }
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int, F f) { each32(b + 2, s.t, f); }
+#endif
 };
 struct BMXFP4 {
   static constexpr int BLOCK = 32, BYTES = 17;
-  static void decode(const uint8_t* b, float* o) {
-    // GGML_E8M0_TO_FP32_HALF: 2^(e - 128), the subnormals 2^-128 and 2^-127 for e < 2
+  // GGML_E8M0_TO_FP32_HALF: 2^(e - 128), the subnormals 2^-128 and 2^-127 for e < 2
+  static float scale(const uint8_t* b) {
     const uint32_t e = b[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
     float s;
     std::memcpy(&s, &bits, 4);
-    lut32(b + 1, s, E2M1_X2, o);
+    return s;
   }
+  static void decode(const uint8_t* b, float* o) { lut32(b + 1, scale(b), E2M1_X2, o); }
+#if FUSED_BLOCKS
+  static constexpr int CHUNK = 32;
+  struct Scales { V t; };  // scale * e2m1 value
+  static void scales(const uint8_t* b, Scales& s) { s.t = _mm512_mul_ps(_mm512_set1_ps(scale(b)), _mm512_loadu_ps(E2M1_X2)); }
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int, F f) { each32(b + 1, s.t, f); }
+#endif
 };
 // Q2_K and Q3_K: weight h * 128 + k * 32 + l (h < 2, k < 4, l < 32) is bits 2k..2k+1 of byte
 // h * 32 + l of the 2-bit fields, in group (of 16 weights, one scale) h * 8 + 2k + l / 16.
@@ -424,37 +526,13 @@ struct BQ3_K {
         }
   }
 };
-#if FUSED_BLOCKS
-// Q4_K, Q5_K and Q6_K (what llama-quantize's _K_M mixes are made of) also hand their weights to
-// `dot_blocks` a register at a time (`each`), multiplied as they are decoded instead of through
-// a decoded block in L1: the same expression of the same values as `decode` (a product, then a
-// difference, each rounded), so the same sums. Q4_K/Q5_K look each weight up in a register of
-// its sub-block's 16 (32) values d * q - dmin * m, made once per 32 weights: one permute a vector
-// instead of a convert, a product and a difference. Q6_K puts a half-block's 6-bit values
-// together 64 bytes at a time. Scales are decoded a block at a time in vector registers and
-// broadcast from memory. At one thread on the dev box (cpu_experts, 1 token, 8 experts a call),
-// GFLOP/s: Q4_K 8.5 -> 23.5, Q6_K 8.4 -> 15.4 (4.0 through L1), q4_k_m 8.4 -> 19.4; bf16 reads
-// DRAM at 12.8 there.
-using Vi = __m512i;
-inline Vi u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-inline Vi i32(int v) { return _mm512_set1_epi32(v); }
-// *p in every lane, loaded so: a broadcast from memory takes a load port, where g++ otherwise keeps
-// the scales in registers and spends two shuffles of the permute's port on each
-inline __m512 bcast(const float* p) {
-  __m512 v;
-  asm("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
-  return v;
-}
-// (a & b) | c, one instruction
-inline Vi and_or(Vi a, Vi b, Vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0xEA); }
-const __m512 Q0_15 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-             Q16_31 = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-// d * float(q[i]) for the 8 bytes of q (a u64, little-endian), into out[0..7]
-inline void scaled8(uint64_t q, float d, float* out) {
-  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(q))));
-  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), v));
-}
-#endif
+// Q4_K, Q5_K and Q6_K (what llama-quantize's _K_M mixes are made of) in registers (`each`):
+// Q4_K/Q5_K look each weight up in its sub-block's 16 (32) values d * q - dmin * m; Q6_K puts a
+// half-block's 6-bit values together 64 bytes at a time. Scales are decoded a block at a time in
+// vector registers and broadcast from memory. At one thread on the dev box (cpu_experts, 1 token,
+// 8 experts a call), GFLOP/s: Q4_K 8.5 -> 23.5, Q6_K 8.4 -> 15.4 (4.0 through L1), q4_k_m 8.4 ->
+// 19.4; bf16 reads DRAM at 12.8 there. On the GPU machine at 15 threads q4_k_m went 18.2 -> 33.2
+// GB/s of blocks (docs/benchmarks.md).
 // Q4_K/Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
 inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* m) {
   if (j < 4) {
@@ -589,15 +667,30 @@ struct BQ6_K {
 };
 struct BIQ4_XS {
   static constexpr int BLOCK = 256, BYTES = 136;
-  static void decode(const uint8_t* b, float* o) {
+  struct Scales {
+    float d[8];  // per sub-block of 32
+  };
+  static void scales(const uint8_t* b, Scales& s) {
     const float d = f16_at(b);
     const int high_bits = b[2] | (b[3] << 8);
     for (int j = 0; j < 8; ++j) {
       const int low = (b[4 + j / 2] >> (4 * (j % 2))) & 15, high = (high_bits >> (2 * j)) & 3;
-      const float dl = d * float(int8_t(low | (high << 4)) - 32);
-      lut32(b + 8 + j * 16, dl, IQ4_LEVELS, o + j * 32);
+      s.d[j] = d * float(int8_t(low | (high << 4)) - 32);
     }
   }
+  static void decode(const uint8_t* b, float* o) {
+    Scales s;
+    scales(b, s);
+    for (int j = 0; j < 8; ++j) lut32(b + 8 + j * 16, s.d[j], IQ4_LEVELS, o + j * 32);
+  }
+#if FUSED_BLOCKS
+  static constexpr int CHUNK = 32;
+  template <class F>
+  static void each(const uint8_t* b, const Scales& s, int c, F f) {
+    each32(b + 8 + c / 2, _mm512_mul_ps(bcast(s.d + c / 32), _mm512_loadu_ps(IQ4_LEVELS)),
+           [&](int j, V w) { f(c + j, w); });
+  }
+#endif
 };
 
 // s[r][t] = dot(rows[r][0:n], xs[t][0:n]) for rows of D's blocks: each block decoded once into
