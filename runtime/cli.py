@@ -21,7 +21,7 @@ from rich.table import Table
 
 from ftkit.vocab import DENSE_FORMATS, STRATEGIES, human_bytes
 
-from .console import Version, err_console, fail, guarded, parse_bytes, printable
+from .console import PlainUsage, Version, err_console, fail, guarded, parse_bytes, printable
 from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
@@ -373,7 +373,7 @@ def serve_cmd(
     guarded(run)
 
 
-@app.command("launch")
+@app.command("launch", cls=PlainUsage)
 @runtime_flags(PREFIX_FLAGS, SERVE_FLAGS)
 def launch_cmd(
     agent: Annotated[str, typer.Argument(metavar="AGENT", help="claude | codex | opencode", show_default=False)],

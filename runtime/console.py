@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Annotated, NoReturn
 
 import typer
+import typer.core
 from rich.console import Console
 
 from ftkit import __version__
@@ -48,6 +49,14 @@ def _print_version(ctx: typer.Context, value: bool) -> None:
 # `--version` for every command: printed before any other option is read (or any module loaded).
 Version = Annotated[bool, typer.Option("--version", is_eager=True, expose_value=False, callback=_print_version,
                                        help="print the version and exit")]
+
+
+class PlainUsage(typer.core.TyperCommand):
+    """A command whose usage line names its arguments as click does (`SRC`), not in the braces
+    typer puts around a required one (`{SRC}`), which read as literal characters to type."""
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
 
 
 def parse_bytes(text: str, flag: str = "a size") -> int:

@@ -44,6 +44,19 @@ def test_every_option_and_command_has_help() -> None:
     assert not missing, "without help: " + ", ".join(missing)
 
 
+def test_usage_lines_name_arguments_plainly() -> None:
+    """`Usage: ftw-convert [OPTIONS] SRC`, not typer's `{SRC}` for a required argument."""
+    braced = []
+    for prog, app in APPS.items():
+        for name, cmd in commands(prog, typer.main.get_command(app)):
+            if not hasattr(cmd, "commands"):
+                pieces = cmd.collect_usage_pieces(typer.Context(cmd, info_name=name))
+                braced += [f"{name}: {p}" for p in pieces if "{" in p]
+    assert not braced, braced
+    result = CliRunner().invoke(ftw_convert, ["--help"], prog_name="ftw-convert")
+    assert "Usage: ftw-convert [OPTIONS] SRC " in result.stdout
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--cache-bytes", "lots"], "--cache-bytes takes a byte size such as 8G, 512M or 4096, got 'lots'"),
     (["--gpu-budget", "abc"], "--gpu-budget takes a byte size such as 8G, 512M or 4096, got 'abc'"),

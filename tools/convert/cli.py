@@ -17,7 +17,7 @@ from rich.progress import (
 from rich.table import Table
 
 from ftkit.runtime.checkpoint.hub import local_path
-from ftkit.runtime.console import Version, guarded, parse_bytes
+from ftkit.runtime.console import PlainUsage, Version, guarded, parse_bytes
 from ftkit.vocab import human_bytes
 
 from .pipeline import CAST_DTYPES, Conversion, convert, prepare
@@ -45,7 +45,7 @@ def conversion_table(conv: Conversion, out: Path) -> Table:
     return t
 
 
-@app.command()
+@app.command(cls=PlainUsage)
 def main(
     src: str = typer.Argument(..., metavar="SRC", help="HF model directory (safetensors, single or sharded) or a "
                               "GGUF file; or a Hugging Face id (org/name) in the local hub cache (a path that "

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from ftkit.errors import InputError
 from ftkit.runtime.checkpoint.hub import local_path
-from ftkit.runtime.console import USAGE, Version, err_console, fail, guarded
+from ftkit.runtime.console import USAGE, PlainUsage, Version, err_console, fail, guarded
 from ftkit.vocab import human_bytes
 
 SHOWN = 20  # problems and unexpected tensors listed in the readable report; --json lists all
@@ -90,7 +90,7 @@ def remote_report(repo: str) -> dict[str, Any]:
     return {**result, "path": repo}
 
 
-@app.command()
+@app.command(cls=PlainUsage)
 def run(
     src: Annotated[str, typer.Argument(
         metavar="SRC", show_default=False,
