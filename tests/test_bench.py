@@ -38,9 +38,10 @@ def test_cli_writes_results_with_bounds(tiny, tmp_path):
     r = subprocess.run([*BENCH, "decode", "-m", str(tiny), "--device", "cpu", "--cache-fraction", "0.35",
                         "--pcie-gbps", "50", "--cpu-gbps", "80", "--tokens", "8", "--chunks", "64",
                         "--extend", "8", "--answer", "4", "--repeat", "3", "--strategies", "offload,hybrid",
-                        "--json", str(out), "--trace-dir", str(tmp_path)], capture_output=True, text=True)
+                        "--json", "--out", str(out), "--trace-dir", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
+    assert json.loads(r.stdout) == res and "ft-bench decode" in r.stderr  # --json: stdout is the JSON alone
     for strategy in ("offload", "hybrid"):  # the profiled steps after the timed ones, on the same K/V
         assert "Self CPU" in (tmp_path / f"profile-{strategy}-graphs-on.txt").read_text()
     assert [x["strategy"] for x in res["runs"]] == ["offload", "hybrid"]
@@ -364,7 +365,7 @@ def test_serve_drives_the_real_server_beside_the_engine(tiny, tmp_path):
     r = subprocess.run([*BENCH, "serve", "-m", str(tiny), "--lengths", "40,80", "--tokens", "6", "--turns", "2",
                         "--suffixes", "8,40", "--concurrent", "2", "--shared", "32", "--own", "16", "--first", "24",
                         "--strategy", "hybrid", "--cache-experts", "16", "--bandwidth-ratio", "0.5", "--threads", "1",
-                        "--log", str(tmp_path / "serve.log"), "--json", str(out)],
+                        "--log", str(tmp_path / "serve.log"), "--out", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "through the server" in r.stdout and "Traceback" not in r.stderr

@@ -20,7 +20,7 @@ def test_a_strategy_that_cannot_run_leaves_the_others_rows(tmp_path: Path) -> No
     out = tmp_path / "decode.json"
     result = CliRunner().invoke(app, ["decode", "-m", str(model), "--device", "cpu", "--strategies", "cpu,hybrid",
                                       "--tokens", "2", "--prompt", "4", "--threads", "1", "--no-profile",
-                                      "--json", str(out)])
+                                      "--out", str(out)])
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ") and "hybrid" in result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("│") and " cpu │" in line]

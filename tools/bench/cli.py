@@ -21,6 +21,7 @@ from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
 from ftkit.runtime.console import Version, err_console, guarded
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
+from ftkit.runtime.ftw.manifest import write_json_atomic
 from ftkit.runtime.profile import cache_dir
 from ftkit.runtime.random_model import write_random_ftw
 from ftkit.tools.convert.quant_presets import PRESETS as QUANT_PRESETS
@@ -48,7 +49,28 @@ PIPE_WIDTH = 1000  # columns a table may take when printed to a pipe or a file
 def show(table: Table) -> None:
     """A table at its natural width where stdout is not a terminal (rich would fold it to 80
     columns there), so a log keeps every column whole."""
-    (console if console.is_terminal else Console(width=PIPE_WIDTH)).print(table)
+    (console if console.is_terminal else Console(width=PIPE_WIDTH, stderr=console.stderr)).print(table)
+
+
+# --json and --out as every ftkit tool has them: a flag for one JSON object on stdout (the tables
+# and progress lines then go to stderr), a path for a file
+JsonFlag = Annotated[bool, typer.Option("--json", help="print the results as one JSON object on stdout "
+                                                       "(tables and progress on stderr)")]
+JsonOut = Annotated[Path | None, typer.Option("--out", "-o", help="also write the results as JSON to this file")]
+
+
+def to_stderr(as_json: bool) -> None:
+    """With --json, stdout carries the JSON alone."""
+    console.stderr = as_json
+
+
+def report(results: dict, as_json: bool, out: Path | None) -> None:
+    """The results as --json and --out ask (the file written atomically)."""
+    results = json.loads(json.dumps(results, default=str))
+    if out is not None:
+        write_json_atomic(out, results)
+    if as_json:
+        print(json.dumps(results, indent=1))
 
 
 @app.command()
@@ -130,7 +152,8 @@ def decode(
     record: Annotated[Path | None, typer.Option(help="save the real routing of the run")] = None,
     pcie_gbps: Annotated[float | None, typer.Option(help="B_P for the bounds, GB/s (default: the profile's)")] = None,
     cpu_gbps: Annotated[float | None, typer.Option(help="B_H for the bounds, GB/s (default: the profile's)")] = None,
-    as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    as_json: JsonFlag = False,
+    out: JsonOut = None,
     trace_dir: Annotated[Path | None, typer.Option(help="write a torch.profiler table per strategy")] = None,
     graphs: Annotated[str, typer.Option(help="CUDA graph decode: on | off | both (A/B rows)")] = "on",
     stream_prefill: Annotated[str, typer.Option(help="prefill layer double buffering: auto | on | off")] = "auto",
@@ -170,6 +193,7 @@ def decode(
         modes = [False]
 
     def body() -> None:
+        to_stderr(as_json)
         results = {"machine": _machine(), "model": str(model), "runs": []}
         if trace_dir:
             trace_dir.mkdir(parents=True, exist_ok=True)
@@ -185,8 +209,7 @@ def decode(
         finally:  # a strategy that cannot run (hybrid without a ratio) still shows the ones that ran
             if results["runs"]:
                 show(table)
-                if as_json:
-                    as_json.write_text(json.dumps(results, indent=1))
+                report(results, as_json, out)
 
     def each_run(results: dict, table: Table, sized: RuntimeOptions, strategies: str, modes: list[bool]) -> None:
         for strategy, graphs_on in ((s, g) for s in strategies.split(",") for g in modes):
@@ -241,13 +264,15 @@ def serve_cmd(
     pcie_gbps: Annotated[float | None, typer.Option(help="B_P for the bounds, GB/s (default: the profile's)")] = None,
     cpu_gbps: Annotated[float | None, typer.Option(help="B_H for the bounds, GB/s (default: the profile's)")] = None,
     log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-serve.log"),
-    as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    as_json: JsonFlag = False,
+    out: JsonOut = None,
     opts: RuntimeOptions = None,
 ) -> None:
     """Drive the real `ft-run serve` with the official openai SDK (first request, prompt lengths,
     an agent session, concurrent streams), each figure beside the engine's own for the same work."""
 
     def body() -> None:
+        to_stderr(as_json)
         work = serve_bench.Workload(tuple(int(n) for n in lengths.split(",") if n), tokens, turns,
                                 tuple(int(n) for n in suffixes.split(",") if n), concurrent, shared, own, first,
                                 tuple(n for n in scenarios.split(",") if n))
@@ -266,10 +291,8 @@ def serve_cmd(
         for row in serve_bench.rows(result, work):
             table.add_row(*row)
         show(table)
-        if as_json:
-            as_json.write_text(json.dumps({"machine": _machine(), "model": str(model), "workload": dataclasses.asdict(work),
-                                           "options": {k: str(v) for k, v in vars(opts).items()},
-                                           "serve_args": serve_args, **result}, indent=1, default=str))
+        report({"machine": _machine(), "model": str(model), "workload": dataclasses.asdict(work),
+                "options": {k: str(v) for k, v in vars(opts).items()}, "serve_args": serve_args, **result}, as_json, out)
 
     guarded(body)
 
@@ -291,7 +314,8 @@ def soak_cmd(
     seed: Annotated[int, typer.Option(help="seed of the sessions' scripts")] = soak.Workload.seed,
     max_running: Annotated[int, typer.Option(help="ft-run serve --max-running")] = 4,
     log: Annotated[Path, typer.Option(help="the server's output")] = Path("ft-bench-soak.log"),
-    as_json: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    as_json: JsonFlag = False,
+    out: JsonOut = None,
     opts: RuntimeOptions = None,
 ) -> None:
     """Agent-style sessions against ft-run serve (multi-turn, tools, streaming, clients that drop
@@ -299,6 +323,7 @@ def soak_cmd(
     server's RSS at start and end, greedy replies under load against the same requests alone."""
 
     def body() -> None:
+        to_stderr(as_json)
         if (model is None) == (url is None):
             raise ValueError("give --model (a server is started) or --url (a running one)")
         if min(minutes, sessions, max_tokens) <= 0 or not 0 <= disconnect <= 1 or min(rebuild_every, replay) < 0:
@@ -319,8 +344,7 @@ def soak_cmd(
         for d in result["replay"]["differ"]:
             console.print(f"differs alone ({d['api']}): {d['under_load']!r} under load, {d['alone']!r} alone",
                           markup=False, highlight=False)
-        if as_json:
-            as_json.write_text(json.dumps({"machine": _machine(), **result}, indent=1, default=str))
+        report({"machine": _machine(), **result}, as_json, out)
 
     guarded(body)
 

@@ -51,6 +51,10 @@ fi
 { nproc; lscpu | grep -E 'Model name|^L3|NUMA|Socket|Core|Thread'; grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag}
   grep -E 'MemTotal|MemFree|MemAvailable|^Cached|AnonHuge|HugePages_Total' /proc/meminfo; numactl -H 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv; } > "$OUT/machine.txt" 2>&1
 PROFILE=docs/profiles/h200-16c.json
+# ft-bench's results file: --out (a tree older than that option took the path as --json; the ab
+# part sets J again for each tree it installs)
+bench_json_flag() { $PY -m ftkit.tools.bench.cli decode --help 2>/dev/null | grep -qE -- '--out +-o' && echo --out || echo --json; }
+J=$(bench_json_flag)
 if has kernels; then
   $PY -c "from ftkit.kernels.cpu import load; k = load(); print('kernel:', k.path, k.isa)" 2>&1 | tee "$OUT/kernel.txt"
   $PY tests/test_cpu_kernels.py 2>&1 | tee -a "$OUT/kernel.txt"
@@ -104,18 +108,18 @@ decode() {  # decode on the q12 model (THREADS CPU threads; DECODE_FLAGS: more f
 }
 if has decode; then
   q12
-  decode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} --json "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
+  decode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} $J "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
 fi
 if has sampled; then  # hybrid graph decode with each token sampled on the device (temperature, top-p)
   q12
-  decode hybrid on --temperature 0.7 --top-p 0.95 --json "$OUT/sampled.json" 2>&1 | tee "$OUT/sampled.txt"
+  decode hybrid on --temperature 0.7 --top-p 0.95 $J "$OUT/sampled.json" 2>&1 | tee "$OUT/sampled.txt"
 fi
 if has prefill; then
   q12
   for sp in on off; do
     $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads 15 --profile "$PROFILE" \
         --tokens 2 --chunks 4096,8192 --extend 32 --strategies ${PREFILL_STRATEGIES:-offload,hybrid} --stream-prefill $sp \
-        --json "$OUT/prefill-$sp.json" --trace-dir "$OUT/prefill-$sp-trace" 2>&1 | tee "$OUT/prefill-$sp.txt"
+        $J "$OUT/prefill-$sp.json" --trace-dir "$OUT/prefill-$sp-trace" 2>&1 | tee "$OUT/prefill-$sp.txt"
   done
 fi
 extend() {  # the agent turn of the extend part; $1: strategies, $2: turns, then more ft-bench flags
@@ -127,16 +131,16 @@ if has serve; then  # ft-run serve through the openai SDK beside the engine (SER
   q12
   $PY -m ftkit.tools.bench.cli serve -m "$W/q12.ftw" --device cuda --strategy ${SERVE_STRATEGY:-hybrid} \
       --profile "$(realpath "$PROFILE")" --cache-bytes ${SERVE_CACHE:-4.8G} --threads 15 ${SERVE_FLAGS:-} \
-      --log "$OUT/serve${SERVE_TAG:-}.log" --json "$OUT/serve${SERVE_TAG:-}.json" 2>&1 | tee "$OUT/serve${SERVE_TAG:-}.txt"
+      --log "$OUT/serve${SERVE_TAG:-}.log" $J "$OUT/serve${SERVE_TAG:-}.json" 2>&1 | tee "$OUT/serve${SERVE_TAG:-}.txt"
 fi
 if has extend; then
   q12
-  extend ${EXTEND_STRATEGIES:-offload,hybrid} ${REPEAT:-5} --json "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
+  extend ${EXTEND_STRATEGIES:-offload,hybrid} ${REPEAT:-5} $J "$OUT/extend.json" --trace-dir "$OUT/extend-trace" 2>&1 | tee "$OUT/extend.txt"
 fi
 if has longctx; then  # graph decode behind long prompts (attention reads the whole context each step)
   q12
   for p in ${PROMPTS:-16 8192 32768}; do
-    decode ${STRATEGIES:-hybrid} on --prompt $p --json "$OUT/longctx-$p.json" 2>&1 | tee "$OUT/longctx-$p.txt"
+    decode ${STRATEGIES:-hybrid} on --prompt $p $J "$OUT/longctx-$p.json" 2>&1 | tee "$OUT/longctx-$p.txt"
   done
 fi
 bigprompt() {  # a LONG_CHUNK-token prompt prefilled layer by layer in pieces of $1 tokens (ft-run
@@ -147,7 +151,7 @@ bigprompt() {  # a LONG_CHUNK-token prompt prefilled layer by layer in pieces of
 if has bigprompt; then  # each of PREFILL_CHUNKS
   q12
   for c in ${PREFILL_CHUNKS:-8192 16384 32768}; do
-    bigprompt $c ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
+    bigprompt $c ${PREFILL_STRATEGIES:-hybrid} $J "$OUT/bigprompt-$c.json" 2>&1 | tee "$OUT/bigprompt-$c.txt"
   done
 fi
 nextdecode() {  # decode on the qn4 model; $1: strategies, $2: graphs, then more flags
@@ -156,7 +160,7 @@ nextdecode() {  # decode on the qn4 model; $1: strategies, $2: graphs, then more
 }
 if has nextdecode; then  # three DeltaNet layers (recurrent states) and one gated attention layer
   qn4
-  nextdecode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} --json "$OUT/nextdecode.json" --trace-dir "$OUT/nextdecode-trace" 2>&1 | tee "$OUT/nextdecode.txt"
+  nextdecode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} $J "$OUT/nextdecode.json" --trace-dir "$OUT/nextdecode-trace" 2>&1 | tee "$OUT/nextdecode.txt"
 fi
 nextprefill() {  # qn4: a LONG_CHUNK-token prompt with a recurrent-state anchor every $1 tokens (0:
   # none), then a 32-token extend; $2: strategies, then more flags
@@ -166,7 +170,7 @@ nextprefill() {  # qn4: a LONG_CHUNK-token prompt with a recurrent-state anchor 
 if has nextprefill; then  # without anchors and with one every ANCHORS tokens
   qn4
   for a in 0 ${ANCHORS:-2048}; do
-    nextprefill $a ${PREFILL_STRATEGIES:-hybrid} --json "$OUT/nextprefill-$a.json" --trace-dir "$OUT/nextprefill-$a-trace" \
+    nextprefill $a ${PREFILL_STRATEGIES:-hybrid} $J "$OUT/nextprefill-$a.json" --trace-dir "$OUT/nextprefill-$a-trace" \
         2>&1 | tee "$OUT/nextprefill-$a.txt"
   done
 fi
@@ -180,24 +184,25 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
     # PREFILL_CHUNKS), zerocopy (the fills bench), cpubw, plan (the planning kernels against the
     # cache's size: copy this tree's dense_kernels.py into an older tree); the first four with AB_STRATEGIES
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e "$d" >> "$OUT/ab-pip.txt" 2>&1
+    J=$(bench_json_flag)
     envs=AB_ENV_$name  # AB_ENV_<name>="VAR=value ...": that run's environment (a switch to compare)
     (
     [ -n "${!envs:-}" ] && export ${!envs}
     for kind in ${AB_RUN:-extend}; do
       case $kind in
-        decode) decode ${AB_STRATEGIES:-hybrid} on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
-        nextdecode) nextdecode ${AB_STRATEGIES:-hybrid} on --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        decode) decode ${AB_STRATEGIES:-hybrid} on $J "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        nextdecode) nextdecode ${AB_STRATEGIES:-hybrid} on $J "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         bigprompt) c=${PREFILL_CHUNKS:-8192}; bigprompt ${c%% *} ${AB_STRATEGIES:-hybrid} \
-            --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+            $J "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         nextprefill) nextprefill ${ANCHORS:-0} ${AB_STRATEGIES:-hybrid} \
-            --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+            $J "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         zerocopy) $PY -m ftkit.tools.bench.zero_copy --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
         plan) $PY -m ftkit.tools.bench.dense_kernels --only plan --json "$OUT/ab-$name-$kind.json" \
             > "$OUT/ab-$name-$kind.txt" 2>&1; grep -E 'plan' "$OUT/ab-$name-$kind.txt" | sed "s/^/$name /"; continue ;;
         cpubw) for t in ${CPU_TOKENS:-1 9}; do  # the CPU kernel alone, T tokens per expert
             $PY -m ftkit.tools.bench.cpu_experts --threads 15 --gib 2 --seconds 1 --tokens $t --experts-per-call 10 \
                 --no-torch 2>&1 | grep -E '^\S* +15 ' | sed "s/^/$name T=$t /"; done; continue ;;
-        *) extend ${AB_STRATEGIES:-hybrid} ${REPEAT:-10} --json "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
+        *) extend ${AB_STRATEGIES:-hybrid} ${REPEAT:-10} $J "$OUT/ab-$name-$kind.json" > "$OUT/ab-$name-$kind.txt" 2>&1 ;;
       esac && $PY -c "import json, sys; out = json.load(open(sys.argv[1]))
 if 'runs' not in out:  # the fills bench: fill-through GB/s per kernel and misses
     what = ' '.join(f\"{r['kernel']}x{r['slots']} {r['fill_through_gbps']:.1f}\" for r in out['results'])
