@@ -39,7 +39,7 @@ from ftkit.kernels.triton.gemv import gemv, tiles
 from ftkit.kernels.triton.norm import add_rms_norm
 from ftkit.kernels.triton.router import softmax_topk
 
-from .presets import preset_spec
+from .presets import PRESETS, preset_spec
 
 COLD_BYTES = 256 << 20  # weights cycled per replay: past the H200's 50 MB L2
 
@@ -150,9 +150,10 @@ def _plan_tokens_us(ids, w, x, e: int, cap: int, payload) -> float:
 
 def _planning(rows: list, caps=(537, 2150, 8601), tokens: int = 32) -> None:
     """`plan` and `plan_tokens` against the cache's size: 537 slots is the 12-layer bench
-    model's, 2150 the whole qwen3-30b-a3b's and 8601 the whole qwen3-next-80b-a3b's at 35%."""
-    for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b"):
-        spec = preset_spec(name, 1)
+    model's, 2150 the whole qwen3-30b-a3b's and 8601 the whole qwen3-next-80b-a3b's at 35% (the
+    whole DeepSeek-V3's 5196 and Kimi-K2's 8063 are below it), at each preset's expert count."""
+    for name in ("qwen3-30b-a3b", "qwen3-next-80b-a3b", "deepseek-v3", "kimi-k2"):
+        spec = PRESETS[name]  # the whole model: only its expert count, top-k and width are used
         k, e, h = spec.top_k, spec.num_experts, spec.hidden_size
         x = torch.randn(tokens, h, dtype=torch.bfloat16, device="cuda")
         ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(tokens)])
