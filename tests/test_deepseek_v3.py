@@ -10,7 +10,8 @@ with a 2-expert cache, the logits to 1e-4, with both attention forms (absorbed, 
 cache holds kv_lora_rank + rope values per position and layer; the conversion is bitwise;
 diagnose passes with that KV size; a cached prefix resumes bitwise; FP8 block-scaled weights
 dequantize as DeepSeek's reference does; GGUF as llama.cpp's converter writes deepseek2 (kv_b
-whole or split into k_b/v_b) loads to the same model, f32 exactly, q8_0 within tolerance.
+whole or split into k_b/v_b) loads to the same model, f32 exactly, q8_0 within tolerance, and an
+Unsloth-style mix of low-bit types per layer gives its dequantized twin's tokens.
 """
 
 from __future__ import annotations
@@ -415,6 +416,42 @@ def test_gguf_q8_0_within_tolerance(hf_dir, reference, tmp_path):
     tokens, logits = greedy(rt, n=1)
     rt.close()
     assert _rel_err(logits[0], reference[1][0]) < 2e-2
+
+
+# Unsloth-style dynamic quants of this family: each MoE layer's experts in their own mix of the
+# low-bit types (Q2_K, Q3_K, IQ4_XS beside Q4_K..Q6_K), the shared expert and attention in
+# others; 256-wide rows so every K-quant and IQ type applies.
+WIDE = {**CONFIG, "hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
+UNSLOTH_MIX = {"blk.1.ffn_gate_exps.weight": "q2_k", "blk.1.ffn_up_exps.weight": "iq4_xs",
+               "blk.1.ffn_down_exps.weight": "q3_k", "blk.2.ffn_gate_exps.weight": "q4_k",
+               "blk.2.ffn_up_exps.weight": "q5_k", "blk.2.ffn_down_exps.weight": "q6_k",
+               "blk.1.ffn_gate_shexp.weight": "q4_k", "blk.2.ffn_down_shexp.weight": "q8_0",
+               "blk.0.ffn_up.weight": "iq4_nl", "blk.1.attn_kv_a_mqa.weight": "q8_0", "blk.2.attn_output.weight": "q5_0"}
+
+
+def test_gguf_unsloth_style_mix_decodes_its_dequantized_twins_tokens(tmp_path):
+    """Each layer's experts stay in their own blocks through convert; greedy float32 tokens on the
+    cpu strategy (the CPU kernel on the blocks) and on hybrid with a 2-expert cache equal those of
+    the gguf package's float32 dequantization of the same file."""
+    hf = make_checkpoint(tmp_path / "hf", WIDE)
+    f32 = tmp_path / "f32.gguf"
+    write_deepseek2_gguf(hf, f32)
+    q = gfx.requantize_gguf(f32, tmp_path / "mix.gguf", UNSLOTH_MIX)
+    twin = gfx.dequantized_gguf(q, tmp_path / "twin.gguf")
+    r = diagnose(q)
+    assert (r["verdict"], r["problems"], r["family"]) == ("PASS", [], NAME), r
+    assert set(r["memory"]["expert_formats"]) == {"q2_k", "iq4_xs", "q3_k", "q4_k", "q5_k", "q6_k"}
+    for src, out in ((q, tmp_path / "q.ftw"), (twin, tmp_path / "twin.ftw")):
+        convert(prepare(src), out)
+    layout = FTWModel(tmp_path / "q.ftw").layout
+    assert [lay.formats for lay in layout.layers] == [("q2_k", "iq4_xs", "q3_k"), ("q4_k", "q5_k", "q6_k")]
+    runs = []
+    for ftw, opts in ((tmp_path / "q.ftw", dict(strategy="cpu")), (tmp_path / "twin.ftw", dict(strategy="cpu")),
+                      (tmp_path / "q.ftw", dict(strategy="hybrid", cache_experts=2, bandwidth_ratio=0.5))):
+        rt = Runtime(ftw, RuntimeOptions(threads=2, dtype="float32", **opts))
+        runs.append(greedy(rt, n=8)[0])
+        rt.close()
+    assert runs[0] == runs[1] == runs[2] and len(set(runs[0])) > 1
 
 
 # ---- block-scaled FP8, as DeepSeek ships its checkpoints --------------------------------------
