@@ -45,7 +45,7 @@ def format_code(layout: SlotLayout) -> int:
 
 SOURCE = Path(__file__).with_name("experts.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
-# experts.cpp's `Dtype` codes: every expert format has a kernel (GGUF blocks decoded in L1)
+# experts.cpp's `Dtype` codes: every expert format has a kernel (GGUF blocks decoded as they are multiplied)
 FORMAT_CODES = {name: i for i, name in enumerate((
     "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
     "q6_k", "iq4_nl", "iq4_xs", "mxfp4"))}
