@@ -124,8 +124,9 @@ KERNELS = [
        dict(HEADS=32, KV_HEADS=4, D=128, BLOCK_D=128, BT=1 if dev else 4, BLOCK_M=16 if dev else 32, BLOCK_S=64,
             IEEE=ieee, POS_ON_DEVICE=dev, BATCH=batch))
       for ieee, dev, batch in ((False, False, False), (True, False, False), (False, True, False), (False, True, True))),
-    (attention._combine, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "T": "i32", "splits": "i32"},
-     dict(HEADS=32, D=128, BLOCK_D=128, BLOCK_P=32)),
+    *((attention._combine, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*bf16" if sink else "*fp32",
+                            "out_ptr": "*bf16", "T": "i32", "splits": "i32"},
+       dict(HEADS=32, D=128, BLOCK_D=128, BLOCK_P=32, SINK=sink)) for sink in (False, True)),
 ]
 
 
