@@ -236,6 +236,31 @@ def test_attention_kernels_add_the_sinks_once_per_head(window):
     assert (got - want).abs().max() < 1e-5
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_router_kernels_match_torch(dtype):
+    """The graph step's fused add + norm in gpt-oss's form (the float32 weight times the float32
+    value, then the cast) and its router's one launch (the top-k logits, softmaxed over those k)
+    against the torch forms the CPU runs."""
+    from ftkit.kernels.triton.norm import add_rms_norm
+    from ftkit.kernels.triton.router import softmax_topk
+    from ftkit.runtime.models.layers import rms_norm, topk_softmax
+
+    gen = torch.Generator().manual_seed(6)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, delta = (torch.randn((3, 100), generator=gen).to(dtype) for _ in range(2))  # a masked tail
+    w = 1 + 0.1 * torch.randn(100, generator=gen)  # float32, as the loader keeps gpt-oss's
+    s, h = add_rms_norm(x.to(dev), delta.to(dev), w.to(dev), 1e-5, float32=True)
+    assert h.dtype == dtype
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(h.cpu().float(), rms_norm(x + delta, w, 1e-5, float32=True).float(), **tol)
+    logits = torch.randn((5, 24), generator=gen).to(dtype)
+    ids, weights = softmax_topk(logits.to(dev), 4, False, dtype, top_first=True)
+    want_ids, want = topk_softmax(logits, 4)
+    assert torch.equal(ids.cpu(), want_ids) and weights.dtype == dtype
+    assert torch.allclose(weights.cpu().float(), want.float(), **tol)
+
+
 def graph_runtime(ftw: Path, **opts) -> Runtime:
     """A runtime whose step goes through GraphDecode: prompts of 2..64 tokens its extend, one
     token its graph step; on CUDA captured, on CPU run eagerly (as tests/test_graphs.py does)."""
@@ -282,6 +307,7 @@ def test_graph_decode_matches_eager(ftw, eager_decode, opts):
     rt = graph_runtime(ftw, **opts)
     graphs = rt.step.graphs
     assert graphs.fused is not None and set(graphs.qkv) == {0, 1} and graphs.qkv[0][1] is not None
+    assert graphs.add_norm.__name__ == "fused_add_norm"  # its float32 form in one launch
     tokens, logits = graph_greedy(rt, PROMPT, GRAPH_TOKENS)
     assert rt.store.device_planner is not None and graphs.bound is not None, "the graph path did not run"
     t = rt.store.stats.totals()

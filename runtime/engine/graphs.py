@@ -182,7 +182,7 @@ class GraphDecode:
 
             def fused_add_norm(x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
                 """The decoder's add_norm in one launch (a family overriding its norm keeps its own)."""
-                return add_rms_norm(x, delta, decoder.w[name], s.rms_norm_eps, decoder.norm_offset)
+                return add_rms_norm(x, delta, decoder.w[name], s.rms_norm_eps, decoder.norm_offset, decoder.norm_float32)
 
             self.add_norm = fused_add_norm
         self.said_too_long = False  # the eager fallback for long sequences is announced once
