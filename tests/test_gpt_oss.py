@@ -7,12 +7,16 @@ Greedy tokens through the KV cache equal transformers' (float32, CPU) for every 
 1e-4. The conversion is exact (interleaved, transposed experts and their biases into the slot's
 parts), MXFP4 experts (`*_blocks`, `*_scales`) dequantize to what transformers' own dequantizer
 gives, ft-diagnose passes with the memory plan the runtime allocates, and a cached prefix longer
-than the window resumes bitwise.
+than the window resumes bitwise. Graph decode (its extend, one-token and batched steps: sinks in
+the Triton attention kernels) gives the eager decode's tokens and logits, on CPU through the
+Triton interpreter.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -197,14 +201,148 @@ def test_sinks_and_clamps_matter(ftw):
     assert (g > limit).float().mean() > 0.05 and (u.abs() > limit).float().mean() > 0.05
 
 
-def test_graph_decode_is_refused_in_one_line(ftw):
-    """The graph kernels' attention has no sinks: CUDA decodes gpt-oss eagerly, saying why, and
-    its memory plan reserves no graph K/V (what `ft-run` prints from `unsupported`)."""
-    from ftkit.runtime.engine.graphs import unsupported
+# ---- graph decode (engine/graphs.py): on CPU the same step, eager, through the Triton interpreter
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                                  or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
+                                  reason="needs Triton, and CUDA or TRITON_INTERPRET=1")
+GRAPH_TOKENS = 6  # decoded after the 3-window prompt: every step's sliding layer drops a key
+GRAPH_STRATEGIES = [dict(strategy="fused"), dict(strategy="offload", cache_experts=4),
+                    dict(strategy="hybrid", cache_experts=4, bandwidth_ratio=0.5)]  # 4 slots: 2 x top-k
 
-    rt = Runtime(ftw, RuntimeOptions(threads=1, strategy="cpu"))
-    assert unsupported(rt.decoder, rt.store) == "attention sinks are not in the graph kernels"
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 300])
+def test_attention_kernels_add_the_sinks_once_per_head(window):
+    """The graph step's attention (one query, keys split in chunks sized on the device) and the
+    extend's (a few queries) against sink_attention: the sink joins the chunks' combine once per
+    head, and at this size it takes a real share of the softmax (without it the outputs move)."""
+    from ftkit.kernels.triton.attention import decode_attention, few_query_attention
+    from ftkit.runtime.models.gpt_oss_forward import sink_attention
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, positions, pos, t = 4, 2, 16, 768, 600, 3
+    q = torch.randn((t, heads, d), generator=gen)
+    k, v = (torch.randn((positions, kv_heads, d), generator=gen) for _ in range(2))
+    sinks = 6.0 + torch.randn(heads, generator=gen)  # near log(keys): comparable to the scores' mass
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q1, k, v, sinks = q[-1:].to(dev), k.to(dev), v.to(dev), sinks.to(dev)
+    want = sink_attention(q1, k[: pos + 1], v[: pos + 1], pos, window, sinks)
+    at = torch.tensor([pos], device=dev)
+    got = decode_attention(q1, k, v, at, window, sinks=sinks)  # 3 chunks of 256 keys (2 in the window)
+    assert (got - want).abs().max() < 1e-5
+    assert (decode_attention(q1, k, v, at, window) - want).abs().max() > 1e-2
+    want = sink_attention(q.to(dev), k[: pos + 1], v[: pos + 1], pos + 1 - t, window, sinks)
+    got = few_query_attention(q.to(dev), k[: pos + 1], v[: pos + 1], pos + 1 - t, window, sinks)  # 2 chunks
+    assert (got - want).abs().max() < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_router_kernels_match_torch(dtype):
+    """The graph step's fused add + norm in gpt-oss's form (the float32 weight times the float32
+    value, then the cast) and its router's one launch (the top-k logits, softmaxed over those k)
+    against the torch forms the CPU runs."""
+    from ftkit.kernels.triton.norm import add_rms_norm
+    from ftkit.kernels.triton.router import softmax_topk
+    from ftkit.runtime.models.layers import rms_norm, topk_softmax
+
+    gen = torch.Generator().manual_seed(6)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, delta = (torch.randn((3, 100), generator=gen).to(dtype) for _ in range(2))  # a masked tail
+    w = 1 + 0.1 * torch.randn(100, generator=gen)  # float32, as the loader keeps gpt-oss's
+    s, h = add_rms_norm(x.to(dev), delta.to(dev), w.to(dev), 1e-5, float32=True)
+    assert h.dtype == dtype
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(h.cpu().float(), rms_norm(x + delta, w, 1e-5, float32=True).float(), **tol)
+    logits = torch.randn((5, 24), generator=gen).to(dtype)
+    ids, weights = softmax_topk(logits.to(dev), 4, False, dtype, top_first=True)
+    want_ids, want = topk_softmax(logits, 4)
+    assert torch.equal(ids.cpu(), want_ids) and weights.dtype == dtype
+    assert torch.allclose(weights.cpu().float(), want.float(), **tol)
+
+
+def graph_runtime(ftw: Path, **opts) -> Runtime:
+    """A runtime whose step goes through GraphDecode: prompts of 2..64 tokens its extend, one
+    token its graph step; on CUDA captured, on CPU run eagerly (as tests/test_graphs.py does)."""
+    from ftkit.runtime.engine.graphs import GraphDecode, unsupported
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rt = Runtime(ftw, RuntimeOptions(threads=2, device=device, graphs=True, dtype="float32", **opts))
+    assert unsupported(rt.decoder, rt.store) is None
+    if device == "cpu":
+        rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=64, capture=False)
+    return rt
+
+
+def graph_greedy(rt: Runtime, prompt: torch.Tensor, n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """fixtures.greedy_steps on the runtime's device; the logits back on the CPU."""
+    kv, tokens, logits = rt.new_kv(len(prompt) + n), [], []
+    with torch.inference_mode():
+        step = rt.step.forward(prompt.to(rt.device), kv)[-1]
+        for _ in range(n):
+            logits.append(step.float().cpu())
+            tokens.append(int(step.argmax()))
+            step = rt.step.forward(torch.tensor(tokens[-1:], device=rt.device), kv)[-1]
+    return tokens, logits
+
+
+@pytest.fixture(scope="module")
+def eager_decode(ftw) -> tuple[list[int], list[torch.Tensor]]:
+    rt = Runtime(ftw, RuntimeOptions(threads=2, strategy="fused", dtype="float32"))
+    out = greedy(rt, n=GRAPH_TOKENS)
     rt.close()
+    return out
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", GRAPH_STRATEGIES, ids=lambda o: "-".join(map(str, o.values())))
+def test_graph_decode_matches_eager(ftw, eager_decode, opts):
+    """Graph decode (the prompt through its extend, each token through the graph step: sinks in
+    the attention kernels, the sliding layer's window on the device, q/k/v biases in the one
+    concatenated projection, YaRN tables, the biased top-k-softmax router, the experts' biases and
+    clamps in the device planner's kernels and the CPU branch) gives the eager decode's tokens,
+    its logits as test_graphs.py allows (float32: reduction order)."""
+    want_tokens, want_logits = eager_decode
+    rt = graph_runtime(ftw, **opts)
+    graphs = rt.step.graphs
+    assert graphs.fused is not None and set(graphs.qkv) == {0, 1} and graphs.qkv[0][1] is not None
+    assert graphs.add_norm.__name__ == "fused_add_norm"  # its float32 form in one launch
+    tokens, logits = graph_greedy(rt, PROMPT, GRAPH_TOKENS)
+    assert rt.store.device_planner is not None and graphs.bound is not None, "the graph path did not run"
+    t = rt.store.stats.totals()
+    rt.close()
+    assert tokens == want_tokens
+    got, want = torch.stack(logits), torch.stack(want_logits)
+    assert (got - want).norm() / want.norm() < 1e-3
+    if opts["strategy"] == "hybrid":
+        assert t.cpu and t.fills  # the doorbell CPU branch and the fills both ran
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_batched_graph_step_matches_each_sequence_alone(ftw):
+    """Two sequences' next tokens in one batched step (each at its own position over its own
+    cache, sinks and window in the batch form of the attention kernel) give each one's eager
+    decode."""
+    prompts = [PROMPT, PROMPT[3:10]]
+    rt = Runtime(ftw, RuntimeOptions(threads=2, strategy="fused", dtype="float32"))
+    want = [greedy(rt, p, n=3)[1] for p in prompts]
+    rt.close()
+    rt = graph_runtime(ftw, strategy="fused")
+    kvs = [rt.new_kv(len(p) + 3) for p in prompts]
+    with torch.inference_mode():
+        steps = [rt.step.forward(p.to(rt.device), kv)[-1:] for p, kv in zip(prompts, kvs, strict=True)]
+        assert rt.step.graphs.batched(kvs)
+        got = [torch.cat(steps)]
+        for _ in range(2):
+            got.append(rt.step.batch(got[-1].argmax(-1), kvs))
+    rt.close()
+    got = [g.float().cpu() for g in got]
+    for b in range(2):
+        ours, theirs = torch.stack([g[b] for g in got]), torch.stack(want[b])
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        assert (ours - theirs).norm() / theirs.norm() < 1e-3
 
 
 def test_every_strategy_matches_fused_bitwise(ftw):
@@ -230,9 +368,10 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
         assert m["kv_bytes_per_1k_tokens"] == 1000 * kv_bytes_per_token(spec, torch.bfloat16) == 1000 * 2 * 2 * 2 * 16 * 2
         assert m["expert_slot_bytes"] == slot_layout(spec, m["expert_dtype"]).slot_bytes
         assert m["host_expert_pool_bytes"] == spec.num_expert_rows * m["expert_slot_bytes"]
-        # no graph K/V (gpt-oss decodes eagerly); sink attention's score blocks in the workspace
-        assert not any(label.startswith("graph") for label in m["min_gpu_terms"])
+        # graph decode's static K/V for the longest request (every row, sliding layers' too);
+        # sink attention's score blocks in the workspace
         context = longest_request(spec, 1000)  # the tiny model's 512 positions
+        assert m["min_gpu_terms"][f"graph K/V {context} tokens"] == context * kv_bytes_per_token(spec, torch.bfloat16)
         want = prefill_workspace_bytes(spec, context, torch.bfloat16)
         assert m["min_gpu_terms"]["prefill workspace"] == want > 5 * 4 * context * (context + 1) * 2
     kv = KVCache(spec, 10)

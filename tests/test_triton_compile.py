@@ -73,9 +73,11 @@ KERNELS = [
     (plan._merge, {"out_ptr": "*bf16", "dev_ptr": "*bf16", "host_ptr": "*fp32", "gpos_ptr": "*i32", "H": "i32"},
      dict(K=8, HAS_DEV=True, HAS_CPU=True, BLOCK=256)),
     (norm._rms_norm, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*fp32", "sum_ptr": "*bf16", "out_ptr": "*fp32",
-                      "n": "i32", "eps": "fp32"}, dict(BLOCK=2048, ADD=False, OFFSET=False)),
+                      "n": "i32", "eps": "fp32"}, dict(BLOCK=2048, ADD=False, OFFSET=False, FLOAT32=False)),
     *((norm._rms_norm, {**{n: "*bf16" for n in ("x_ptr", "d_ptr", "w_ptr", "sum_ptr", "out_ptr")}, "n": "i32",
-                        "eps": "fp32"}, dict(BLOCK=2048, ADD=True, OFFSET=offset)) for offset in (False, True)),
+                        "eps": "fp32"}, dict(BLOCK=2048, ADD=True, OFFSET=offset, FLOAT32=False)) for offset in (False, True)),
+    (norm._rms_norm, {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*fp32", "sum_ptr": "*bf16", "out_ptr": "*bf16",
+                      "n": "i32", "eps": "fp32"}, dict(BLOCK=4096, ADD=True, OFFSET=False, FLOAT32=True)),  # gpt-oss
     (delta_rule._conv_step, {**{n: "*bf16" for n in ("x_ptr", "s_ptr", "w_ptr", "out_ptr")}, "C": "i32"},
      dict(KS=4, BC=256)),
     (delta_rule._delta_step, {**{n: "*bf16" for n in ("qkv_ptr", "z_ptr", "b_ptr", "a_ptr", "dt_ptr", "nw_ptr", "out_ptr")},
@@ -111,8 +113,8 @@ KERNELS = [
                                (False, False, blocks.CODES["q6_k"]), (True, False, blocks.CODES["q8_0"]))),
     (gemv._gemv, {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"},
      dict(BN=16, BK=512, HAS_BIAS=True)),
-    (router._softmax_topk, {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32"},
-     dict(K=8, KP=8, RENORM=True, BLOCK=128)),
+    *((router._softmax_topk, {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32"},
+       dict(K=k, KP=k, RENORM=not top_first, BLOCK=128, TOP_FIRST=top_first)) for k, top_first in ((8, False), (4, True))),
     *((decode._rope_store, {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
                                                     "qout_ptr", "kc_ptr", "vc_ptr")}, "pos_ptr": "*i64",
                             "caches_ptr": "*i64", "eps": "fp32",
@@ -124,8 +126,9 @@ KERNELS = [
        dict(HEADS=32, KV_HEADS=4, D=128, BLOCK_D=128, BT=1 if dev else 4, BLOCK_M=16 if dev else 32, BLOCK_S=64,
             IEEE=ieee, POS_ON_DEVICE=dev, BATCH=batch))
       for ieee, dev, batch in ((False, False, False), (True, False, False), (False, True, False), (False, True, True))),
-    (attention._combine, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "T": "i32", "splits": "i32"},
-     dict(HEADS=32, D=128, BLOCK_D=128, BLOCK_P=32)),
+    *((attention._combine, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*bf16" if sink else "*fp32",
+                            "out_ptr": "*bf16", "T": "i32", "splits": "i32"},
+       dict(HEADS=32, D=128, BLOCK_D=128, BLOCK_P=32, SINK=sink)) for sink in (False, True)),
 ]
 
 

@@ -13,7 +13,8 @@ a fixed number of chunks serves every position, each chunk sized from the positi
 so a step behind 8k keys keeps 128 programs busy where one program per head walked them all. Its
 batch form takes one query of each of several sequences, each at its own position over its own
 cache (their addresses read on the device too), so one captured grid serves every batch of that
-many sequences.
+many sequences. gpt-oss's learned sinks (a logit per head with no value) join the combine, the
+one place that sees a query's whole denominator: added once per head, not once per chunk.
 """
 
 from __future__ import annotations
@@ -97,36 +98,46 @@ def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, pos_ptr, caches_ptr, T, S, of
 
 
 @triton.jit(do_not_specialize=["T", "splits"])
-def _combine(acc_ptr, ml_ptr, out_ptr, T, splits, HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_P: tl.constexpr):
+def _combine(acc_ptr, ml_ptr, sink_ptr, out_ptr, T, splits, HEADS: tl.constexpr, D: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, SINK: tl.constexpr):
     t, h = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, BLOCK_P)
     pm = p < splits
     row = (p.to(tl.int64) * T + t) * HEADS + h
     m = tl.load(ml_ptr + 2 * row, mask=pm, other=-1e30)
     l_s = tl.load(ml_ptr + 2 * row + 1, mask=pm, other=0.0)
-    w = tl.where(pm & (l_s > 0), tl.exp(m - tl.max(m, axis=0)), 0.0)  # chunks the query saw nothing of weigh 0
+    top = tl.max(m, axis=0)
+    if SINK:  # gpt-oss: one more logit per head with no value, so here once, not once per chunk
+        sink = tl.load(sink_ptr + h).to(tl.float32)
+        top = tl.maximum(top, sink)
+    w = tl.where(pm & (l_s > 0), tl.exp(m - top), 0.0)  # chunks the query saw nothing of weigh 0
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=(pm & (l_s > 0))[:, None] & dm[None, :], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    den = tl.sum(l_s * w, axis=0)
+    if SINK:
+        den += tl.exp(sink - top)
+    o = tl.sum(acc * w[:, None], axis=0) / den
     tl.store(out_ptr + (t * HEADS + h) * D + d, o.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
-                        window: int | None = None) -> torch.Tensor:
+                        window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention as `layers.attention`: q [T, H, D] at positions offset..offset+T;
     k, v [S, KvH, D] (rows may be strided views of a cache: the inner two dims contiguous) with
-    S = offset + T. T <= MAX_QUERIES. Returns [T, H, D] in q's dtype."""
+    S = offset + T. T <= MAX_QUERIES. `sinks` [H] (gpt-oss): one more logit per head in the
+    softmax's denominator, with no value (gpt_oss_forward.sink_attention). Returns [T, H, D] in
+    q's dtype."""
     t, s = q.shape[0], k.shape[0]
     if t > MAX_QUERIES:
         raise ValueError(f"few_query_attention takes at most {MAX_QUERIES} queries")
     chunk = max(512, triton.cdiv(triton.cdiv(s, MAX_SPLITS), BLOCK_S) * BLOCK_S)
-    return _attend(q, k, v, s, offset, window, chunk, triton.cdiv(s, chunk))
+    return _attend(q, k, v, s, offset, window, chunk, triton.cdiv(s, chunk), sinks=sinks)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     window: int | None, caches: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int | None, caches: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query's GQA attention over cache rows 0..pos (the last `window` of them for sliding
     layers), graph-safe: q [1, heads, D]; k_cache, v_cache [positions, kv_heads, D]; pos int64
     [1] on the device. The grid is fixed by the cache's size, each chunk at least DECODE_CHUNK
@@ -134,17 +145,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The batch form, `caches` given: q [T, heads, D] holds one query of each of T sequences, pos
     int64 [T] each one's position and `caches` int64 [2, T] on the device the addresses of query
     t's sequence's K cache (row 0) and V cache, contiguous, typed and laid out as k_cache and
-    v_cache, which then give only that and the grid (their positions: as many as the longest)."""
+    v_cache, which then give only that and the grid (their positions: as many as the longest).
+    `sinks`: as few_query_attention's."""
     capacity = k_cache.shape[0]
     splits = min(MAX_SPLITS, triton.cdiv(capacity, DECODE_CHUNK))
-    return _attend(q, k_cache, v_cache, capacity, 0, window, DECODE_CHUNK, splits, pos, caches)
+    return _attend(q, k_cache, v_cache, capacity, 0, window, DECODE_CHUNK, splits, pos, caches, sinks)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, offset: int, window: int | None,
             chunk: int, splits: int, pos: torch.Tensor | None = None,
-            caches: torch.Tensor | None = None) -> torch.Tensor:
+            caches: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`_partial` over `splits` key chunks of `chunk` keys (with `pos`: of at least that many,
-    sized on the device; with `caches` too: each query over its own sequence's), then `_combine`."""
+    sized on the device; with `caches` too: each query over its own sequence's), then `_combine`
+    (which adds the `sinks`)."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads:
@@ -163,6 +176,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, offset: i
         window or 0, d**-0.5, chunk, HEADS=heads, KV_HEADS=kv_heads, D=d, BLOCK_D=block_d, BT=bt, BLOCK_M=block_m,
         BLOCK_S=BLOCK_S, IEEE=ieee, POS_ON_DEVICE=pos is not None, BATCH=caches is not None)
     out = torch.empty_like(q)
-    _combine[(t, heads)](acc, ml, out, t, splits, HEADS=heads, D=d, BLOCK_D=block_d,
-                         BLOCK_P=MAX_SPLITS)  # fixed: one compile whatever the context length
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"attention sinks: one per query head ({heads}), not {tuple(sinks.shape)}")
+    _combine[(t, heads)](acc, ml, sinks if sinks is not None else acc, out, t, splits, HEADS=heads, D=d,
+                         BLOCK_D=block_d, BLOCK_P=MAX_SPLITS,  # fixed: one compile whatever the context length
+                         SINK=sinks is not None)
     return out

@@ -82,8 +82,9 @@ def unsupported(decoder: MoEDecoder, store: ExpertStore) -> str | None:
 
 def _fused_attention(decoder: MoEDecoder):
     """The Triton decode-attention kernels where this family's attention is what they do
-    (MoEDecoder's, per-head RMSNorm or none, no clipping), else None (the decoder's own token
-    mixer runs, its keys and values going to the static buffers)."""
+    (MoEDecoder's, per-head RMSNorm or none, no clipping; gpt-oss's sink attention too, whose
+    sinks the kernels add: `GraphDecode._sinks`), else None (the decoder's own token mixer runs,
+    its keys and values going to the static buffers)."""
     s, cls = decoder.spec, type(decoder)
     if cls.mixer is not MoEDecoder.mixer or cls.attention is not MoEDecoder.attention or decoder.norm_offset:
         return None
@@ -181,7 +182,7 @@ class GraphDecode:
 
             def fused_add_norm(x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
                 """The decoder's add_norm in one launch (a family overriding its norm keeps its own)."""
-                return add_rms_norm(x, delta, decoder.w[name], s.rms_norm_eps, decoder.norm_offset)
+                return add_rms_norm(x, delta, decoder.w[name], s.rms_norm_eps, decoder.norm_offset, decoder.norm_float32)
 
             self.add_norm = fused_add_norm
         self.said_too_long = False  # the eager fallback for long sequences is announced once
@@ -319,7 +320,7 @@ class GraphDecode:
                 # those buffers then only lay out
                 rows = None if caches is None else caches[i]
                 q = self._rope_store(i, self._qkv(i, h), self.k[i], self.v[i], (self.cos, self.sin, 0), pos, rows)
-                return self.few.decode_attention(q, self.k[i], self.v[i], pos, dec.window(i), rows)
+                return self.few.decode_attention(q, self.k[i], self.v[i], pos, dec.window(i), rows, self._sinks(i))
 
             mix = self._projected(attend)
         else:  # the decoder's own token mixer (one sequence), its keys and values in the static buffers
@@ -449,7 +450,8 @@ class GraphDecode:
                 out = []
                 for b, (c, start, end, a, z) in enumerate(segments):
                     qb = self._rope_store(i, (q[a:z], k[a:z], v[a:z]), c.k[i], c.v[i], tables[b], pos[b])
-                    out.append(self.few.few_query_attention(qb, c.k[i][:end], c.v[i][:end], start, dec.window(i)))
+                    out.append(self.few.few_query_attention(qb, c.k[i][:end], c.v[i][:end], start, dec.window(i),
+                                                            self._sinks(i)))
                 return out[0] if len(out) == 1 else torch.cat(out)
 
             mix = self._projected(attend)
@@ -497,6 +499,10 @@ class GraphDecode:
         w = self.decoder.w
         return self.fused.rope_store(*qkv, w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight"), s.rms_norm_eps,
                                      *table[:2], pos, k_cache, v_cache, table[2], caches)
+
+    def _sinks(self, i: int) -> torch.Tensor | None:
+        """Layer i's attention sinks [heads] (gpt-oss: a logit per head in the softmax), or None."""
+        return self.decoder.w.get(f"layers.{i}.attn.sinks")
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Layer i's Q, K and V projections of h [T, H]: one product where the weights were

@@ -54,6 +54,7 @@ class MoEDecoder:
     # keeps them float32 (its experts then scale in float32 and cast the product).
     cast_router_weights = True
     norm_offset = False  # RMSNorms multiply by (1 + weight) in float32 (Qwen3-Next); layers.rms_norm
+    norm_float32 = False  # RMSNorms multiply by the weight in float32, then cast (gpt-oss); layers.rms_norm
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: Experts):
         """`spec` has passed its family's `check_spec` (the layer kinds this forward runs among it)."""
@@ -191,7 +192,7 @@ class MoEDecoder:
         return add_norm(x, delta, nxt)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(x, self.w[name], self.spec.rms_norm_eps, self.norm_offset)
+        return rms_norm(x, self.w[name], self.spec.rms_norm_eps, self.norm_offset, self.norm_float32)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """x + delta and its norm by the weight `name`."""

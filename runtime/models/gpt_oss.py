@@ -11,7 +11,8 @@ The released checkpoints hold the expert matrices as MXFP4 instead (`*_blocks`, 
 which conversion dequantizes. GGUF (llama.cpp's arch `gpt-oss`) stores them split into gate, up
 and down [out, in], biases alike. Sliding-window layers keep every K/V row (the window is a mask), so
 a prefix reused from the cache restores exactly what a fresh prefill would have. The forward
-pass (sink attention, the biased router, the norms) is gpt_oss_forward.py.
+pass (sink attention, the biased router, the norms) is gpt_oss_forward.py; graph decode runs
+the same layer body, the Triton attention kernels adding the sinks (engine/graphs.py).
 """
 
 from __future__ import annotations
@@ -101,9 +102,6 @@ class GptOss(Family):
                  num_experts_per_tok=g["experts_used"], intermediate_size=g["expert_ffn"],
                  sliding_window=meta.get(f"{arch}.attention.sliding_window"), rope_scaling=rope)
         return self.spec_from_config(g)
-
-    def graphs_unsupported(self, spec: ModelSpec) -> str | None:
-        return "attention sinks are not in the graph kernels"
 
     def attention_workspace(self, spec: ModelSpec, t: int, context: int, itemsize: int, flash: bool) -> int:
         """sink_attention's (gpt_oss_forward.py): the projections and the output, and per query

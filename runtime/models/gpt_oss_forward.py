@@ -9,6 +9,7 @@ import torch
 from .decoder import KVAttend, MoEDecoder
 from .gpt_oss import SCORES_PER_BLOCK
 from .kv import KVCache
+from .layers import topk_softmax
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int | None,
@@ -44,11 +45,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: in
 
 
 class GptOssDecoder(MoEDecoder):
-    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        # transformers keeps these weights float32 and multiplies before the cast back
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return (self.w[name] * h).to(x.dtype)
+    norm_float32 = True  # transformers keeps these weights float32 and multiplies before the cast back
 
     def cached(self, cache: KVCache) -> KVAttend:
         def kv(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -57,8 +54,6 @@ class GptOssDecoder(MoEDecoder):
         return kv
 
     def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-k of the biased router logits, softmaxed over those k (in the logits' dtype)."""
-        p = f"layers.{i}.router."
-        logits = torch.nn.functional.linear(x, self.w[p + "weight"], self.w[p + "bias"])
-        top, ids = torch.topk(logits, self.spec.top_k, dim=-1)
-        return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
+        """The top-k of the biased router logits, softmaxed over those k (in the logits' dtype);
+        on CUDA a token's are a Triton GEMV and one launch (graph decode's router)."""
+        return topk_softmax(self.linear(f"layers.{i}.router", x), self.spec.top_k)

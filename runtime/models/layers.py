@@ -22,16 +22,21 @@ from ..spec import ModelSpec
 from .rope import rotary_dim
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False,
+             float32: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32; the weight multiplies the cast-back value.
     `offset` (Qwen3-Next, transformers' Qwen3NextRMSNorm): the float32 value times (1 + weight),
-    then the cast. On CUDA one Triton launch does the same (see kernels/triton/norm.py)."""
+    then the cast. `float32` (gpt-oss, transformers' GptOssRMSNorm, its weights kept float32):
+    the float32 value times the weight, then the cast. On CUDA one Triton launch does the same
+    (see kernels/triton/norm.py)."""
     if x.is_cuda and optional("norm") is not None and x.shape[-1] <= 16384 and weight.shape == x.shape[-1:]:
-        return optional("norm").rms_norm(x, weight, eps, offset)
+        return optional("norm").rms_norm(x, weight, eps, offset, float32)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
         return (h * (1.0 + weight.float())).to(x.dtype)
+    if float32:
+        return (weight.float() * h).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
@@ -55,6 +60,16 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype)
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(dtype)
+
+
+def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [T, k], weights [T, k] in the logits' dtype): the k largest logits (descending, as
+    torch.topk), softmaxed over those k (gpt-oss's router). On CUDA one Triton launch does the
+    same (kernels/triton/router.py), in float32 before the cast."""
+    if logits.is_cuda and optional("router") is not None and logits.shape[-1] <= 4096:
+        return optional("router").softmax_topk(logits, k, False, logits.dtype, top_first=True)
+    top, ids = torch.topk(logits, k, dim=-1)
+    return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
