@@ -168,3 +168,22 @@ def test_a_model_of_mixed_layers_is_measured_in_every_layers_format(tmp_path):
     assert res.exit_code == 0, res.output
     printed = json.loads(res.stdout[res.stdout.index("{"):])
     assert printed["expert"]["dtype"] == "q4_k/q6_k/q8_0" and printed["rows"][0]["cpu_gbps"] > 0
+
+
+def test_a_working_set_of_experts_with_biases():
+    """gpt-oss's slots hold float32 biases (1-D parts) beside their MXFP4 blocks: the working set
+    `--model` measures fills them too (it indexed a second dimension they lack: an IndexError on
+    the GPU machine)."""
+    from ftkit.tools.calibrate.measure import working_set
+    from ftkit.vocab import slot_layout
+
+    spec = dataclasses.replace(demo_spec(64), hidden_size=256, moe_intermediate_size=256, expert_bias=True,
+                               swiglu_alpha=1.702, swiglu_limit=7.0)
+    layout = slot_layout(spec, ("mxfp4", "mxfp4", "mxfp4"))
+    biases = [p for p in layout.parts if len(p.shape) == 1]
+    assert len(biases) == 3
+    slots = working_set((layout,), 4 * layout.slot_bytes)
+    assert slots.shape == (4, layout.slot_bytes)
+    for p in biases:
+        values = slots[0, p.offset : p.offset + p.nbytes].view(torch.float32)
+        assert values.isfinite().all() and values.abs().sum() > 0

@@ -33,7 +33,7 @@ def layout_for(hidden: int, inter: int, dtype: str) -> SlotLayout:
 
 
 def _part_bytes(p: Part, gen: torch.Generator) -> torch.Tensor:
-    w = torch.randn(p.shape, generator=gen) * p.shape[1] ** -0.5  # normal numbers: no denormal stalls
+    w = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5  # normal numbers (no denormal stalls); biases are 1-D
     if p.dtype in BLOCK_FORMATS:
         if p.dtype not in QUANTIZERS:
             raise ValueError(f"no quantizer writes {p.dtype} experts here; measure a model stored in it (--model)")
