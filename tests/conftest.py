@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 def _interpreter_patches_once_per_launch() -> None:
     """Triton's interpreter (3.9) re-patches triton.language for every call of a @jit helper
     inside a kernel (`tl.sort`, a block decoder...): a scan of every member of the language
-    modules, most of the CPU tests' interpreter time, that changes nothing while the launch's own
+    modules, about a third of the CPU tests' interpreter time, that changes nothing while the launch's own
     patches, made from the same modules, stand (their builtins are already replaced, and the
     rest is set to equal wrappers the launch's scope restores anyway). Here a helper's call
     patches only modules the running launch has not; the kernels' code and semantics are those
