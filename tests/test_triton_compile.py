@@ -141,12 +141,15 @@ def _compile(fn, signature: dict, consts: dict):
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", 90, 32))
 
 
-def _child() -> None:
-    """Compile every kernel (the default launch options: four warps, three stages); print
-    {index: "ok" | error, "wait_ptx_volatile": bool} as JSON. A kernel needing more shared
-    memory than the GPU has compiles but fails at launch: that is an error here."""
+def _child(shard: int = 0, shards: int = 1) -> None:
+    """Compile every kernel of this shard (index % shards == shard; the default launch options:
+    four warps, three stages); print {index: "ok" | error} as JSON, shard 0 adding
+    "wait_ptx_volatile" and "wait_reads_the_gpu_clock". A kernel needing more shared memory than
+    the GPU has compiles but fails at launch: that is an error here."""
     out: dict[str, object] = {}
     for i, (fn, sig, consts) in enumerate(KERNELS):
+        if i % shards != shard:
+            continue
         try:
             compiled = _compile(fn, {**sig, **{name: "constexpr" for name in consts}}, consts)
             shared = compiled.metadata.shared
@@ -154,6 +157,9 @@ def _child() -> None:
                            f"{shared} bytes of shared memory, over {SHARED_LIMIT}" if shared > SHARED_LIMIT else "ok")
         except Exception as e:  # reported per kernel by the test
             out[str(i)] = f"{type(e).__name__}: {e}"
+    if shard:
+        print(json.dumps(out))
+        return
     wait = _compile(zero_copy._wait, {**WAIT_SIG, "TIMER": "constexpr"}, dict(TIMER=True))
     out["wait_ptx_volatile"] = "ld.volatile" in wait.asm["ptx"]
     out["wait_reads_the_gpu_clock"] = "%globaltimer" in wait.asm["ptx"]
@@ -162,15 +168,34 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
+    """Every kernel's answer, compiled in child processes, one per CPU core (up to 4) that each
+    compile every n-th kernel: compiling is single-threaded and the test process only waits."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))  # really compile
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, capture_output=True,
-                          text=True, timeout=600)
-    if done.returncode:
-        if "ptxas" in done.stderr:  # no CUDA toolchain in this Triton build
-            pytest.skip(done.stderr.strip().splitlines()[-1])
-        raise AssertionError(done.stderr)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    shards = max(1, min(4, os.cpu_count() or 1, len(KERNELS)))
+    children = []
+    for shard in range(shards):
+        env_n = {**env, "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp("triton-cache"))}  # really compile
+        children.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(shard), str(shards)],
+                                         env=env_n, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out: dict = {}
+    failed = []
+    try:
+        for child in children:
+            stdout, stderr = child.communicate(timeout=600)
+            if child.returncode:
+                failed.append(stderr)
+            else:
+                out.update(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+    for stderr in failed:
+        if "ptxas" in stderr:  # no CUDA toolchain in this Triton build
+            pytest.skip(stderr.strip().splitlines()[-1])
+        raise AssertionError(stderr)
+    assert sorted(int(k) for k in out if k.isdigit()) == list(range(len(KERNELS)))
+    return out
 
 
 @pytest.mark.parametrize("index", range(len(KERNELS)), ids=[f"{fn.__name__}-{i}" for i, (fn, _, _) in enumerate(KERNELS)])
@@ -188,4 +213,4 @@ def test_wait_spins_on_a_volatile_load(compiled):
 
 
 if __name__ == "__main__":
-    _child()
+    _child(*map(int, sys.argv[1:3]))
