@@ -43,8 +43,8 @@ def _interpreter_patches_once_per_launch() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    original = getattr(interpreter, "_patch_lang", None)
-    if original is None or getattr(original, "once_per_launch", False):
+    original, empty = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    if original is None or empty is None or getattr(original, "once_per_launch", False):
         return
     launch = threading.local()  # per thread: the lang modules the running launch patched
 
@@ -65,7 +65,7 @@ def _interpreter_patches_once_per_launch() -> None:
             scope.restore = restored
             return scope
         if langs(fn) <= patched:  # a helper's call inside the launch: its modules are patched
-            return None  # the caller ignores the scope of a helper's patches
+            return empty()  # nothing to restore (3.9's caller drops a helper's scope anyway)
         patched |= langs(fn)
         return original(fn)
 
