@@ -2,12 +2,17 @@
 
 Every reader (safetensors, GGUF, config.json, FTW, tokenizer files) raises a subclass, so the
 commands catch this family and nothing broader; any other exception is a bug and shows as one.
-Imports nothing, so the lowest layers can raise it too.
+Imports nothing of ftkit, so the lowest layers can raise it too.
 """
 
 from __future__ import annotations
 
+import os
 import reprlib
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -33,3 +38,40 @@ class InputError(Exception):
 
     def __init__(self, message: str):
         super().__init__(one_line(message))
+
+
+def refused(e: BaseException) -> bool:
+    """Whether `e` is how a compiled library refuses its input: any Exception, or a Rust panic.
+
+    pyo3 raises a panic as PanicException, which derives from BaseException (so `except
+    Exception` lets it through, to a traceback) and cannot be imported by name. A tokenizer.json
+    whose continuing_subword_prefix is longer than a merge's right half panics in tokenizers'
+    BPE builder, for one.
+    """
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+@contextmanager
+def panic_quiet() -> Iterator[None]:
+    """Hold what is written to fd 2 while a Rust library runs, and drop it if the library panics.
+
+    A panic prints its own lines to stderr before it is raised; the caller turns the exception
+    into the one-line error, so those lines would only repeat it as noise. Anything written
+    meanwhile without a panic is passed on when the block ends.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    panicked = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException as e:
+            panicked = type(e).__name__ == "PanicException"
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            if not panicked and (text := held.read()):
+                os.write(2, text)

@@ -275,7 +275,7 @@ def _scaled(data: st.DataObject, vtype: int, value: Any) -> tuple[int, Any]:
         return VT.ARRAY, (etype, items[: data.draw(st.integers(0, len(items)))])
     if vtype in (VT.UINT32, VT.UINT64, VT.INT32):
         return data.draw(st.sampled_from([(VT.UINT32, 0), (VT.UINT32, 10**6), (VT.UINT32, 2**32 - 1),
-                                          (VT.UINT64, value * 1000), (VT.FLOAT32, float("inf")),
+                                          (VT.UINT64, value * 1000 % 2**64), (VT.FLOAT32, float("inf")),
                                           (VT.FLOAT32, value + 0.5), (VT.INT32, -1)]))
     return data.draw(st.sampled_from(GGUF_VALUES))
 

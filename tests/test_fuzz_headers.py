@@ -380,6 +380,16 @@ def _gguf_edit(key: str, vtype: int, value: object) -> Callable[[dict, Path], Pa
     return build
 
 
+def _tokenizer_edit(edit: Callable[[dict], None]) -> Callable[[dict, Path], Path]:
+    def build(seeds: dict, tmp: Path) -> Path:
+        src = _copy(seeds["hf"], tmp / "hf")
+        tok = json.loads((src / "tokenizer.json").read_text())
+        edit(tok)
+        (src / "tokenizer.json").write_text(json.dumps(tok))
+        return src
+    return build
+
+
 def _ftw_spec(**fields: object) -> Callable[[dict, Path], Path]:
     def build(seeds: dict, tmp: Path) -> Path:
         ftw = _copy(seeds["ftw"], tmp / "m.ftw")
@@ -424,6 +434,9 @@ HOSTILE = {
                         "tokenizer.ggml.tokens is an array of int, not an array of strings"),
     "GGUF scalar token_type": (_gguf_edit("tokenizer.ggml.token_type", VT.INT32, 1),
                                "tokenizer.ggml.token_type is 1, not an array of integers"),
+    # the fuzzer's find (issue 40): tokenizers' BPE builder panics in Rust (a BaseException)
+    "tokenizer that panics": (_tokenizer_edit(lambda t: t["model"].update(continuing_subword_prefix="#" * 64)),
+                              "not a tokenizer the tokenizers library reads"),
     "FTW 10^6 layers": (_ftw_spec(num_layers=10**6), "num_layers is 1000000, outside 1..1024"),
     "FTW top_k above experts": (_ftw_spec(top_k=9), "top-k 9 is not within 1..8"),
     "FTW short layer_kinds": (_ftw_spec(layer_kinds=["full_attention"]), "layer_kinds has 1 entries for 2 layers"),
@@ -451,7 +464,7 @@ def test_hostile_inputs_fail_in_one_line(seeds, tmp_path, case):
 
 
 def test_the_commands_answer_hostile_inputs_with_one_line(seeds, tmp_path):
-    """The installed commands on two of them: exit 1 and one line on stderr (ft-diagnose --json:
+    """The installed commands on three of them: exit 1 and one line on stderr (ft-diagnose --json:
     its report), never a traceback or a hang (the timeout only guards the test run)."""
     import subprocess
     import sys
@@ -465,3 +478,8 @@ def test_the_commands_answer_hostile_inputs_with_one_line(seeds, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "num_hidden_layers is 4294967295" in r.stderr, r.stderr
+    panics = HOSTILE["tokenizer that panics"][0](seeds, tmp_path / "p")  # the panic's own lines held back
+    r = subprocess.run([str(bin_dir / "ftw-convert"), str(panics), "-o", str(tmp_path / "p.ftw")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "tokenizer.json: not a tokenizer the tokenizers library reads" in r.stderr, r.stderr

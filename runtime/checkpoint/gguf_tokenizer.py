@@ -43,6 +43,8 @@ from tokenizers import (
     processors,
 )
 
+from ftkit.errors import panic_quiet, refused
+
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -122,8 +124,11 @@ def write_tokenizer_from_gguf(metadata: dict[str, Any], out_dir: Path) -> list[s
     if len(types) != len(tokens):
         return _warn(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     try:
-        return _write(metadata, kind, tokens, types, Path(out_dir))
-    except Exception as e:  # a malformed vocabulary must not fail the conversion
+        with panic_quiet():
+            return _write(metadata, kind, tokens, types, Path(out_dir))
+    except BaseException as e:  # a malformed vocabulary must not fail the conversion
+        if not refused(e):
+            raise
         for name in (TOKENIZER_JSON, TOKENIZER_CONFIG):
             (Path(out_dir) / name).unlink(missing_ok=True)
         return _warn(f"cannot rebuild the GGUF tokenizer ({type(e).__name__}: {e})")

@@ -16,7 +16,7 @@ from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from ftkit.errors import InputError
+from ftkit.errors import InputError, panic_quiet, refused
 
 from ..checkpoint.jsonfile import read_object, type_name
 
@@ -81,8 +81,11 @@ def _load(path: Path) -> HFTokenizer:
     if size > MAX_TOKENIZER_BYTES:
         raise TokenizerError(f"{path}: {size} bytes, more than the {MAX_TOKENIZER_BYTES} a tokenizer may have")
     try:
-        return HFTokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises plain Exception for every file it refuses
+        with panic_quiet():
+            return HFTokenizer.from_file(str(path))
+    except BaseException as e:  # a plain Exception for every file it refuses, or a Rust panic
+        if not refused(e):
+            raise
         raise TokenizerError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from None
 
 
