@@ -48,15 +48,18 @@ def _decode(src, out, N, K, FMT: tl.constexpr, lut_ptr, BN: tl.constexpr, BK: tl
     tl.store(out + n[:, None] * K + k[None, :], weights(src, n[:, None], k[None, :], m, K, FMT, lut_ptr), mask=m)
 
 
-def test_every_block_format_decodes_as_dequant_does():
+@pytest.mark.parametrize("gather", [True, False], ids=["levels-gathered", "levels-in-registers"])
+def test_every_block_format_decodes_as_dequant_does(gather):
+    """Each format as the GEMV decodes it (IQ4 and e2m1 levels gathered from a table) and as the
+    GEMM does (picked in registers)."""
     rng = np.random.default_rng(0)
     for fmt in BLOCK_FORMATS:
         n, k = 5, 512  # 5 rows: a masked tail of programs
         raw = (quantize(torch.randn(n, k), fmt) if fmt in QUANTIZERS
                else torch.from_numpy(random_blocks(fmt, (n, k), rng, scale=0.01)))
         out = torch.zeros(n, k, device=DEV)
-        _decode[(triton.cdiv(n, 4), triton.cdiv(k, 128))](raw.to(DEV), out, n, k, CODES[fmt], lut(torch.device(DEV)),
-                                                         BN=4, BK=128)
+        _decode[(triton.cdiv(n, 4), triton.cdiv(k, 128))](raw.to(DEV), out, n, k, CODES[fmt],
+                                                         lut(torch.device(DEV)) if gather else None, BN=4, BK=128)
         _same(out.cpu(), dequantize(raw, fmt))
 
 
@@ -129,13 +132,15 @@ def _gemm_case(cap: int, t: int, k: int, gen: torch.Generator):
 @pytest.mark.parametrize("formats", [Q4_K_M, ("q8_0",) * 3, ("mxfp4",) * 3, ("iq4_xs",) * 3], ids="-".join)
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_gemm_on_blocks_equals_the_gemm_on_their_values(formats, x_dtype):
-    """Prefill's GEMM over block slots: float32 activations give what the float32 slots give;
-    bf16 ones (the weights decoded into bf16 for the tensor cores) stay within bf16 rounding."""
-    from ftkit.kernels.triton.experts import grouped_expert_gemm
+    """Prefill's GEMM over block slots: float32 activations give what the float32 slots give
+    (bit for bit where both launches take the same tile: another tile may sum in another order,
+    the interpreter's matmul at another width included); bf16 ones (the weights decoded into bf16 for the
+    tensor cores) stay within bf16 rounding."""
+    from ftkit.kernels.triton.experts import gemm_tile, grouped_expert_gemm
 
     layout, slots, f32, floats = block_slots(formats, 3, seed=3, hidden=HIDDEN, inter=INTER)
     gen = torch.Generator().manual_seed(3)
-    t, k = 70, 2  # one expert gets more than a tile of items
+    t, k = 200, 2  # one expert gets more than a tile of items
     x = torch.randn((t, HIDDEN), generator=gen).to(DEV)
     case = _gemm_case(3, t, k, gen)
     got = torch.zeros((t * k, HIDDEN), dtype=x_dtype, device=DEV)
@@ -143,7 +148,8 @@ def test_gemm_on_blocks_equals_the_gemm_on_their_values(formats, x_dtype):
     grouped_expert_gemm(x.to(x_dtype), _stack(slots), layout, *case, got)
     grouped_expert_gemm(x, _stack(floats), f32, *case, want)
     if x_dtype == torch.float32:
-        _same(got.cpu(), want.cpu())
+        tiles = {tuple(gemm_tile(code).values()) for code in (0, *(CODES[f] for f in formats))}
+        _same(got.cpu(), want.cpu(), exact=len(tiles) == 1)
     else:
         assert float((got.float() - want).norm() / want.norm()) < 2e-2
 
@@ -167,7 +173,7 @@ def test_gemm_fills_block_slots_from_the_host():
     assert torch.equal(dev.cpu(), host)
     want = torch.zeros((t * k, HIDDEN), device=DEV)
     grouped_expert_gemm(x, _stack(floats), f32, tiles, tok, dst, wt, want)
-    _same(got.cpu(), want.cpu())
+    _same(got.cpu(), want.cpu(), exact=False)  # other tiles (fills', the blocks'): another summation order
 
 
 @pytest.fixture(scope="module")

@@ -57,13 +57,20 @@ GEMV = {"w_ptr": "*bf16", "slot_ptr": "*i32", "count_ptr": "*i32", "fill_ptr": "
 GEMM = {"w_ptr": "*bf16", "tile_ptr": "*i32", "count_ptr": "*i32", "H": "i32", "I": "i32", "slot_elems": "i32"}
 # the gate/up kernels' slot offsets and gpt-oss's bias offsets and clamped SwiGLU constants
 GATE_UP_EXTRA = {"up_off": "i32", "down_off": "i32", "tail": "i32", "gb_off": "i32", "ub_off": "i32",
-                 "alpha": "fp32", "limit": "fp32", "g_row": "i32", "u_row": "i32", "lut_ptr": "*fp32"}
+                 "alpha": "fp32", "limit": "fp32", "g_row": "i32", "u_row": "i32"}
 # the part formats: TYPED (float slots through their own pointer) or GGUF blocks through bytes
 # (Q4_K_M's q4_k gate/up and q6_k down, mxfp4, iq4_xs: the non-linear levels)
 TYPED = dict(FMT_G=blocks.TYPED, FMT_U=blocks.TYPED)
 Q4_K = dict(FMT_G=blocks.CODES["q4_k"], FMT_U=blocks.CODES["q4_k"])
 BYTES = {"w_ptr": "*u8"}
-GEMM_CONSTS = dict(PREC="tf32", UPCAST=False, BLOCK_M=experts.GEMM_M, BLOCK_N=experts.GEMM_N, BLOCK_K=experts.GEMM_K)
+GEMM_CONSTS = dict(PREC="tf32", UPCAST=False)
+
+
+def gemm_tile(fmt: dict | int, columns: int | None = None) -> dict:
+    """A GEMM launch's tile constants for format `fmt` (gate/up's codes, or down's), as
+    grouped_expert_gemm picks them (the warps are the compile's default)."""
+    code = fmt["FMT_G"] if isinstance(fmt, dict) else fmt
+    return {k: v for k, v in experts.gemm_tile(code, columns).items() if k.startswith("BLOCK")}
 
 KERNELS = [
     (plan._plan, PLAN_SIG, dict(K=8, KP=8, CAP=1024, SB=32, MODE=plan.HYBRID_MODE, HAS_CPU=True, BLOCK_H=1024)),
@@ -87,7 +94,7 @@ KERNELS = [
     (zero_copy._wait, WAIT_SIG, dict(TIMER=True)),
     (zero_copy._wait_word, {"ctrl_ptr": "*i32", "value": "i32"}, {}),
     *((experts._gate_up, {**GEMV, **GATE_UP_EXTRA, "x_ptr": "*bf16", "tok_ptr": "*i32", "h_ptr": "*fp32",
-                          "n_gu": "i32", **(BYTES if fmt is Q4_K else {})},
+                          "n_gu": "i32", "lut_ptr": "*fp32", **(BYTES if fmt is Q4_K else {})},
        dict(FILL=fill, BIAS=gpt_oss, CLAMP=gpt_oss, BLOCK_N=32, BLOCK_K=128, COPY_PROGS=24, COPY_BLOCK=2048, **fmt))
       for fill, gpt_oss, fmt in ((True, False, TYPED), (False, False, TYPED), (True, True, TYPED),
                                  (True, False, Q4_K), (False, True, Q4_K))),
@@ -100,17 +107,16 @@ KERNELS = [
     *((experts._gemm_gate_up, {**GEMM, **GATE_UP_EXTRA, "x_ptr": "*bf16", "tok_ptr": "*i32", "fill_ptr": "*i32",
                                "row_ptr": "*i64", "addr_ptr": "*i64", "h_ptr": "*bf16", **(BYTES if fmt is Q4_K else {})},
        dict(GEMM_CONSTS, COUNT=count, FILL=fill, BIAS=gpt_oss, CLAMP=gpt_oss, COPY_PROGS=copy, COPY_BLOCK=2048,
-            **width, **fmt))
-      for count, fill, gpt_oss, copy, width, fmt in ((False, False, False, 1, {}, TYPED),
-                                                     (True, True, False, 24, dict(BLOCK_N=experts.FILL_N), TYPED),
-                                                     (True, True, True, 24, dict(BLOCK_N=experts.FILL_N), TYPED),
-                                                     (False, False, False, 1, {}, Q4_K),
-                                                     (True, True, False, 24, dict(BLOCK_N=experts.FILL_N), Q4_K))),
+            **gemm_tile(fmt, experts.FILL_N if fill else None), **fmt))
+      for count, fill, gpt_oss, copy, fmt in ((False, False, False, 1, TYPED), (True, True, False, 24, TYPED),
+                                              (True, True, True, 24, TYPED), (False, False, False, 1, Q4_K),
+                                              (True, True, False, 24, Q4_K))),
     *((experts._gemm_down, {**GEMM, "h_ptr": "*bf16", "dst_ptr": "*i32", "wt_ptr": "*bf16", "y_ptr": "*bf16",
-                            "down_off": "i32", "db_off": "i32", "lut_ptr": "*fp32", **(BYTES if fmt else {})},
-       dict(GEMM_CONSTS, COUNT=count, BIAS=bias, FMT_D=fmt))
+                            "down_off": "i32", "db_off": "i32", **(BYTES if fmt else {})},
+       dict(GEMM_CONSTS, COUNT=count, BIAS=bias, FMT_D=fmt, **gemm_tile(fmt)))
       for count, bias, fmt in ((False, False, blocks.TYPED), (True, False, blocks.TYPED), (True, True, blocks.TYPED),
-                               (False, False, blocks.CODES["q6_k"]), (True, False, blocks.CODES["q8_0"]))),
+                               (False, False, blocks.CODES["q6_k"]), (True, False, blocks.CODES["q8_0"]),
+                               (True, True, blocks.CODES["mxfp4"]))),
     (gemv._gemv, {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"},
      dict(BN=16, BK=512, HAS_BIAS=True)),
     *((router._softmax_topk, {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "E": "i32"},

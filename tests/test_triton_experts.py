@@ -113,7 +113,7 @@ def test_grouped_gemm_matches_reference(dtype, x_dtype, hidden, inter, oss):
 
     layout = _layout(dtype, hidden, inter, oss)
     gen = torch.Generator().manual_seed(2)
-    cap, t, k = 3, 110, 2
+    cap, t, k = 3, 200, 2
     slots, parts = _random_slots(layout, cap, gen)
     x = torch.randn((t, hidden), generator=gen).to(getattr(torch, x_dtype))
     ids = torch.stack([torch.randperm(cap, generator=gen)[:k] for _ in range(t)])  # [t, k] distinct per token

@@ -39,8 +39,24 @@ from ftkit.vocab import SlotLayout, stored_nbytes
 _TYPED = tl.constexpr(TYPED)  # as the kernels compare it
 
 TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-GEMM_M, GEMM_N, GEMM_K = 64, 128, 64  # prefill tile: items x output columns x reduction step
+GEMM_M = 128  # items (an expert's tokens) per prefill tile: the decode of a block's weights is shared by them
 FILL_N = 32  # gate/up output columns of a GEMM tile when it may fill (the GEMV's width)
+# A GEMM launch's (output columns, reduction step, warps) by the format it decodes: the fastest
+# of a sweep, H200, 4096 tokens through one layer under uniform routing (docs/benchmarks.md, BS).
+# A block format's decode costs instructions per weight; its best tiles decode 16 weights a
+# thread a step: gpt-oss-20b's MXFP4 10.3 ms, qwen3-30b-a3b's IQ4_XS 2.71 (from 214 and 142 at
+# 64 items x 128 columns x 64 on 4 warps, levels gathered); bf16 1.74 ms on gpt-oss-20b (2.16).
+_FLOAT_TILE = (128, 64, 8)
+_TILES = {**{c: (64, 64, 8) for f, c in CODES.items() if f in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4")},
+          **{c: (64, 32, 4) for f, c in CODES.items() if f in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl",
+                                                                "iq4_xs")}}
+
+
+def gemm_tile(fmt: int, columns: int | None = None) -> dict:
+    """The launch options of a GEMM kernel decoding format code `fmt` (TYPED: a float slot),
+    `columns` output columns a tile where given."""
+    n, k, warps = _TILES.get(fmt, _FLOAT_TILE)
+    return dict(BLOCK_M=GEMM_M, BLOCK_N=columns or n, BLOCK_K=k, num_warps=warps, num_stages=3)
 
 
 @triton.jit
@@ -198,11 +214,11 @@ def _slot_view(slots: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, i
     return slots, 1
 
 
-def _expert_fn(layout: SlotLayout, esize: int, device: torch.device) -> dict:
+def _expert_fn(layout: SlotLayout, esize: int) -> dict:
     """The kernels' arguments for what the layout computes: each part's format code (TYPED for
     a float slot read as its dtype) and row length in the pointer's elements, the biases'
     element offsets and the clamped SwiGLU's constants, the elements a fill copies from down's
-    start (down and the biases after it), and the levels the non-linear formats look up."""
+    start (down and the biases after it)."""
     last = layout.parts[-1]
     gate, up, down = layout.parts[:3]
     typed = esize > 1
@@ -211,7 +227,7 @@ def _expert_fn(layout: SlotLayout, esize: int, device: torch.device) -> dict:
                limit=layout.activation.limit if layout.activation else 0.0,
                tail=(last.offset + last.nbytes - down.offset) // esize,
                g_row=gate.shape[1] if typed else stored_nbytes(gate.dtype, gate.shape[1:]),
-               u_row=up.shape[1] if typed else stored_nbytes(up.dtype, up.shape[1:]), lut_ptr=lut(device))
+               u_row=up.shape[1] if typed else stored_nbytes(up.dtype, up.shape[1:]))
     for name, part in (("FMT_G", gate), ("FMT_U", up), ("FMT_D", down)):
         out[name] = TYPED if typed else CODES[part.dtype]
     for name in ("gate_bias", "up_bias", "down_bias"):
@@ -238,12 +254,12 @@ def grouped_expert_gemv(
     """
     w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts[:3]
-    fn = _expert_fn(layout, esize, x.device)
+    fn = _expert_fn(layout, esize)
     i_dim, h_dim = gate.shape
     n = slot_ids.numel()
     h = torch.empty((n, i_dim), dtype=torch.float32, device=x.device)
     y = torch.empty((n, h_dim), dtype=x.dtype, device=x.device)
-    x = x.contiguous()
+    x, table = x.contiguous(), lut(x.device)
     slot_elems = layout.slot_bytes // esize
     flag, rows, addr = fills if fills is not None else (slot_ids, slot_ids, slot_ids)
     n_gu = triton.cdiv(i_dim, 32)
@@ -251,12 +267,12 @@ def grouped_expert_gemv(
     _gate_up[(n, n_gu + copy_progs)](x, w, slot_ids, token_ids, count, flag, rows, addr, h, h_dim, i_dim,
                                       slot_elems, up.offset // esize, down.offset // esize, fn["tail"], n_gu,
                                       fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"], fn["g_row"],
-                                      fn["u_row"], fn["lut_ptr"], FILL=fills is not None, BIAS=fn["BIAS"],
+                                      fn["u_row"], table, FILL=fills is not None, BIAS=fn["BIAS"],
                                       CLAMP=fn["CLAMP"], FMT_G=fn["FMT_G"], FMT_U=fn["FMT_U"], BLOCK_N=32,
                                       BLOCK_K=128, COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048)
     grid = (n, triton.cdiv(h_dim, 32))
     _down[grid](h, w, slot_ids, weights, count, y, h_dim, i_dim, slot_elems, down.offset // esize, fn["db_off"],
-                fn["lut_ptr"], BIAS=fn["BIAS"], FMT_D=fn["FMT_D"], BLOCK_M=32, BLOCK_K=128)
+                table, BIAS=fn["BIAS"], FMT_D=fn["FMT_D"], BLOCK_M=32, BLOCK_K=128)
     return y
 
 
@@ -273,7 +289,7 @@ def _tile(tile_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr_ptr, h_ptr, H, I,  # noqa: E741
-                  slot_elems, up_off, down_off, tail, gb_off, ub_off, alpha, limit, g_row, u_row, lut_ptr,
+                  slot_elems, up_off, down_off, tail, gb_off, ub_off, alpha, limit, g_row, u_row,
                   COUNT: tl.constexpr, FILL: tl.constexpr, BIAS: tl.constexpr, CLAMP: tl.constexpr,
                   FMT_G: tl.constexpr, FMT_U: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COPY_PROGS: tl.constexpr,
@@ -304,8 +320,8 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr,
             g = tl.load(gate + n[None, :] * H + k[:, None], mask=wmask, other=0.0)
             u = tl.load(gate + up_off + n[None, :] * H + k[:, None], mask=wmask, other=0.0)
         else:  # decoded, then multiplied in the activations' dtype
-            g = weights(gate, n[None, :], k[:, None], wmask, H, FMT_G, lut_ptr).to(xt.dtype)
-            u = weights(gate + up_off, n[None, :], k[:, None], wmask, H, FMT_U, lut_ptr).to(xt.dtype)
+            g = weights(gate, n[None, :], k[:, None], wmask, H, FMT_G, None).to(xt.dtype)
+            u = weights(gate + up_off, n[None, :], k[:, None], wmask, H, FMT_U, None).to(xt.dtype)
         if UPCAST:
             xt, g, u = xt.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         acc_g = tl.dot(xt, g, acc_g, input_precision=PREC)
@@ -320,7 +336,7 @@ def _gemm_gate_up(x_ptr, w_ptr, tile_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr,
 
 @triton.jit
 def _gemm_down(h_ptr, w_ptr, tile_ptr, count_ptr, dst_ptr, wt_ptr, y_ptr, H, I, slot_elems, down_off,  # noqa: E741
-               db_off, lut_ptr, COUNT: tl.constexpr, BIAS: tl.constexpr, FMT_D: tl.constexpr, PREC: tl.constexpr,
+               db_off, COUNT: tl.constexpr, BIAS: tl.constexpr, FMT_D: tl.constexpr, PREC: tl.constexpr,
                UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     if COUNT:
         if tl.program_id(0) >= tl.load(count_ptr):
@@ -338,7 +354,7 @@ def _gemm_down(h_ptr, w_ptr, tile_ptr, count_ptr, dst_ptr, wt_ptr, y_ptr, H, I, 
         if FMT_D == _TYPED:
             d = tl.load(down + n[None, :] * I + k[:, None], mask=wmask, other=0.0)
         else:
-            d = weights(down, n[None, :], k[:, None], wmask, I, FMT_D, lut_ptr).to(ht.dtype)
+            d = weights(down, n[None, :], k[:, None], wmask, I, FMT_D, None).to(ht.dtype)
         if UPCAST:
             ht, d = ht.to(tl.float32), d.to(tl.float32)
         acc = tl.dot(ht, d, acc, input_precision=PREC)
@@ -376,7 +392,7 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     """
     w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts[:3]
-    fn = _expert_fn(layout, esize, x.device)
+    fn = _expert_fn(layout, esize)
     i_dim, h_dim = gate.shape
     n_tiles = tiles.numel() // 3
     if not n_tiles:
@@ -388,23 +404,23 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     # interpreter (CPU tests) multiplies 16-bit tiles wrongly in tl.dot (3.9): upcast there too.
     # Block slots are decoded into the activations' dtype.
     upcast = (esize > 1 and x.dtype != w.dtype) or (interpreting() and x.dtype != torch.float32)
-    cfg = dict(COUNT=count is not None, PREC=prec, UPCAST=upcast, BLOCK_M=GEMM_M, BLOCK_N=GEMM_N, BLOCK_K=GEMM_K,
-               num_warps=4, num_stages=3)
+    cfg = dict(COUNT=count is not None, PREC=prec, UPCAST=upcast)
     count = count if count is not None else tiles
     flag, rows, addr = fills if fills is not None else (tiles, tiles, tiles)
     # Reads over PCIe need many in flight: with fills, narrower gate/up tiles give each filled
     # expert as many reading programs as the GEMV's (a few fills per layer in an extend; at 128
     # columns each had 6 readers and 6 copiers, and the split moved its misses to the CPU)
-    gu = dict(cfg, BLOCK_N=FILL_N) if fills is not None else cfg
+    gu = dict(cfg, **gemm_tile(fn["FMT_G"], FILL_N if fills is not None else None))
     n_gu = triton.cdiv(i_dim, gu["BLOCK_N"])
     copy_progs = n_gu if fills is not None else 0  # as in the GEMV: the down third alongside gate/up
     x = x.contiguous()
     _gemm_gate_up[(n_tiles, n_gu + copy_progs)](x, w, tiles, tokens, count, flag, rows, addr, h, h_dim, i_dim,
                                                 slot_elems, up.offset // esize, down.offset // esize, fn["tail"],
                                                 fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"], fn["g_row"],
-                                                fn["u_row"], fn["lut_ptr"], FILL=fills is not None, BIAS=fn["BIAS"],
+                                                fn["u_row"], FILL=fills is not None, BIAS=fn["BIAS"],
                                                 CLAMP=fn["CLAMP"], FMT_G=fn["FMT_G"], FMT_U=fn["FMT_U"],
                                                 COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048, **gu)
-    _gemm_down[(n_tiles, triton.cdiv(h_dim, GEMM_N))](h, w, tiles, count, dst, weights, y, h_dim, i_dim, slot_elems,
-                                                      down.offset // esize, fn["db_off"], fn["lut_ptr"],
-                                                      BIAS=fn["BIAS"], FMT_D=fn["FMT_D"], **cfg)
+    dn = dict(cfg, **gemm_tile(fn["FMT_D"]))
+    _gemm_down[(n_tiles, triton.cdiv(h_dim, dn["BLOCK_N"]))](h, w, tiles, count, dst, weights, y, h_dim, i_dim,
+                                                             slot_elems, down.offset // esize, fn["db_off"],
+                                                             BIAS=fn["BIAS"], FMT_D=fn["FMT_D"], **dn)

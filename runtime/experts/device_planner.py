@@ -40,7 +40,7 @@ from .pool import HostPool
 from .stats import ExpertStats
 
 MODES = {FUSED: plan.OFFLOAD_MODE, OFFLOAD: plan.OFFLOAD_MODE, CPU: plan.CPU_MODE, HYBRID: plan.HYBRID_MODE}
-MAX_TOKENS = GEMM_M  # tokens of a device-planned extend: an expert's items then fit one GEMM tile
+MAX_TOKENS = min(64, GEMM_M)  # tokens of a device-planned extend (as measured; its pinned worker buffers follow): one GEMM tile an expert
 
 
 class _FillFraction:
