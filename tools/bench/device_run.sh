@@ -19,7 +19,8 @@
 # nextprefill part's prompt with anchors every ANCHORS tokens (default none); zerocopy, the fills
 # bench; cpubw, the CPU kernel at CPU_TOKENS; plan, the planning kernels against the cache's size), sampled (hybrid decode
 # as above, each token sampled on the device at temperature 0.7, top-p 0.95), attn (a chunk's
-# attention behind cached keys: flash against the masked kernel), dense (a decode step's small
+# attention behind cached keys: flash against the masked kernel), gemm (prefill's grouped expert
+# GEMM alone at gpt-oss-20b's and qwen3-30b-a3b's shapes, each of GEMM_FORMATS), dense (a decode step's small
 # launches timed one by one inside a CUDA graph: cuBLAS against the Triton GEMV), cpubw (the
 # CPU kernel's GB/s at 15 threads at each of CPU_SHAPES), hostmem (HOSTMEM_MODEL's loaded pool: read rate per GiB and where its
 # pages are), longctx (graph decode behind PROMPTS-token prompts), bigprompt (a LONG_CHUNK-token
@@ -73,6 +74,10 @@ if has gpu; then
 fi
 if has zerocopy; then
   $PY -m ftkit.tools.bench.zero_copy --json "$OUT/zero_copy.json" 2>&1 | tee "$OUT/zero_copy.txt"
+fi
+if has gemm; then  # prefill's grouped expert GEMM alone, per format
+  $PY -m ftkit.tools.bench.expert_gemm --formats ${GEMM_FORMATS:-bfloat16,mxfp4,q8_0,q4_k_m,iq4_xs,q4_0,q5_0,q2_k,q3_k,q5_k,q6_k,iq4_nl} \
+    --json "$OUT/expert_gemm.json" 2>&1 | tee "$OUT/expert_gemm.txt"
 fi
 if has dense; then  # a decode step's small launches one by one in a CUDA graph (cuBLAS vs Triton GEMV, warps)
   $PY -m ftkit.tools.bench.dense_kernels --json "$OUT/dense_kernels.json" 2>&1 | tee "$OUT/dense_kernels.txt"
