@@ -21,7 +21,7 @@ from rich.table import Table
 
 from ftkit.vocab import DENSE_FORMATS, STRATEGIES, human_bytes
 
-from .console import PlainUsage, Version, err_console, fail, guarded, parse_bytes, printable
+from .console import PlainUsage, Version, err_console, fail, guarded, listed, parse_bytes, printable
 from .engine.generate import Generation, generate
 from .engine.loader import Runtime, RuntimeOptions
 from .engine.sampling import SamplingParams
@@ -454,6 +454,8 @@ def ctl_cache(
 
 
 def main() -> None:
+    listed(app)
+    listed(ctl)
     app()
 if __name__ == "__main__":
     main()

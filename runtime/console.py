@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from typing import Annotated, NoReturn
@@ -57,6 +58,17 @@ class PlainUsage(typer.core.TyperCommand):
 
     def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+
+def listed(app: typer.Typer) -> typer.Typer:
+    """`app` with each command's line in the list of commands the first paragraph of its help
+    joined into one line: typer's listing keeps the docstring's line breaks, which cut a wrapped
+    sentence off mid-line there."""
+    for info in app.registered_commands:
+        text = info.help or (info.callback.__doc__ if info.callback else None)
+        if info.short_help is None and text:
+            info.short_help = " ".join(inspect.cleandoc(text).split("\n\n")[0].split())
+    return app
 
 
 def parse_bytes(text: str, flag: str = "a size") -> int:

@@ -95,3 +95,20 @@ def test_serve_checks_its_port_before_reading_the_model(tmp_path) -> None:
     assert result.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: Address already in use (another "
                                     f"ft-run serve? `ft-run ctl stats --url http://127.0.0.1:{port}` asks it")
     assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(("prog", "module"), [("ft-run", "ftkit.runtime.cli"), ("ft-bench", "ftkit.tools.bench.cli")])
+def test_the_list_of_commands_gives_each_sentence_whole(prog: str, module: str) -> None:
+    """Each command's line in `--help` is its help's first paragraph joined (typer keeps the
+    docstring's line breaks there, which cut a sentence off mid-line)."""
+    import inspect
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1"}
+    out = subprocess.run([sys.executable, "-c", f"from {module} import main; main()", "--help"], env=env,
+                         capture_output=True, text=True, timeout=120).stdout
+    for name, cmd in typer.main.get_command(APPS[prog]).commands.items():
+        first = " ".join(inspect.cleandoc(cmd.help or "").split("\n\n")[0].split())
+        assert f"{name} " in out and first in out, (name, first)

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ftkit import __version__
 from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
-from ftkit.runtime.console import Version, err_console, guarded
+from ftkit.runtime.console import Version, err_console, guarded, listed
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.ftw.manifest import write_json_atomic
@@ -491,6 +491,7 @@ def _pct(x: float | None) -> str:
 
 
 def main() -> None:
+    listed(app)
     app()
 
 
