@@ -35,5 +35,6 @@ def test_soak_accounts_for_every_request(one_at_a_time):
     assert r["disconnected"] > 0 and r["rebuilds"] == {"applied": r["completed"] // 3, "refused": 0}
     assert r["replay"]["sent"] == 6 and r["replay"]["differ"] == []
     assert r["rss_bytes"]["end"] > 0
+    assert r["prefix_max_tokens"] == 1024 and 0 < r["prefix_tokens"]["end"] <= 1024  # the rows beside the RSS
     assert r["server"]["failed"] == 0
     assert [row[0] for row in soak.rows(r)][:3] == ["duration", "requests sent", "completed"]
