@@ -380,6 +380,17 @@ def _gguf_edit(key: str, vtype: int, value: object) -> Callable[[dict, Path], Pa
     return build
 
 
+def _gguf_rename_first_tensor(name: str, ttype: int) -> Callable[[dict, Path], Path]:
+    def build(seeds: dict, tmp: Path) -> Path:
+        parts = read_gguf(seeds["gguf"])
+        _, dims, _, offset = parts.tensors[0]
+        parts.tensors[0] = (name, dims, ttype, offset)
+        path = tmp / "m.gguf"
+        path.write_bytes(encode_gguf(parts))
+        return path
+    return build
+
+
 def _tokenizer_edit(edit: Callable[[dict], None]) -> Callable[[dict, Path], Path]:
     def build(seeds: dict, tmp: Path) -> Path:
         src = _copy(seeds["hf"], tmp / "hf")
@@ -434,6 +445,9 @@ HOSTILE = {
                         "tokenizer.ggml.tokens is an array of int, not an array of strings"),
     "GGUF scalar token_type": (_gguf_edit("tokenizer.ggml.token_type", VT.INT32, 1),
                                "tokenizer.ggml.token_type is 1, not an array of integers"),
+    # the fuzzer's find (issue 40): a name of invalid UTF-8 (read as a lone surrogate) is escaped
+    "GGUF tensor name not UTF-8": (_gguf_rename_first_tensor("\udcff", 41),
+                                   "unsupported: GGUF type Q1_0 for tensor \\udcff"),
     # the fuzzer's find (issue 40): tokenizers' BPE builder panics in Rust (a BaseException)
     "tokenizer that panics": (_tokenizer_edit(lambda t: t["model"].update(continuing_subword_prefix="#" * 64)),
                               "not a tokenizer the tokenizers library reads"),
@@ -464,7 +478,7 @@ def test_hostile_inputs_fail_in_one_line(seeds, tmp_path, case):
 
 
 def test_the_commands_answer_hostile_inputs_with_one_line(seeds, tmp_path):
-    """The installed commands on three of them: exit 1 and one line on stderr (ft-diagnose --json:
+    """The installed commands on four of them: exit 1 and one line on stderr (ft-diagnose --json:
     its report), never a traceback or a hang (the timeout only guards the test run)."""
     import subprocess
     import sys
@@ -483,3 +497,7 @@ def test_the_commands_answer_hostile_inputs_with_one_line(seeds, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "tokenizer.json: not a tokenizer the tokenizers library reads" in r.stderr, r.stderr
+    (tmp_path / "u").mkdir()
+    odd = HOSTILE["GGUF tensor name not UTF-8"][0](seeds, tmp_path / "u")  # the text report prints its names
+    r = subprocess.run([str(bin_dir / "ft-diagnose"), str(odd)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and not r.stderr and "tensor \\udcff" in r.stdout, r.stderr

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ftkit.errors import InputError
+from ftkit.errors import InputError, one_line
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.checkpoint.safetensors import read_config
 from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
@@ -38,6 +38,7 @@ from ftkit.vocab import (
 PLAN_DTYPE = FORMATS["bfloat16"]  # the memory plan's compute dtype: dense weights and KV cache
 KV_TOKENS = 1000  # the KV figure is per this many tokens, and min_gpu_bytes's minimal context
 FTW_LAYOUT = "ftw slots"
+PRINTED = 4000  # characters a report line keeps (one_line cuts the rest)
 
 T = TypeVar("T")
 
@@ -91,9 +92,11 @@ class Diagnosis:
             "top_k": spec.top_k if spec else None,
             "expert_layout": self.expert_layout,
             "expert_dtype": self.expert_dtype,
-            "problems": self.problems,
-            "unexpected": self.unexpected,
-            "notes": self.notes,
+            # printable, as every line the report prints: a header's names can hold any bytes
+            # (GGUF strings are read with surrogateescape, so invalid UTF-8 arrives as lone surrogates)
+            "problems": [one_line(p, PRINTED) for p in self.problems],
+            "unexpected": [one_line(u, PRINTED) for u in self.unexpected],
+            "notes": [one_line(n, PRINTED) for n in self.notes],
             "memory": self.memory,
         }
 
