@@ -48,7 +48,11 @@ def refused(e: BaseException) -> bool:
     whose continuing_subword_prefix is longer than a merge's right half panics in tokenizers'
     BPE builder, for one.
     """
-    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+    return isinstance(e, Exception) or _panic(e)
+
+
+def _panic(e: BaseException) -> bool:
+    return type(e).__name__ == "PanicException"
 
 
 @contextmanager
@@ -67,7 +71,7 @@ def panic_quiet() -> Iterator[None]:
         try:
             yield
         except BaseException as e:
-            panicked = type(e).__name__ == "PanicException"
+            panicked = _panic(e)
             raise
         finally:
             os.dup2(saved, 2)

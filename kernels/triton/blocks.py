@@ -31,8 +31,6 @@ TYPED = 0
 CODES = {name: i for i, name in enumerate((
     "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
     "iq4_nl", "iq4_xs", "mxfp4"), start=1)}
-
-
 _LUT: dict[torch.device, torch.Tensor] = {}
 
 

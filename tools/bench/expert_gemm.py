@@ -19,19 +19,19 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ftkit.runtime.spec import ModelSpec
 from ftkit.vocab import FormatError, slot_layout
 
 from .cpu_experts import MIXES
 from .presets import preset_spec
 
 
-def measure(preset: str, formats: tuple[str, ...], tokens: int, seed: int = 0) -> float:
-    """Milliseconds of one grouped GEMM over a layer of `preset` with experts in `formats`."""
+def measure(spec: ModelSpec, formats: tuple[str, ...], tokens: int, seed: int = 0) -> float:
+    """Milliseconds of one grouped GEMM over a MoE layer of `spec` with experts in `formats`."""
     import triton
 
     from ftkit.kernels.triton.experts import gemm_tiles, grouped_expert_gemm
 
-    spec = preset_spec(preset, 2)
     layout = slot_layout(spec, formats)
     e, k, h = spec.num_experts, spec.top_k, spec.hidden_size
     g = torch.Generator().manual_seed(seed)
@@ -71,7 +71,7 @@ def main() -> None:
         for name in a.formats.split(","):
             formats = MIXES.get(name, (name,) * 3)
             try:
-                ms = measure(preset, formats, a.tokens)
+                ms = measure(spec, formats, a.tokens)
             except FormatError as e:
                 console.print(f"{preset} {name}: skipped ({e})")
                 continue

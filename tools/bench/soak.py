@@ -271,8 +271,8 @@ def soak(url: str, key: str | None, work: Workload, pid: int | None = None, say:
     threads = [threading.Thread(target=s.run, args=(deadline,), daemon=True) for s in sessions]
     for t in threads:
         t.start()
-    def held() -> int | None:  # the K/V rows the prefix cache holds: it grows to its budget by design
-        return (call(url, "GET", "/v1/stats", key).get("prefix_cache") or {}).get("tokens")
+    def held() -> dict:  # the prefix cache's rows held and budget: it grows to its budget by design
+        return call(url, "GET", "/v1/stats", key).get("prefix_cache") or {}
 
     samples: list[tuple[float, int | None, int | None]] = []  # (seconds, server RSS, prefix rows), every RSS_EVERY_S
     prefix: dict[str, int | None] = {}
@@ -280,12 +280,13 @@ def soak(url: str, key: str | None, work: Workload, pid: int | None = None, say:
         time.sleep(1)
         elapsed = time.time() - t0
         if "warm" not in rss and tally.counts["completed"] >= work.sessions:  # every path has run about once
-            rss["warm"], prefix["warm"] = rss_bytes(pid) if pid else None, held()
+            rss["warm"], prefix["warm"] = rss_bytes(pid) if pid else None, held().get("tokens")
             say(f"warm after {elapsed:.0f} s: server RSS {_mib(rss['warm'])}")
         if not samples or elapsed - samples[-1][0] >= RSS_EVERY_S:
-            samples.append((round(elapsed, 1), rss_bytes(pid) if pid else None, held()))
+            samples.append((round(elapsed, 1), rss_bytes(pid) if pid else None, held().get("tokens")))
     seconds = time.time() - t0
-    rss["end"], prefix["end"] = rss_bytes(pid) if pid else None, held()
+    end = held()
+    rss["end"], prefix["end"] = rss_bytes(pid) if pid else None, end.get("tokens")
     # Half way through: allocators and caches grow to their working size early and stay there;
     # a leak goes on growing in the second half too.
     _, rss["mid"], prefix["mid"] = min(samples, key=lambda s: abs(s[0] - seconds / 2))
@@ -298,7 +299,7 @@ def soak(url: str, key: str | None, work: Workload, pid: int | None = None, say:
             "lost": c["lost"], "4xx": c["4xx"], "5xx": c["5xx"],
             "rebuilds": {"applied": c["rebuilds applied"], "refused": c["rebuilds refused"]},
             "rss_bytes": rss, "rss_samples": samples, "prefix_tokens": prefix,
-            "prefix_max_tokens": (call(url, "GET", "/v1/stats", key).get("prefix_cache") or {}).get("max_tokens"),
+            "prefix_max_tokens": end.get("max_tokens"),
             "rss_growth": _growth(rss.get("warm"), rss["end"]),
             "rss_growth_second_half": _growth(rss["mid"], rss["end"]), "replay": replayed,
             "server": {k: stats[k] for k in ("completed", "cancelled", "failed")}, "errors": tally.errors}
@@ -352,9 +353,9 @@ def rows(result: dict) -> list[tuple[str, str]]:
             ("server RSS: start / warm / half way / end",
              " / ".join(_mib(rss.get(k)) for k in ("start", "warm", "mid", "end"))),
             ("RSS growth since warm (target within 5%)", _pct(result["rss_growth"])),
+            ("RSS growth over the second half", _pct(result["rss_growth_second_half"])),
             (f"prefix cache rows held: warm / half way / end (of {result['prefix_max_tokens']})",
              " / ".join(str(result["prefix_tokens"].get(k)) for k in ("warm", "mid", "end"))),
-            ("RSS growth over the second half", _pct(result["rss_growth_second_half"])),
             ("greedy replies equal alone", f"{rep['equal']} of {rep['sent']}"),
             ("server: completed / cancelled / failed", " / ".join(str(result["server"][k])
                                                                   for k in ("completed", "cancelled", "failed")))]
