@@ -411,18 +411,17 @@ def test_write_quantized_lays_experts_out_as_llama_quantize(tmp_path):
     them out per layer (ffn_down q6_k on the layers use_more_bits picks), and the model runs on
     the cpu strategy."""
     from ftkit.runtime.ftw.reader import FTWModel
-    from ftkit.tools.bench.presets import quant_expert_formats
-    from ftkit.tools.convert.quant_presets import use_more_bits
+    from ftkit.tools.convert.quant_presets import expert_formats, use_more_bits
 
     spec = dataclasses.replace(preset_spec("tiny"), hidden_size=256, moe_intermediate_size=256, num_heads=8)
-    assert quant_expert_formats(spec, "q4_k_m") == [
+    assert expert_formats(spec, "q4_k_m") == [
         ("q4_k", "q4_k", "q6_k" if use_more_bits(i, spec.num_layers) else "q4_k") for i in spec.moe_layers]
     out = tmp_path / "q.ftw"
     r = subprocess.run([*BENCH, "write", "-o", str(out), "--preset", "tiny", "--quant", "q4_k_m",
                         "--distinct-experts", "2"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     model = FTWModel(out)
-    assert [lay.formats for lay in model.layout.layers] == quant_expert_formats(model.spec, "q4_k_m")
+    assert [lay.formats for lay in model.layout.layers] == expert_formats(model.spec, "q4_k_m")
     assert "experts " + model.layout.describe() in " ".join(r.stdout.split())
     rt = runtime(out, strategy="cpu")
     assert rt.pool.nbytes == model.spec.num_expert_rows * model.layout.slot_bytes

@@ -74,24 +74,25 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def build(cxx: str | None = None, extra: tuple[str, ...] = ()) -> Path:
-    """Compile experts.cpp (once per source, flags, compiler and CPU); returns the shared library.
-    `extra`: flags after FLAGS (`-mno-avx512f` builds the AVX2 path on an AVX-512 machine)."""
+def build(cxx: str | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
+    """Compile `source` (experts.cpp; once per source, flags, compiler and CPU); returns the
+    shared library. `extra`: flags after FLAGS (`-mno-avx512f` builds the AVX2 path on an
+    AVX-512 machine)."""
     cxx = cxx or os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found; set CXX)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS + extra).encode() + version.encode() + _cpu_signature().encode()
+        source.read_bytes() + " ".join(FLAGS + extra).encode() + version.encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
-    lib = cache_dir() / f"experts-{key}.so"
+    lib = cache_dir() / f"{source.stem}-{key}.so"
     if lib.is_file():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)  # concurrent builds: last rename wins
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cxx, *FLAGS, *extra, str(source), "-o", tmp], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed:\n{done.stderr.strip()}")
         os.replace(tmp, lib)

@@ -25,12 +25,13 @@ from ftkit.runtime.ftw.manifest import write_json_atomic
 from ftkit.runtime.profile import cache_dir
 from ftkit.runtime.random_model import write_random_ftw
 from ftkit.tools.convert.quant_presets import PRESETS as QUANT_PRESETS
+from ftkit.tools.convert.quant_presets import expert_formats
 from ftkit.vocab import expert_layout, human_bytes
 
 from . import agent_trace, hostmem, run, soak
 from . import serve as serve_bench
 from . import sweep as sweep_bench
-from .presets import PRESETS, preset_spec, quant_expert_formats
+from .presets import PRESETS, preset_spec
 from .routing import Recorder, Replayer, RoutingOverride, Synthetic
 
 console = Console()
@@ -89,7 +90,7 @@ def write(
 
     def body() -> None:
         spec = preset_spec(preset, layers)
-        formats = quant_expert_formats(spec, quant) if quant else None
+        formats = expert_formats(spec, quant) if quant else None
         layout = expert_layout(spec, formats or dtype)
         with Progress("writing", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console) as bar:
             task = bar.add_task("", total=spec.num_expert_rows * layout.slot_bytes)

@@ -122,17 +122,3 @@ def preset_spec(name: str, layers: int | None = None) -> ModelSpec:
         spec, num_layers=layers, layer_kinds=spec.layer_kinds[:layers],
         moe_layers=tuple(i for i in spec.moe_layers if i < layers),
     )
-
-
-def quant_expert_formats(spec: ModelSpec, quant: str) -> list[tuple[str, str, str]]:
-    """Each MoE layer's (gate, up, down) format under llama-quantize's preset `quant`, decided
-    from the layer's GGUF expert tensors as llama-quantize decides it (its 256-weight fallbacks
-    included)."""
-    from ftkit.tools.convert.quant_presets import preset_formats
-
-    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
-    shapes = {f"blk.{layer}.ffn_{part}_exps.weight": (e, *shape) for layer in spec.moe_layers
-              for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}
-    formats = preset_formats(quant, shapes, spec.num_layers, e)
-    return [tuple(formats[f"blk.{layer}.ffn_{part}_exps.weight"] or "bfloat16" for part in ("gate", "up", "down"))
-            for layer in spec.moe_layers]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ftkit.runtime.console import PlainUsage, Version, guarded, parse_bytes
 from ftkit.vocab import human_bytes
 
 from .pipeline import CAST_DTYPES, Conversion, convert, prepare
+from .quant_presets import PRESETS
 
 console = Console()
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, help="Convert a checkpoint (HF directory or GGUF file) to FTW.")
@@ -51,7 +53,11 @@ def main(
                               "GGUF file; or a Hugging Face id (org/name) in the local hub cache (a path that "
                               "exists wins)"),
     out: Path = typer.Option(..., "-o", "--out", help="FTW directory to write"),
-    dtype: str | None = typer.Option(None, help=f"cast weights to one of {', '.join(CAST_DTYPES)}"),
+    dtype: str | None = typer.Option(None, help=f"cast weights to one of {', '.join(CAST_DTYPES)} (with "
+                                     "--quantize: the dense ones)"),
+    quantize: str | None = typer.Option(None, help="quantize float experts into GGUF blocks as llama-quantize's "
+                                        f"preset or type lays them out (no importance matrix): {', '.join(PRESETS)}"),
+    threads: int | None = typer.Option(None, min=1, help="quantizer threads (default: every core)"),
     force: bool = typer.Option(False, help="replace OUT if it exists"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print what would be written, write nothing"),
     bank_size: str = typer.Option("4G", help="largest expert bank file (whole layers per file)"),
@@ -62,7 +68,8 @@ def main(
     def run() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            conv = prepare(local_path(src), dtype, parse_bytes(bank_size, "--bank-size"))
+            conv = prepare(local_path(src), dtype, parse_bytes(bank_size, "--bank-size"), quantize,
+                           threads or os.cpu_count())
         for w in caught:
             console.print(f"[yellow]note:[/] {w.message}")
         console.print(conversion_table(conv, out))
@@ -72,8 +79,10 @@ def main(
                 console.print(f"[yellow]note:[/] {note}")
         if note := inv.dense_note(dtype):
             console.print(f"[yellow]note:[/] {note}")
-        if note := inv.dequantize_note(conv.layout.dtype):
-            console.print(f"[yellow]note:[/] {note}")
+        if quantize:
+            console.print(f"[yellow]note:[/] experts quantized by {quantize} as llama-quantize lays it out (no "
+                          f"importance matrix); dense tensors kept {dtype or 'as stored'} (FTW keeps dense "
+                          f"tensors as floats)")
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")
             return

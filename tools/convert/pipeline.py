@@ -11,6 +11,7 @@ import torch
 
 from ftkit import __version__
 from ftkit.kernels.dequant import dequantize
+from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.checkpoint import CheckpointError, open_source
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer
 from ftkit.runtime.ftw.manifest import (
@@ -29,6 +30,8 @@ from ftkit.vocab import (
     stored_nbytes,
 )
 
+from .quant_presets import PRESETS, expert_formats
+
 DEFAULT_BANK_BYTES = 4 << 30
 CAST_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -41,6 +44,8 @@ class Conversion:
     layout: ExpertLayout  # each MoE layer's parts in their stored formats (GGUF blocks kept), or --dtype
     rows_per_bank: int
     side_files: list[tuple[Path, str]]
+    quantize: str | None = None  # the preset the float experts are quantized by (`--quantize`)
+    threads: int | None = None  # the quantizer's (default: torch's)
 
     @property
     def spec(self):
@@ -65,9 +70,15 @@ def _out_dtype(src: str, cast: str | None) -> str:
     return "float32" if src in BLOCK_FORMATS else src  # GGUF blocks dequantize exactly to float32
 
 
-def prepare(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_BYTES) -> Conversion:
+def prepare(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_BYTES,
+            quantize: str | None = None, threads: int | None = None) -> Conversion:
+    """What converting `src` writes: the dense tensors as stored or cast to `dtype`; the experts
+    as stored (GGUF blocks kept), cast to `dtype`, or, with `quantize` (a llama-quantize preset
+    or block format), quantized from float into GGUF blocks as that preset lays them out."""
     if dtype is not None and dtype not in CAST_DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, got {dtype}")
+    if quantize is not None and quantize not in PRESETS:
+        raise CheckpointError(f"--quantize must be one of {', '.join(PRESETS)}, got {quantize}")
     source = open_source(src, allow_stub=False)
     inv = take_inventory(source)
     if inv.problems:
@@ -79,7 +90,10 @@ def prepare(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_
         name, _ = inv.dense[canonical]
         keep = canonical.endswith(inv.family.float32_suffixes)  # the family routes these in float32
         dense.append((canonical, _out_dtype(source.tensors[name].dtype, None if keep else dtype), shape))
-    layout = expert_layout(inv.spec, dtype or [inv.layer_formats(layer) for layer in inv.spec.moe_layers])
+    if quantize is not None:
+        layout = expert_layout(inv.spec, _quantized_formats(inv, quantize))
+    else:
+        layout = expert_layout(inv.spec, dtype or [inv.layer_formats(layer) for layer in inv.spec.moe_layers])
     side_files = source.side_files()
     for path, rel in side_files:  # the tokenizer ft-run will load, loaded now (a bad one refused)
         if rel == TOKENIZER_JSON:
@@ -91,14 +105,33 @@ def prepare(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_
         layout=layout,
         rows_per_bank=rows_per_bank(layout.slot_bytes, inv.spec.num_experts, bank_bytes),
         side_files=side_files,
+        quantize=quantize,
+        threads=threads,
     )
 
 
-def _cast(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+def _quantized_formats(inv: Inventory, preset: str) -> list[tuple[str, ...]]:
+    """Each MoE layer's formats under `preset`, after checking that the experts are floats and
+    that a quantizer writes every format."""
+    stored = sorted(inv.expert_dtypes & set(BLOCK_FORMATS))
+    if stored:
+        raise CheckpointError(f"the experts are already quantized ({'/'.join(stored)}); --quantize takes "
+                              f"float experts (convert without it to keep these blocks)")
+    formats = expert_formats(inv.spec, preset)
+    if missing := sorted({f for layer in formats for f in layer} - set(QUANTIZERS) - set(CAST_DTYPES)):
+        raise CheckpointError(f"--quantize {preset} needs {'/'.join(missing)} at this model's shapes, "
+                              f"which ftkit does not write")
+    return formats
+
+
+def _cast(t: torch.Tensor, src: str, dst: str, threads: int | None = None) -> torch.Tensor:
+    """`t`, stored as `src`, in `dst`: blocks kept, dequantized or (from floats) quantized."""
     if src == dst:
         return t
     if src in BLOCK_FORMATS:
         t = dequantize(t, src)
+    if dst in BLOCK_FORMATS:
+        return quantize(t.float(), dst, threads)
     return t.to(storage_dtype(dst))
 
 
@@ -173,7 +206,7 @@ def _layer_experts(conv: Conversion, layer: int, on_bytes: Callable[[int], None]
                 ref = inv.source.tensors[name]
                 t, src = inv.family.sanitize(_mapped(inv, name), inv.source.read(name), spec, inv.gguf), ref.dtype
                 on_bytes(ref.nbytes)
-            parts[p.name] = _cast(t, src, p.dtype)
+            parts[p.name] = _cast(t, src, p.dtype, conv.threads)
         yield parts
 
 

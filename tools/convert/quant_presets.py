@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ftkit.runtime.spec import ModelSpec
 from ftkit.vocab import FORMATS, FormatError
 
 # name -> category, first match wins (llama-quant.cpp's tensor_get_category)
@@ -101,8 +102,14 @@ def _mxfp4_moe(name: str, shape: tuple[int, ...], m: _Model) -> str:
     return "mxfp4" if len(shape) >= 3 and shape[-3] > 1 else "q8_0"
 
 
+def _uniform(fmt: str) -> Callable[[str, tuple[int, ...], _Model], str]:
+    """Every quantizable tensor in `fmt` (llama-quantize's plain type names: Q6_K, Q4_0, ...)."""
+    return lambda name, shape, m: fmt
+
+
 PRESETS: dict[str, Callable[[str, tuple[int, ...], _Model], str]] = {
-    "q8_0": _q8_0, "q4_k_m": _q4_k_m, "mxfp4_moe": _mxfp4_moe,
+    "q4_k_m": _q4_k_m, "mxfp4_moe": _mxfp4_moe, "q8_0": _q8_0,
+    **{f: _uniform(f) for f in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4")},
 }
 
 
@@ -132,3 +139,14 @@ def preset_formats(
                 fmt = "float16"
         out[name] = fmt
     return {name: out[name] for name in shapes}
+
+
+def expert_formats(spec: ModelSpec, preset: str) -> list[tuple[str, str, str]]:
+    """Each MoE layer's (gate, up, down) format under `preset`, decided from the layer's GGUF
+    expert tensors as llama-quantize decides it (its 256-weight fallbacks included)."""
+    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    shapes = {f"blk.{layer}.ffn_{part}_exps.weight": (e, *shape) for layer in spec.moe_layers
+              for part, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}
+    formats = preset_formats(preset, shapes, spec.num_layers, e)
+    return [tuple(formats[f"blk.{layer}.ffn_{part}_exps.weight"] or "bfloat16" for part in ("gate", "up", "down"))
+            for layer in spec.moe_layers]
