@@ -423,19 +423,26 @@ def mxfp4_dirs(hf_dir, tmp_path_factory) -> tuple[Path, Path]:
     return quant, plain
 
 
-def test_mxfp4_experts_convert_to_their_dequantized_values(mxfp4_dirs, tmp_path, capsys):
+def test_mxfp4_experts_keep_their_blocks(mxfp4_dirs, tmp_path, capsys):
+    """FTW keeps the checkpoint's MXFP4 experts as ggml's MXFP4 blocks (gate and up rows taken
+    apart as for floats), whose values are transformers' dequantization, bit for bit; with
+    --dtype bfloat16 they are those values."""
     quant, plain = mxfp4_dirs
     inv = take_inventory(open_source(quant, allow_stub=False))
-    assert inv.problems == [] and inv.unexpected == [] and inv.dequantized_experts == ["mxfp4"]
-    assert inv.dequantize_note("bfloat16") == ("experts stored as mxfp4 are dequantized to bfloat16 "
-                                               "(FTW does not keep these blocks yet)")
+    assert inv.problems == [] and inv.unexpected == [] and inv.expert_dtypes == {"mxfp4"}
     convert(prepare(quant), tmp_path / "q.ftw")
+    convert(prepare(quant, dtype="bfloat16"), tmp_path / "qb.ftw")
     convert(prepare(plain), tmp_path / "p.ftw")
-    a, b = FTWModel(tmp_path / "q.ftw"), FTWModel(tmp_path / "p.ftw")
-    assert a.layout == b.layout and a.layout.dtype == "bfloat16"
-    banks_a, banks_b = a.read_banks(pin=False), b.read_banks(pin=False)
+    a, ab, b = (FTWModel(tmp_path / n) for n in ("q.ftw", "qb.ftw", "p.ftw"))
+    assert a.layout.formats == ("mxfp4",) and a.layout.biased and ab.layout == b.layout
+    assert a.layout.slot_bytes < b.layout.slot_bytes / 3
+    banks_a, banks_ab, banks_b = a.read_banks(pin=False), ab.read_banks(pin=False), b.read_banks(pin=False)
     for row in range(a.spec.num_expert_rows):
-        assert all(torch.equal(t, banks_b.parts(row)[n]) for n, t in banks_a.parts(row).items()), row
+        lay = a.layout.for_row(row)
+        for n, t in banks_a.parts(row).items():
+            p = lay.part(n)
+            got = dequantize(t, p.dtype).reshape(p.shape).to(torch.bfloat16) if p.dtype == "mxfp4" else t
+            assert torch.equal(got, banks_b.parts(row)[n]) and torch.equal(banks_ab.parts(row)[n], banks_b.parts(row)[n])
     assert all(torch.equal(t, b.dense_state()[n]) for n, t in a.dense_state().items())
     r = diagnose(quant)
     assert (r["verdict"], r["problems"]) == ("PASS", []), r
@@ -539,7 +546,7 @@ def test_gguf_mxfp4_experts_stay_blocks(hf_dir, tmp_path):
     r = diagnose(quant)
     assert (r["verdict"], r["memory"]["expert_dtype"]) == ("PASS", "mxfp4"), r
     conv = prepare(quant)
-    assert conv.inventory.dequantized_experts == [] and conv.layout.dtype == "mxfp4" and conv.layout.biased
+    assert conv.layout.dtype == "mxfp4" and conv.layout.biased
     convert(conv, tmp_path / "q.ftw")
     convert(prepare(plain), tmp_path / "d.ftw")  # float32 experts
     q, d = FTWModel(tmp_path / "q.ftw"), FTWModel(tmp_path / "d.ftw")
@@ -563,7 +570,7 @@ def test_gguf_mxfp4_experts_stay_blocks(hf_dir, tmp_path):
 def test_a_stub_of_the_released_20b_checkpoint_passes(tmp_path):
     """gpt-oss-20b as published (config.json keys, MXFP4 experts, bf16 biases, tensor names and
     shapes), cut to 2 layers, as a header-only stub: diagnose passes with the slot and pool sizes
-    of its bf16-dequantized experts."""
+    of its MXFP4 experts as FTW keeps them."""
     cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
            "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
            "initial_context_length": 4096, "intermediate_size": 2880, "layer_types": ["sliding_attention",
@@ -609,8 +616,8 @@ def test_a_stub_of_the_released_20b_checkpoint_passes(tmp_path):
     r = diagnose(stub)
     assert (r["verdict"], r["problems"], r["unexpected"], r["header_only"]) == ("PASS", [], [], True), r
     m = r["memory"]
-    slot = -(-(3 * 2880 * 2880 * 2 + 3 * 2880 * 4) // 4096) * 4096
-    assert (m["expert_dtype"], m["expert_slot_bytes"], m["host_expert_pool_bytes"]) == ("bfloat16", slot, 64 * slot)
+    slot = -(-(3 * 2880 * 90 * 17 + 3 * 2880 * 4) // 4096) * 4096  # 90 MXFP4 blocks of 17 bytes a row
+    assert (m["expert_dtype"], m["expert_slot_bytes"], m["host_expert_pool_bytes"]) == ("mxfp4", slot, 64 * slot)
     assert m["kv_bytes_per_1k_tokens"] == 1000 * 2 * 2 * 8 * 64 * 2
     # and with no torch loaded, as every header-only check (test_diagnose.py): the MXFP4 pairing too
     code = "import sys\nfrom ftkit.tools.diagnose.report import diagnose\ndiagnose(sys.argv[1])\nprint('torch' in sys.modules)"

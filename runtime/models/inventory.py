@@ -19,10 +19,6 @@ PER_EXPERT, STACKED = "per-expert", "stacked"
 # Stacked tensors that hold two slot parts: gate's rows, then up's (their biases alike).
 FUSED_INTO = {"gate": "gate_up", "up": "gate_up", "gate_bias": "gate_up_bias", "up_bias": "gate_up_bias"}
 FUSED_FROM = {"gate_up": "gate", "gate_up_bias": "gate_bias"}  # a fused tensor's first part
-# What an HF checkpoint's expert blocks (transformers' MXFP4, as gpt-oss ships) become without
-# --dtype: FTW keeps GGUF's blocks as stored, not these yet, so they are dequantized, to the
-# dtype a float checkpoint's experts would be.
-DEQUANTIZED_EXPERTS = "bfloat16"
 # Dense tensors convert from these: cast as they are, and GGUF's blocks dequantized exactly.
 GGUF_DENSE_FORMATS = (*DENSE_FORMATS, *BLOCK_FORMATS)
 
@@ -84,27 +80,11 @@ class Inventory:
                                f"expected one of {', '.join(EXPERT_FORMATS)}")
         return out
 
-    def slot_format(self, stored: str) -> str:
-        """The format a slot keeps an expert part stored in `stored`: GGUF's blocks and floats as
-        they are, an HF checkpoint's blocks (MXFP4) dequantized to DEQUANTIZED_EXPERTS."""
-        return DEQUANTIZED_EXPERTS if stored in BLOCK_FORMATS and not self.gguf else stored
-
     def layer_formats(self, layer: int) -> tuple[str, ...]:
-        """The slot format of model layer `layer`'s gate, up and down (`slot_format` of what is
-        stored; call only without problems, when each part has one)."""
-        return tuple(self.slot_format(next(iter(self.part_formats[(layer, part)]))) for part in EXPERT_PARTS)
-
-    @property
-    def dequantized_experts(self) -> list[str]:
-        """The stored expert formats that conversion dequantizes (an HF checkpoint's MXFP4)."""
-        return sorted(d for d in self.expert_dtypes if self.slot_format(d) != d)
-
-    def dequantize_note(self, dtype: str) -> str | None:
-        """The one line that says experts are dequantized to `dtype`, or None when none are."""
-        if not self.dequantized_experts:
-            return None
-        return (f"experts stored as {'/'.join(self.dequantized_experts)} are dequantized to {dtype} "
-                f"(FTW does not keep these blocks yet)")
+        """The stored format of model layer `layer`'s gate, up and down, which slots keep (GGUF's
+        blocks and an HF checkpoint's MXFP4 as ggml's blocks; call only without problems, when
+        each part has one)."""
+        return tuple(next(iter(self.part_formats[(layer, part)])) for part in EXPERT_PARTS)
 
     def dense_note(self, dtype: str | None = None) -> str | None:
         """The one line that says the dense tensors stored in GGUF blocks are dequantized (to

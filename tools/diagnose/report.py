@@ -23,7 +23,7 @@ from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer, compile_template
 from ftkit.runtime.ftw.manifest import MANIFEST
 from ftkit.runtime.models import Family, family_for_config, located
-from ftkit.runtime.models.inventory import DEQUANTIZED_EXPERTS, Inventory, take_inventory
+from ftkit.runtime.models.inventory import Inventory, take_inventory
 from ftkit.runtime.models.kv_size import kv_bytes_per_token
 from ftkit.runtime.spec import ModelSpec
 from ftkit.vocab import (
@@ -196,20 +196,18 @@ def _check_checkpoint(d: Diagnosis) -> None:
         d.notes.append(note)
     if note := inv.dense_note():
         d.notes.append(note)
-    if note := inv.dequantize_note(DEQUANTIZED_EXPERTS):
-        d.notes.append(note)
     d.notes += list(getattr(source, "notes", ()))
 
 
 def _converted_layout(inv: Inventory) -> ExpertLayout:
-    """The slots ftw-convert writes: each layer's parts in their stored formats (an HF
-    checkpoint's blocks dequantized: Inventory.slot_format); a part that is missing, mixes
+    """The slots ftw-convert writes: each layer's parts in their stored formats (GGUF blocks and
+    an HF checkpoint's MXFP4 kept); a part that is missing, mixes
     formats, or is in one a slot cannot hold at the spec's shape priced as bfloat16 (`--dtype`)."""
     shapes = inv.spec.expert_part_shapes()
 
     def one(layer: int, part: str) -> str:
         formats = inv.part_formats.get((layer, part), set())
-        fmt = inv.slot_format(next(iter(formats))) if len(formats) == 1 else None
+        fmt = next(iter(formats)) if len(formats) == 1 else None
         fits = fmt in EXPERT_FORMATS and shapes[part][-1] % FORMATS[fmt].block == 0
         return fmt if fits else "bfloat16"
 
