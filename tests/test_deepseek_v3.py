@@ -525,6 +525,27 @@ def test_fp8_weights_convert_to_their_dequantized_values(fp8_dir, tmp_path):
     fx.assert_converted_bitwise(served, tmp_path / "m.ftw", NAME)
 
 
+def test_fp8_experts_quantize_to_blocks(fp8_dir, tmp_path):
+    """`--quantize q8_0` on an FP8 checkpoint: each expert's dequantized values in Q8_0 blocks
+    (the block format nearest FP8's 8 bits), the dense tensors as without it."""
+    from ftkit.kernels.quantize import quantize
+
+    path, served = fp8_dir
+    convert(prepare(path, quantize="q8_0", threads=2), tmp_path / "q.ftw")
+    m, fam = FTWModel(tmp_path / "q.ftw"), FAMILIES[NAME]
+    assert m.layout.formats == ("q8_0",)
+    banks, dense, experts = m.read_banks(pin=False), m.dense_state(), 0
+    for name, t in served.items():
+        mapped = fam.map_name(name, gguf=False)
+        if mapped.canonical:
+            assert torch.equal(dense[mapped.canonical].reshape(t.shape), t), name
+        else:
+            row = m.spec.moe_index(mapped.layer) * m.spec.num_experts + mapped.expert
+            assert torch.equal(banks.parts(row)[mapped.part], quantize(t.float(), "q8_0")), name
+            experts += 1
+    assert experts == 3 * m.spec.num_expert_rows
+
+
 def test_fp8_scales_that_do_not_fit_are_one_line(fp8_dir, tmp_path):
     from safetensors.torch import save_file
 
