@@ -27,14 +27,3 @@ def test_a_slower_turn_moves_the_choice_back_to_batching():
     for _ in range(10):
         mode.observe(BATCH, 4, 0.08)  # the load changed: 50 tok/s
     assert mode.pick(True) == TURNS
-
-
-def test_a_lone_burst_measures_turns_so_concurrent_requests_start_batched():
-    mode = DecodeMode()
-    mode.alone(64, 0.2)  # one request alone: 320 tok/s, less a redone step in 33
-    assert mode.rate[TURNS] == 64 * 32 / 33 / 0.2
-    mode.alone(2, 0.001)  # a burst cut short is mostly its start: not a rate
-    assert mode.rate[TURNS] == 64 * 32 / 33 / 0.2
-    assert mode.pick(True) == BATCH  # the one not measured yet
-    mode.observe(BATCH, 4 * 32, 0.3)  # batched: 427 tok/s
-    assert [mode.pick(True) for _ in range(PROBE - 2)] == [BATCH] * (PROBE - 2)

@@ -8,10 +8,6 @@ queued. On the GPU machine (the qwen3-30b-a3b shape cut to 12 layers, hybrid) 4 
 captured batched step made 271.6 tok/s together against 229.5 for one stream's bursts. Which
 wins moves with the model, the cache and the load, so the rates are measured, not assumed;
 without graphs (a CPU) batching is the only way.
-
-Turns run one request at a time at a lone stream's rate, so a lone request's burst measures
-them too (`alone`): probing turns among four 64-token streams had spent half their tokens at
-one stream's rate (q4km through the server: 306 tok/s together against 476 batched).
 """
 
 from __future__ import annotations
@@ -43,13 +39,7 @@ class DecodeMode:
             return TURNS if best == BATCH else BATCH
         return best
 
-    def alone(self, tokens: int, seconds: float) -> None:
-        """A lone request's burst: the rate turns give, less the step redone at each switch
-        (a burst cut short after a few steps is mostly its start: not counted)."""
-        if tokens >= SLICE // 4:
-            self.observe(TURNS, tokens * SLICE / (SLICE + 1), seconds)
-
-    def observe(self, mode: str, tokens: float, seconds: float) -> None:
+    def observe(self, mode: str, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
         rate, old = tokens / seconds, self.rate[mode]

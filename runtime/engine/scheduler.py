@@ -206,8 +206,7 @@ class Scheduler:
         if not live:
             return
         if len(batch) == 1 and live[0].decoding.pipelined():  # alone: nobody waits on its steps
-            t0 = time.perf_counter()
-            self.mode.alone(self._burst(live[0]), time.perf_counter() - t0)
+            self._burst(live[0])
             return
         if len(live) == 1:  # the others are being prefilled: a step, which measures no batch
             self._step(live)
