@@ -119,10 +119,15 @@ class Job:
     def __init__(self, state: ServerState, prompt_ids: list[int], params: SamplingParams):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        # The sink holds the queue, not `self`: the request holds the sink, so a sink holding the
+        # job made a cycle (job -> request -> sink -> job) that kept every finished request, its
+        # KV cache with it, until one of the cyclic collector's rare full passes (42 finished
+        # requests' KV alive after a 3-minute soak; the 20-minute soak's server RSS grew 48%).
+        queue = self.queue
 
         def sink(ev: Event) -> None:
             try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+                loop.call_soon_threadsafe(queue.put_nowait, ev)
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 pass
 
