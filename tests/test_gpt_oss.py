@@ -41,7 +41,7 @@ from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.kv import KVCache
-from ftkit.runtime.models.kv_size import kv_bytes_per_token
+from ftkit.runtime.models.kv_size import KVSize, kv_size
 from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
 from ftkit.vocab import slot_layout
@@ -364,14 +364,21 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
         r = diagnose(path)
         assert (r["verdict"], r["problems"], r["family"]) == ("PASS", [], NAME), r
         m = r["memory"]
-        # every K/V row is kept, sliding layers' too (the window is a mask)
-        assert m["kv_bytes_per_1k_tokens"] == 1000 * kv_bytes_per_token(spec, torch.bfloat16) == 1000 * 2 * 2 * 2 * 16 * 2
+        # the full layer a row per position; the sliding one a ring of the window (4) and as many
+        # rows of headroom (a graph extend's keys), whatever the context
+        row = 2 * 2 * 16 * 2  # one layer's K and V of a position, bf16
+        assert kv_size(spec, torch.bfloat16) == KVSize(full=row, sliding=row, ring=8, saved=3)
+        assert (m["kv_bytes_per_1k_tokens"], m["kv_window_bytes"]) == (1000 * row, 8 * row)
+        assert m["min_gpu_terms"]["KV 1000 tokens"] == 1008 * row
         assert m["expert_slot_bytes"] == slot_layout(spec, m["expert_dtype"]).slot_bytes
         assert m["host_expert_pool_bytes"] == spec.num_expert_rows * m["expert_slot_bytes"]
-        # graph decode's static K/V for the longest request (every row, sliding layers' too);
-        # sink attention's score blocks in the workspace
+        # the prefix cache: the full layer's rows of the whole context, a saved window (3 rows)
+        # of the sliding one at each of its 32 anchors
+        assert m["prefix_cache_bytes"] == spec.max_position_embeddings * row + 32 * 3 * row
+        # graph decode's static K/V for the longest request, the sliding layer's a ring too;
+        # sink attention's score blocks and the sliding layer's gathered window in the workspace
         context = longest_request(spec, 1000)  # the tiny model's 512 positions
-        assert m["min_gpu_terms"][f"graph K/V {context} tokens"] == context * kv_bytes_per_token(spec, torch.bfloat16)
+        assert m["min_gpu_terms"][f"graph K/V {context} tokens"] == (context + 8) * row
         want = prefill_workspace_bytes(spec, context, torch.bfloat16)
         assert m["min_gpu_terms"]["prefill workspace"] == want > 5 * 4 * context * (context + 1) * 2
     kv = KVCache(spec, 10)
@@ -611,7 +618,8 @@ def test_a_stub_of_the_released_20b_checkpoint_passes(tmp_path):
     m = r["memory"]
     slot = -(-(3 * 2880 * 2880 * 2 + 3 * 2880 * 4) // 4096) * 4096
     assert (m["expert_dtype"], m["expert_slot_bytes"], m["host_expert_pool_bytes"]) == ("bfloat16", slot, 64 * slot)
-    assert m["kv_bytes_per_1k_tokens"] == 1000 * 2 * 2 * 8 * 64 * 2
+    # the full layer a row per position, the sliding one a ring of 128 + 63 rows
+    assert (m["kv_bytes_per_1k_tokens"], m["kv_window_bytes"]) == (1000 * 2 * 8 * 64 * 2, 191 * 2 * 8 * 64 * 2)
     # and with no torch loaded, as every header-only check (test_diagnose.py): the MXFP4 pairing too
     code = "import sys\nfrom ftkit.tools.diagnose.report import diagnose\ndiagnose(sys.argv[1])\nprint('torch' in sys.modules)"
     fx.skip_unless_header_path_can_be_torch_free()
