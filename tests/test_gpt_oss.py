@@ -6,10 +6,11 @@ Greedy tokens through the KV cache equal transformers' (float32, CPU) for every 
 2-expert cache, on a prompt three times the window with decoding past it; the logits agree to
 1e-4. The conversion is exact (interleaved, transposed experts and their biases into the slot's
 parts), MXFP4 experts (`*_blocks`, `*_scales`) dequantize to what transformers' own dequantizer
-gives, ft-diagnose passes with the memory plan the runtime allocates, and a cached prefix longer
-than the window resumes bitwise. Graph decode (its extend, one-token and batched steps: sinks in
-the Triton attention kernels) gives the eager decode's tokens and logits, on CPU through the
-Triton interpreter.
+gives, ft-diagnose passes with the memory plan the runtime allocates (the sliding layer a ring of
+8 rows: its window and as many more), and a cached prefix longer than the window resumes bitwise.
+Graph decode (its extend, one-token and batched steps: sinks in the Triton attention kernels, the
+ring addressed in place and wrapped many times) gives the eager decode's tokens and logits, on
+CPU through the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def test_sinks_and_clamps_matter(ftw):
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None
                                   or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
                                   reason="needs Triton, and CUDA or TRITON_INTERPRET=1")
-GRAPH_TOKENS = 6  # decoded after the 3-window prompt: every step's sliding layer drops a key
+GRAPH_TOKENS = 20  # decoded after the 3-window prompt: the sliding layer's ring (8 rows) wraps four times
 GRAPH_STRATEGIES = [dict(strategy="fused"), dict(strategy="offload", cache_experts=4),
                     dict(strategy="hybrid", cache_experts=4, bandwidth_ratio=0.5)]  # 4 slots: 2 x top-k
 
@@ -345,6 +346,46 @@ def test_batched_graph_step_matches_each_sequence_alone(ftw):
         assert (ours - theirs).norm() / theirs.norm() < 1e-3
 
 
+@needs_triton
+@pytest.mark.gpu
+def test_graph_paths_wrap_the_sliding_ring(ftw):
+    """The sliding layer keeps a ring of 8 rows (its window of 4 and as many more), in the graphs'
+    static buffers as in each cache: extends of up to 5 tokens (what the ring holds beside a
+    window: longer ones run the decoder's forward), one-token graph steps and batched steps, the
+    ring wrapped many times over, give the eager forward's logits over the same tokens, whose
+    own ring took the 48 tokens in one piece."""
+    rt = graph_runtime(ftw, strategy="fused")
+    graphs = rt.step.graphs
+    assert (graphs.k[0].shape[0], graphs.k[1].shape[0]) == (8, 64) and graphs.takes(5) and not graphs.takes(6)
+    ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(4))
+    runs = [7, 5, 1, 3, 1, 1, 4, 5, 2, 1, 5, 1, 1, 1, 5, 3, 1, 1]  # prompt, extends and steps
+    kv, got = rt.new_kv(48), []
+    with torch.inference_mode():
+        at = 0
+        for n in runs:
+            got.append(rt.step.forward(ids[at : at + n].to(rt.device), kv).float().cpu())
+            at += n
+        assert at == 48 and kv.k[0].shape[0] == 8
+        want = rt.decoder.forward(ids.to(rt.device), rt.new_kv(48)).float().cpu()  # eager, one piece
+        got = torch.cat(got)
+        assert torch.equal(got.argmax(-1), want.argmax(-1)) and (got - want).norm() / want.norm() < 1e-3
+        # two sequences' batched steps, each past its ring, against each one's eager steps
+        kvs = [rt.new_kv(40), rt.new_kv(40)]
+        prompts = [ids[:9], ids[20:23]]
+        steps = [rt.step.forward(p.to(rt.device), c)[-1:] for p, c in zip(prompts, kvs, strict=True)]
+        assert rt.step.graphs.batched(kvs)
+        batched = [torch.cat(steps)]
+        for _ in range(12):
+            batched.append(rt.step.batch(batched[-1].argmax(-1), kvs))
+    rt.close()
+    eager = Runtime(ftw, RuntimeOptions(threads=2, strategy="fused", dtype="float32"))
+    for b, p in enumerate(prompts):
+        ours = torch.stack([g[b].float().cpu() for g in batched])
+        theirs = torch.stack(greedy(eager, p, n=13)[1])
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1)) and (ours - theirs).norm() / theirs.norm() < 1e-3
+    eager.close()
+
+
 def test_every_strategy_matches_fused_bitwise(ftw):
     from test_store import assert_strategies_match_fused
 
@@ -352,10 +393,10 @@ def test_every_strategy_matches_fused_bitwise(ftw):
 
 
 def test_prefix_longer_than_the_window_resumes_bitwise(ftw):
-    """A second prompt sharing 40 tokens (ten windows) with the first resumes from the prefix
-    cache (every K/V row kept, the sliding layer's too) and generates from the logits of a cold
-    prefill, bitwise on the CPU."""
-    fx.assert_prefix_resumes_bitwise(ftw)
+    """A second prompt holding the first's 48 tokens (twelve windows) resumes from the prefix
+    cache (the full layer's rows from the tree, the sliding layer's window from the anchor at the
+    first's tail) and generates from the logits of a cold prefill, bitwise on the CPU."""
+    fx.assert_prefix_resumes_bitwise(ftw, appended=True)
 
 
 def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
@@ -381,8 +422,11 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
         assert m["min_gpu_terms"][f"graph K/V {context} tokens"] == (context + 8) * row
         want = prefill_workspace_bytes(spec, context, torch.bfloat16)
         assert m["min_gpu_terms"]["prefill workspace"] == want > 5 * 4 * context * (context + 1) * 2
-    kv = KVCache(spec, 10)
-    assert set(kv.k) == {0, 1} and kv.k[0].shape == (10, 2, 16)
+    # what KVCache allocates: the plan's figure; a sequence shorter than the ring, its length
+    kv = KVCache(spec, 1000, torch.bfloat16, "meta")
+    assert sum(t.nbytes for t in (*kv.k.values(), *kv.v.values())) == m["min_gpu_terms"]["KV 1000 tokens"]
+    assert (kv.k[0].shape, kv.k[1].shape) == ((8, 2, 16), (1000, 2, 16))
+    assert KVCache(spec, 5).k[0].shape == (5, 2, 16)
 
 
 # ---- MXFP4 experts, as the released checkpoints store them -----------------------------------

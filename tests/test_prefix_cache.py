@@ -109,6 +109,41 @@ def test_no_anchors_saves_prompt_tails_only(ftw_of):
     off.close()
 
 
+def test_sliding_windows_resume_from_anchors(ftw_of):
+    """gpt-oss's sliding layer (window 4, a ring of 8 rows) keeps no rows in the tree, only the
+    full layer does; each anchor saves the sliding layer's last window - 1 = 3 rows. A prompt far
+    past the ring resumes from the periodic anchor inside the first (256) or from its tail (288),
+    bitwise as a cold prefill, and the resumed window is the cold prefill's."""
+    path = ftw_of("gpt_oss")
+    cached = Runtime(path, RuntimeOptions(strategy="fused", threads=1, prefix_cache_tokens=4096))
+    plain = Runtime(path, RuntimeOptions(strategy="fused", threads=1, prefix_cache=False))
+    gen = torch.Generator().manual_seed(8)
+    plain_ids = torch.tensor([t for t in range(256) if t not in cached.tokenizer.added_ids])  # no markers
+
+    def draw(n: int) -> list[int]:
+        return plain_ids[torch.randint(0, len(plain_ids), (n,), generator=gen)].tolist()
+
+    first = draw(300)
+    assert set(cached.grid.scan(first).values()) == {"page", "periodic"}
+    run(cached, first)
+    pc = cached.prefix_cache
+    assert pc.anchored and all(set(n.k) == set(n.v) == {1} for n in pc.tree._nodes())
+    snaps = sorted((a.snap for a in pc.pool.live), key=lambda s: s.length)
+    assert [s.length for s in snaps] == [256, 288]
+    assert all(set(s.windows) == {0} and s.windows[0][0].shape[0] == 3 for s in snaps)
+    for shared, resumed in ((270, 256), (300, 288)):
+        second = first[:shared] + draw(9)
+        (got, got_logits), (want, want_logits) = run(cached, second), run(plain, second)
+        assert (got.cached_tokens, want.cached_tokens) == (resumed, 0)
+        assert got.token_ids == want.token_ids and torch.equal(got_logits, want_logits)
+    cold = plain.new_kv(300)
+    with torch.inference_mode():
+        plain.step.forward(torch.tensor(first[:256]), cold, cuts=list(plain.grid.scan(first[:256])))
+    assert all(torch.equal(a, b) for a, b in zip(snaps[0].windows[0], cold.windows(0, 256), strict=True))
+    cached.close()
+    plain.close()
+
+
 # ---- through the server ---------------------------------------------------------------------
 LONG_SYSTEM = "You are a careful coding agent. " * 12
 
