@@ -48,8 +48,8 @@ def render(r: dict[str, Any]) -> Group:
         t.add_row("host expert pool", _bytes(m["host_expert_pool_bytes"]))
         t.add_row("dense (GPU)", f"{_bytes(m['dense_bytes'])}, {m['dtype']}")
         t.add_row("KV per 1,000 tokens", f"{_bytes(m['kv_bytes_per_1k_tokens'])}, {m['dtype']}"
-                  + (f"; sliding layers {_bytes(m['kv_window_bytes'])} a sequence (their windows)"
-                     if m["kv_window_bytes"] else ""))
+                  + (f" (full-attention layers); the sliding-window layers {_bytes(m['kv_window_bytes'])} a "
+                     "sequence, whatever its length" if m["kv_window_bytes"] else ""))
         t.add_row("prefix cache (default)", f"{_bytes(m['prefix_cache_bytes'])}: K/V of the whole context"
                   + (" (full layers; the sliding ones' windows at its anchors)" if m["kv_window_bytes"] else ""))
         t.add_row("smallest GPU budget", f"{_bytes(m['min_gpu_bytes'])}: " + " + ".join(m["min_gpu_terms"])
