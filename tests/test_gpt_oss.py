@@ -429,6 +429,36 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
     assert KVCache(spec, 5).k[0].shape == (5, 2, 16)
 
 
+def test_the_ring_keeps_what_its_queries_read_and_no_more(ftw):
+    """The sliding layer's ring (8 rows, window 4) hands each piece the window's older keys and its
+    own in position order, keeps a piece longer than itself by its last rows, and refuses to
+    rewind (truncate, snapshot) to a position whose window it no longer holds."""
+    spec = FTWModel(ftw).spec
+    kv = KVCache(spec, 40)
+    rows = torch.arange(40.0)[:, None, None].expand(40, 2, 16)  # each key holds its position
+
+    def append(a: int, b: int) -> tuple[list[float], int]:
+        keys, values, offset = kv.append(0, rows[a:b], -rows[a:b])
+        kv.advance(b - a)
+        assert torch.equal(values, -keys)
+        return keys[:, 0, 0].tolist(), offset
+
+    assert append(0, 20) == (list(range(20)), 0)  # longer than the ring: its last 8 rows stay
+    assert append(20, 22) == (list(range(17, 22)), 3)  # positions 17..19 from the ring, then its own
+    assert kv.k[0][torch.arange(14, 22) % 8, 0, 0].tolist() == list(range(14, 22))
+    assert kv.snapshot(19).windows[0][0][:, 0, 0].tolist() == [16, 17, 18]
+    with pytest.raises(ValueError, match="state is gone"):
+        kv.snapshot(16)  # needs 13, overwritten by 21
+    kv.truncate(19)
+    with pytest.raises(ValueError, match="no longer hold"):
+        kv.truncate(16)  # still gone: a truncate does not bring 13 back
+    assert append(19, 21) == (list(range(16, 21)), 3)
+    snap = kv.snapshot()
+    kv.truncate(0)
+    kv.restore(snap)  # the window alone: nothing before it
+    assert kv.windows(0, 21)[0][:, 0, 0].tolist() == [18, 19, 20] and not kv.holds(20)
+
+
 # ---- MXFP4 experts, as the released checkpoints store them -----------------------------------
 def _mxfp4(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random MXFP4 blocks [..., G, 16] (every nibble) and scales [..., G] around 2**-4..2**0."""

@@ -56,6 +56,7 @@ def test_the_server_allocates_its_plan(model):
     plan = resolved.memory
     alone = plan_memory(model, opts, opts.kv_tokens)
     assert plan.kv_tokens != opts.kv_tokens and plan.expert_slots != alone.expert_slots
+    assert (plan.sequences, alone.sequences) == (2, 1)  # each running request its own sliding rings
     rt = Runtime(model, resolved)
     try:
         assert device_bytes(rt) == (plan.dense_bytes, plan.expert_bytes)

@@ -35,6 +35,7 @@ class KVCache:
     ):
         self.max_tokens = max_tokens
         self.length = 0
+        self.kept = 0  # the first position whose rows the sliding layers' rings surely still hold
         self.ring = ring_rows(spec)
         self.window = spec.sliding_window
         self.sliding = frozenset(sliding_layers(spec))
@@ -59,8 +60,8 @@ class KVCache:
         first = self.window_start(self.length)
         keys, values = (self._ordered(ring, first, self.length, new) for ring, new in ((self.k[layer], k), (self.v[layer], v)))
         for ring, new in ((self.k[layer], k), (self.v[layer], v)):
-            kept = min(new.shape[0], self.ring)  # a piece longer than the ring leaves its last rows
-            self._put(ring, end - kept, new[new.shape[0] - kept :])
+            last = min(new.shape[0], self.ring)  # a piece longer than the ring leaves its last rows
+            self._put(ring, end - last, new[new.shape[0] - last :])
         return keys, values, self.length - first
 
     def window_start(self, position: int) -> int:
@@ -100,7 +101,10 @@ class KVCache:
         return end
 
     def advance(self, n: int) -> None:
+        """n more positions filled (every path writes them, the last `ring` in the rings)."""
         self.length += n
+        if self.sliding:  # one more: a dropped pipelined graph step writes the next row
+            self.kept = max(self.kept, self.length + 1 - self.ring)
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions (a reused prefix); later appends overwrite the rest.
@@ -109,7 +113,7 @@ class KVCache:
         resume an earlier prefix."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a {self.length}-position cache to {n}")
-        if self.sliding and 0 < n and self.window_start(n) < self.length - self.ring:
+        if n and not self.holds(n):
             raise ValueError(f"cannot truncate to {n} of {self.length} positions: the sliding layers' rings no "
                              "longer hold its window; restore a snapshot taken at that length")
         if self.states and n != self.length:
@@ -119,14 +123,26 @@ class KVCache:
                     "state cannot be rewound; restore a snapshot taken at that length"
                 )
             self.states.clear()
+        if n == 0:
+            self.kept = 0
         self.length = n
 
-    def snapshot(self) -> CacheSnapshot:
+    def holds(self, n: int) -> bool:
+        """Whether the sliding layers' rings still hold the window a query at position n <= length
+        reads besides its own key (a ring keeps the last positions written, fewer after a
+        `restore`)."""
+        return not self.sliding or self.window_start(n) >= self.kept
+
+    def snapshot(self, at: int | None = None) -> CacheSnapshot:
         """The state needed to resume from the current length: a copy of the recurrent states
         and of the sliding layers' windows (`windows`); the full layers' K/V rows are not copied
-        (they stay valid while no truncate goes below this length)."""
-        return CacheSnapshot(self.length, {i: {k: t.clone() for k, t in s.items()} for i, s in self.states.items()},
-                             {i: self.windows(i, self.length) for i in self.sliding})
+        (they stay valid while no truncate goes below this length). `at`: an earlier length,
+        where there is no recurrent state (it is now's) and the rings still hold its windows."""
+        at = self.length if at is None else at
+        if at != self.length and (self.states or not 0 <= at <= self.length or not self.holds(at)):
+            raise ValueError(f"no snapshot at {at} of a {self.length}-position cache: its state is gone")
+        return CacheSnapshot(at, {i: {k: t.clone() for k, t in s.items()} for i, s in self.states.items()},
+                             {i: self.windows(i, at) for i in self.sliding})
 
     def windows(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of a sliding layer's K and V rows a query at `end` needs besides its own
@@ -142,9 +158,11 @@ class KVCache:
             raise ValueError(f"snapshot of {snap.length} positions does not fit a {self.max_tokens}-position cache")
         self.length = snap.length
         self.states = {i: {k: t.clone() for k, t in s.items()} for i, s in snap.states.items()}
+        if self.sliding:  # the rings hold the snapshot's windows, nothing before them
+            self.kept = self.window_start(snap.length)
         for i, (k, v) in snap.windows.items():
-            self._put(self.k[i], self.window_start(snap.length), k)
-            self._put(self.v[i], self.window_start(snap.length), v)
+            self._put(self.k[i], self.kept, k)
+            self._put(self.v[i], self.kept, v)
 
 
 @dataclass

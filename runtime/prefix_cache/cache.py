@@ -81,6 +81,18 @@ class PrefixCache:
         self.pool.evict(self.tree.clock)
         self.tree.evict(self.pool.drop)
 
+    def remember(self, tokens: list[int], cuts: dict[int, str], kv: KVCache) -> bool:
+        """`insert` a decoded sequence's rows (a GPU's: rounding, not bits, is its contract);
+        False where it cannot resume from them: a recurrent state inside it was never saved, or
+        the rings no longer hold the sliding windows at its stable end (a tail anchor saves
+        them: the end is a page from the last position, which a ring's headroom covers)."""
+        end = self.grid.stable_end(cuts, len(tokens))
+        if self.recurrent or (end and not kv.holds(end)):
+            return False
+        snaps = {end: kv.snapshot(end)} if self.anchored and end else {}
+        self.insert(tokens, cuts, kv, snaps, dict.fromkeys(snaps, TAIL))
+        return True
+
     def info(self) -> dict:
         s = self.stats
         return {"tokens": self.tree.tokens, "max_tokens": self.tree.max_tokens, "anchors": len(self.pool.live),
