@@ -309,9 +309,11 @@ def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
-def assert_prefix_resumes_bitwise(ftw: Path) -> None:
+def assert_prefix_resumes_bitwise(ftw: Path, appended: bool = False) -> None:
     """A second prompt sharing 40 tokens with a first resumes from the prefix cache and generates
-    what a cold prefill of it does, logits bitwise (cpu strategy)."""
+    what a cold prefill of it does, logits bitwise (cpu strategy). `appended`: the second is the
+    whole first and 9 tokens more, as an agent's next turn (a family that resumes only from
+    anchors, such as sliding windows, has one at the first's tail)."""
     from ftkit.runtime.engine.generate import generate
     from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
     from ftkit.runtime.engine.sampling import SamplingParams
@@ -331,7 +333,7 @@ def assert_prefix_resumes_bitwise(ftw: Path) -> None:
 
     gen = torch.Generator().manual_seed(6)
     first = torch.randint(0, 256, (48,), generator=gen).tolist()
-    second = first[:40] + torch.randint(0, 256, (9,), generator=gen).tolist()
+    second = first[: 48 if appended else 40] + torch.randint(0, 256, (9,), generator=gen).tolist()
     cached = Runtime(ftw, RuntimeOptions(strategy="cpu", threads=1, prefix_cache_tokens=4096))
     plain = Runtime(ftw, RuntimeOptions(strategy="cpu", threads=1, prefix_cache=False))
     run(cached, first)

@@ -7,6 +7,7 @@ import torch
 
 from ftkit.runtime.engine.tokenizer import Tokenizer
 from ftkit.runtime.models.kv import CacheSnapshot, KVCache
+from ftkit.runtime.models.kv_size import attention_layers
 from ftkit.runtime.prefix_cache.anchors import TAIL, AnchorPool
 from ftkit.runtime.prefix_cache.boundaries import IN_THINK, PERIODIC, Boundaries, Marker
 from ftkit.runtime.prefix_cache.radix import RadixTree
@@ -70,6 +71,9 @@ def test_tokenizer_markers(tmp_path):
     assert g.scan(ids)[len(ids)] == "turn"  # the generation prompt's end is a cut
 
 
+LAYERS = attention_layers(demo_spec(400))  # the rows a tree of demo_spec's keeps
+
+
 def kv_with(rows: int) -> KVCache:
     kv = KVCache(demo_spec(400), rows)
     for i in kv.k:
@@ -80,7 +84,7 @@ def kv_with(rows: int) -> KVCache:
 
 
 def test_radix_split_match_copy():
-    tree = RadixTree(1000)
+    tree = RadixTree(1000, LAYERS)
     a = list(range(40))
     tree.insert(a, 40, kv_with(40), [16])
     b = a[:30] + [99] * 10
@@ -96,7 +100,7 @@ def test_radix_split_match_copy():
 
 
 def test_side_request_loses_to_the_session():
-    tree = RadixTree(300)
+    tree = RadixTree(300, LAYERS)
     session = list(range(1000, 1250))
     tree.match(session)
     tree.insert(session, 250, kv_with(250), [])
@@ -108,7 +112,7 @@ def test_side_request_loses_to_the_session():
 
 
 def test_anchor_eviction_keeps_turns_and_recent_over_old_thinking():
-    tree, pool = RadixTree(10_000), AnchorPool(slots=3)
+    tree, pool = RadixTree(10_000, LAYERS), AnchorPool(slots=3)
     toks = list(range(500))
     nodes = tree.insert(toks, 500, kv_with(500), [100, 200, 300, 400])
     snap = {p: CacheSnapshot(p) for p in (100, 200, 300, 400, 500)}

@@ -10,7 +10,7 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.tools.convert.pipeline import convert, prepare
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "qwen3_next", "gpt_oss"])  # gpt_oss: its ring wraps
 def test_forward_batch_matches_single_sequences(hf_checkpoint, tmp_path, family):
     path = tmp_path / "m.ftw"
     convert(prepare(hf_checkpoint(family)), path)

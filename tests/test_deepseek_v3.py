@@ -36,7 +36,7 @@ from ftkit.runtime.models import FAMILIES, family_for_config
 from ftkit.runtime.models.deepseek_v3_forward import DeepseekV3Decoder
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.kv import KVCache
-from ftkit.runtime.models.kv_size import kv_bytes_per_token
+from ftkit.runtime.models.kv_size import KVSize, kv_size
 from ftkit.runtime.synthetic import write_tokenizer
 from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
@@ -159,7 +159,7 @@ def test_the_cache_holds_the_latent_only(ftw):
     spec = FTWModel(ftw).spec
     kv = KVCache(spec, 10)
     assert set(kv.k) == {0, 1, 2} and kv.k[0].shape == (10, 1, 32 + 8) and kv.v[0].shape == (10, 1, 0)
-    assert kv_bytes_per_token(spec, torch.bfloat16) == 3 * (32 + 8) * 2
+    assert kv_size(spec, torch.bfloat16).full == 3 * (32 + 8) * 2
 
 
 @pytest.mark.parametrize("opts", STRATEGIES, ids=lambda o: "-".join(map(str, o.values())))
@@ -578,7 +578,7 @@ def test_presets_have_the_published_shapes(tmp_path):
     assert (ds.extra["n_group"], ds.extra["topk_group"], kimi.extra["n_group"]) == (8, 4, 1)
     assert kimi.extra["routed_scaling_factor"] == 2.827 and kimi.vocab_size == 163840 and ds.vocab_size == 129280
     assert slot_layout(ds, "bfloat16").slot_bytes == 3 * 7168 * 2048 * 2  # 88 MB
-    assert kv_bytes_per_token(ds, torch.bfloat16) == kv_bytes_per_token(kimi, torch.bfloat16) == 61 * 576 * 2
+    assert kv_size(ds, torch.bfloat16) == kv_size(kimi, torch.bfloat16) == KVSize(61 * 576 * 2)
     # a prefill chunk expands (its heads' keys and values, no scores), a step absorbs (its scores)
     fam = FAMILIES[NAME]
     assert fam.attention_workspace(ds, 8192, 8192, 2, True) == 2 * 8192 * 128 * (192 + 128) * 2 + 8192 * 8192

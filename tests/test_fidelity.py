@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import fixtures as fx
 from ftkit.runtime.ftw.reader import FTWModel, HostBanks
 from ftkit.runtime.models import FAMILIES, decoder
 from ftkit.runtime.models.decoder import MoEDecoder
@@ -219,3 +220,14 @@ def test_sliding_window_layer_matches_transformers(tmp_path: Path):
     _check_f32(hf_dir, tmp_path)
     spec = FTWModel(tmp_path / "ftw").spec
     assert (spec.layer_kinds, spec.sliding_window) == (("sliding_attention", "full_attention"), 5)
+
+
+def test_every_layer_sliding_matches_transformers(tmp_path: Path):
+    # Mixtral with a window: every layer keeps a ring (5 + 5 rows) the 28 positions wrap twice,
+    # and the prefix cache resumes from an anchor's windows alone (its tree keeps no rows).
+    hf_dir = _make_checkpoint(tmp_path / "hf", "mixtral", sliding_window=5)
+    _check_f32(hf_dir, tmp_path)
+    spec = FTWModel(tmp_path / "ftw").spec
+    assert (spec.layer_kinds, spec.sliding_window) == (("sliding_attention",) * 2, 5)
+    assert KVCache(spec, 100).k[0].shape[0] == 10
+    fx.assert_prefix_resumes_bitwise(tmp_path / "ftw", appended=True)

@@ -6,10 +6,11 @@ Greedy tokens through the KV cache equal transformers' (float32, CPU) for every 
 2-expert cache, on a prompt three times the window with decoding past it; the logits agree to
 1e-4. The conversion is exact (interleaved, transposed experts and their biases into the slot's
 parts), MXFP4 experts (`*_blocks`, `*_scales`) dequantize to what transformers' own dequantizer
-gives, ft-diagnose passes with the memory plan the runtime allocates, and a cached prefix longer
-than the window resumes bitwise. Graph decode (its extend, one-token and batched steps: sinks in
-the Triton attention kernels) gives the eager decode's tokens and logits, on CPU through the
-Triton interpreter.
+gives, ft-diagnose passes with the memory plan the runtime allocates (the sliding layer a ring of
+8 rows: its window and as many more), and a cached prefix longer than the window resumes bitwise.
+Graph decode (its extend, one-token and batched steps: sinks in the Triton attention kernels, the
+ring addressed in place and wrapped many times) gives the eager decode's tokens and logits, on
+CPU through the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
 from ftkit.runtime.models.inventory import take_inventory
 from ftkit.runtime.models.kv import KVCache
-from ftkit.runtime.models.kv_size import kv_bytes_per_token
+from ftkit.runtime.models.kv_size import KVSize, kv_size
 from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.report import diagnose
 from ftkit.vocab import slot_layout
@@ -205,7 +206,7 @@ def test_sinks_and_clamps_matter(ftw):
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None
                                   or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
                                   reason="needs Triton, and CUDA or TRITON_INTERPRET=1")
-GRAPH_TOKENS = 6  # decoded after the 3-window prompt: every step's sliding layer drops a key
+GRAPH_TOKENS = 20  # decoded after the 3-window prompt: the sliding layer's ring (8 rows) wraps four times
 GRAPH_STRATEGIES = [dict(strategy="fused"), dict(strategy="offload", cache_experts=4),
                     dict(strategy="hybrid", cache_experts=4, bandwidth_ratio=0.5)]  # 4 slots: 2 x top-k
 
@@ -345,6 +346,46 @@ def test_batched_graph_step_matches_each_sequence_alone(ftw):
         assert (ours - theirs).norm() / theirs.norm() < 1e-3
 
 
+@needs_triton
+@pytest.mark.gpu
+def test_graph_paths_wrap_the_sliding_ring(ftw):
+    """The sliding layer keeps a ring of 8 rows (its window of 4 and as many more), in the graphs'
+    static buffers as in each cache: extends of up to 5 tokens (what the ring holds beside a
+    window: longer ones run the decoder's forward), one-token graph steps and batched steps, the
+    ring wrapped many times over, give the eager forward's logits over the same tokens, whose
+    own ring took the 48 tokens in one piece."""
+    rt = graph_runtime(ftw, strategy="fused")
+    graphs = rt.step.graphs
+    assert (graphs.k[0].shape[0], graphs.k[1].shape[0]) == (8, 64) and graphs.takes(5) and not graphs.takes(6)
+    ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(4))
+    runs = [7, 5, 1, 3, 1, 1, 4, 5, 2, 1, 5, 1, 1, 1, 5, 3, 1, 1]  # prompt, extends and steps
+    kv, got = rt.new_kv(48), []
+    with torch.inference_mode():
+        at = 0
+        for n in runs:
+            got.append(rt.step.forward(ids[at : at + n].to(rt.device), kv).float().cpu())
+            at += n
+        assert at == 48 and kv.k[0].shape[0] == 8
+        want = rt.decoder.forward(ids.to(rt.device), rt.new_kv(48)).float().cpu()  # eager, one piece
+        got = torch.cat(got)
+        assert torch.equal(got.argmax(-1), want.argmax(-1)) and (got - want).norm() / want.norm() < 1e-3
+        # two sequences' batched steps, each past its ring, against each one's eager steps
+        kvs = [rt.new_kv(40), rt.new_kv(40)]
+        prompts = [ids[:9], ids[20:23]]
+        steps = [rt.step.forward(p.to(rt.device), c)[-1:] for p, c in zip(prompts, kvs, strict=True)]
+        assert rt.step.graphs.batched(kvs)
+        batched = [torch.cat(steps)]
+        for _ in range(12):
+            batched.append(rt.step.batch(batched[-1].argmax(-1), kvs))
+    rt.close()
+    eager = Runtime(ftw, RuntimeOptions(threads=2, strategy="fused", dtype="float32"))
+    for b, p in enumerate(prompts):
+        ours = torch.stack([g[b].float().cpu() for g in batched])
+        theirs = torch.stack(greedy(eager, p, n=13)[1])
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1)) and (ours - theirs).norm() / theirs.norm() < 1e-3
+    eager.close()
+
+
 def test_every_strategy_matches_fused_bitwise(ftw):
     from test_store import assert_strategies_match_fused
 
@@ -352,10 +393,10 @@ def test_every_strategy_matches_fused_bitwise(ftw):
 
 
 def test_prefix_longer_than_the_window_resumes_bitwise(ftw):
-    """A second prompt sharing 40 tokens (ten windows) with the first resumes from the prefix
-    cache (every K/V row kept, the sliding layer's too) and generates from the logits of a cold
-    prefill, bitwise on the CPU."""
-    fx.assert_prefix_resumes_bitwise(ftw)
+    """A second prompt holding the first's 48 tokens (twelve windows) resumes from the prefix
+    cache (the full layer's rows from the tree, the sliding layer's window from the anchor at the
+    first's tail) and generates from the logits of a cold prefill, bitwise on the CPU."""
+    fx.assert_prefix_resumes_bitwise(ftw, appended=True)
 
 
 def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
@@ -364,18 +405,58 @@ def test_diagnose_pass_and_memory_plan(hf_dir, ftw):
         r = diagnose(path)
         assert (r["verdict"], r["problems"], r["family"]) == ("PASS", [], NAME), r
         m = r["memory"]
-        # every K/V row is kept, sliding layers' too (the window is a mask)
-        assert m["kv_bytes_per_1k_tokens"] == 1000 * kv_bytes_per_token(spec, torch.bfloat16) == 1000 * 2 * 2 * 2 * 16 * 2
+        # the full layer a row per position; the sliding one a ring of the window (4) and as many
+        # rows of headroom (a graph extend's keys), whatever the context
+        row = 2 * 2 * 16 * 2  # one layer's K and V of a position, bf16
+        assert kv_size(spec, torch.bfloat16) == KVSize(full=row, sliding=row, ring=8, saved=3)
+        assert (m["kv_bytes_per_1k_tokens"], m["kv_window_bytes"]) == (1000 * row, 8 * row)
+        assert m["min_gpu_terms"]["KV 1000 tokens"] == 1008 * row
         assert m["expert_slot_bytes"] == slot_layout(spec, m["expert_dtype"]).slot_bytes
         assert m["host_expert_pool_bytes"] == spec.num_expert_rows * m["expert_slot_bytes"]
-        # graph decode's static K/V for the longest request (every row, sliding layers' too);
-        # sink attention's score blocks in the workspace
+        # the prefix cache: the full layer's rows of the whole context, a saved window (3 rows)
+        # of the sliding one at each of its 32 anchors
+        assert m["prefix_cache_bytes"] == spec.max_position_embeddings * row + 32 * 3 * row
+        # graph decode's static K/V for the longest request, the sliding layer's a ring too;
+        # sink attention's score blocks and the sliding layer's gathered window in the workspace
         context = longest_request(spec, 1000)  # the tiny model's 512 positions
-        assert m["min_gpu_terms"][f"graph K/V {context} tokens"] == context * kv_bytes_per_token(spec, torch.bfloat16)
+        assert m["min_gpu_terms"][f"graph K/V {context} tokens"] == (context + 8) * row
         want = prefill_workspace_bytes(spec, context, torch.bfloat16)
         assert m["min_gpu_terms"]["prefill workspace"] == want > 5 * 4 * context * (context + 1) * 2
-    kv = KVCache(spec, 10)
-    assert set(kv.k) == {0, 1} and kv.k[0].shape == (10, 2, 16)
+    # what KVCache allocates: the plan's figure; a sequence shorter than the ring, its length
+    kv = KVCache(spec, 1000, torch.bfloat16, "meta")
+    assert sum(t.nbytes for t in (*kv.k.values(), *kv.v.values())) == m["min_gpu_terms"]["KV 1000 tokens"]
+    assert (kv.k[0].shape, kv.k[1].shape) == ((8, 2, 16), (1000, 2, 16))
+    assert KVCache(spec, 5).k[0].shape == (5, 2, 16)
+
+
+def test_the_ring_keeps_what_its_queries_read_and_no_more(ftw):
+    """The sliding layer's ring (8 rows, window 4) hands each piece the window's older keys and its
+    own in position order, keeps a piece longer than itself by its last rows, and refuses to
+    rewind (truncate, snapshot) to a position whose window it no longer holds."""
+    spec = FTWModel(ftw).spec
+    kv = KVCache(spec, 40)
+    rows = torch.arange(40.0)[:, None, None].expand(40, 2, 16)  # each key holds its position
+
+    def append(a: int, b: int) -> tuple[list[float], int]:
+        keys, values, offset = kv.append(0, rows[a:b], -rows[a:b])
+        kv.advance(b - a)
+        assert torch.equal(values, -keys)
+        return keys[:, 0, 0].tolist(), offset
+
+    assert append(0, 20) == (list(range(20)), 0)  # longer than the ring: its last 8 rows stay
+    assert append(20, 22) == (list(range(17, 22)), 3)  # positions 17..19 from the ring, then its own
+    assert kv.k[0][torch.arange(14, 22) % 8, 0, 0].tolist() == list(range(14, 22))
+    assert kv.snapshot(19).windows[0][0][:, 0, 0].tolist() == [16, 17, 18]
+    with pytest.raises(ValueError, match="state is gone"):
+        kv.snapshot(16)  # needs 13, overwritten by 21
+    kv.truncate(19)
+    with pytest.raises(ValueError, match="no longer hold"):
+        kv.truncate(16)  # still gone: a truncate does not bring 13 back
+    assert append(19, 21) == (list(range(16, 21)), 3)
+    snap = kv.snapshot()
+    kv.truncate(0)
+    kv.restore(snap)  # the window alone: nothing before it
+    assert kv.windows(0, 21)[0][:, 0, 0].tolist() == [18, 19, 20] and not kv.holds(20)
 
 
 # ---- MXFP4 experts, as the released checkpoints store them -----------------------------------
@@ -618,7 +699,8 @@ def test_a_stub_of_the_released_20b_checkpoint_passes(tmp_path):
     m = r["memory"]
     slot = -(-(3 * 2880 * 90 * 17 + 3 * 2880 * 4) // 4096) * 4096  # 90 MXFP4 blocks of 17 bytes a row
     assert (m["expert_dtype"], m["expert_slot_bytes"], m["host_expert_pool_bytes"]) == ("mxfp4", slot, 64 * slot)
-    assert m["kv_bytes_per_1k_tokens"] == 1000 * 2 * 2 * 8 * 64 * 2
+    # the full layer a row per position, the sliding one a ring of 128 + 63 rows
+    assert (m["kv_bytes_per_1k_tokens"], m["kv_window_bytes"]) == (1000 * 2 * 8 * 64 * 2, 191 * 2 * 8 * 64 * 2)
     # and with no torch loaded, as every header-only check (test_diagnose.py): the MXFP4 pairing too
     code = "import sys\nfrom ftkit.tools.diagnose.report import diagnose\ndiagnose(sys.argv[1])\nprint('torch' in sys.modules)"
     fx.skip_unless_header_path_can_be_torch_free()

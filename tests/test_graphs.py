@@ -139,6 +139,39 @@ def test_graph_decode_matches_fused_across_families(hf_checkpoint, tmp_path, fam
     rt.close()
 
 
+@pytest.fixture(scope="module")
+def sliding_model(tmp_path_factory):
+    """The `model` fixture's spec with layer 0 sliding over 4 positions: a ring of 8 rows, which
+    the prompt, the decode steps and the extend after them wrap three times."""
+    demo = demo_spec(300)
+    spec = dataclasses.replace(demo, num_layers=3, moe_layers=(0, 1, 2), num_heads=4, sliding_window=4,
+                               layer_kinds=(SLIDING_ATTENTION,) + demo.layer_kinds[1:3])
+    path = tmp_path_factory.mktemp("graphs-sliding") / "m.ftw"
+    write_random_ftw(path, spec, dtype="bfloat16", seed=3)
+    return path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused", "torch-attention"])
+def test_graph_decode_wraps_a_sliding_ring(sliding_model, kernels, monkeypatch):
+    """A sliding layer's ring in the graphs' static buffers: the fused kernels (rope_store and
+    decode attention at row p mod 8) and the torch attention a family's own mixer runs in the
+    graphs (each row's position from the step's) give the eager decode's logits."""
+    from ftkit.runtime.engine import graphs as graph_module
+
+    ref, ref_rt, _ = run(sliding_model, graphs=False, device="cpu", strategy="fused")
+    ref_rt.close()
+    if not kernels:
+        monkeypatch.setattr(graph_module, "_fused_attention", lambda decoder: None)
+    got, rt, _ = run(sliding_model, graphs=True, device="cuda" if CUDA else "cpu", strategy="offload", cache_experts=8)
+    graphs = rt.step.graphs
+    assert (graphs.fused is not None) == kernels and (graphs.k[0].shape[0], graphs.k[1].shape[0]) == (8, 64)
+    assert graphs.bound is not None, "the graph path did not run"
+    rt.close()
+    assert (got - ref).norm() / ref.norm() < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def _check_residency(rt: Runtime) -> None:
     """After graph decode and a host-planned prefill, table, LRU and free list agree, and every
     resident slot holds its row's bytes."""

@@ -56,6 +56,7 @@ def test_the_server_allocates_its_plan(model):
     plan = resolved.memory
     alone = plan_memory(model, opts, opts.kv_tokens)
     assert plan.kv_tokens != opts.kv_tokens and plan.expert_slots != alone.expert_slots
+    assert (plan.sequences, alone.sequences) == (2, 1)  # each running request its own sliding rings
     rt = Runtime(model, resolved)
     try:
         assert device_bytes(rt) == (plan.dense_bytes, plan.expert_bytes)
@@ -126,7 +127,32 @@ def test_graph_decode_reserves_the_recurrent_states(hf_checkpoint, tmp_path):
     plan = plan_memory(path, opts, 256)
     states = qwen3_next.FAMILY.recurrent_state_bytes(FTWModel(path).spec, torch.bfloat16)
     assert states and plan.graph_state_bytes == 2 * states
-    assert plan.graph_bytes == 256 * plan.kv_bytes_per_token + 2 * states
+    assert plan.graph_bytes == 256 * plan.kv.full + 2 * states
     assert "graph K/V 256 tokens and states" in plan.describe()
     assert plan_memory(path, dataclasses.replace(opts, graphs=False), 256).graph_state_bytes == 0
     assert plan_memory(path, dataclasses.replace(opts, device="cpu"), 256).graph_bytes == 0
+
+
+def test_sliding_layers_are_priced_at_their_rings():
+    """A sliding-window layer keeps a ring of window + headroom rows per sequence, whatever the
+    context; the plan prices the full layers by the token and the rings by the sequence, and its
+    advice inverts that."""
+    from ftkit.runtime.models.kv_size import KVSize, kv_size, ring_extend
+
+    spec = dataclasses.replace(demo_spec(300), sliding_window=128,
+                               layer_kinds=("sliding_attention", "full_attention") * (demo_spec(300).num_layers // 2))
+    row = 2 * spec.num_kv_heads * spec.head_dim * 2  # one layer's K and V of a position, bf16
+    half = spec.num_layers // 2
+    kv = kv_size(spec, torch.bfloat16)
+    assert kv == KVSize(full=half * row, sliding=half * row, ring=128 + 63, saved=127)
+    assert ring_extend(spec) == 64
+    assert kv.bytes(100) == 100 * 2 * half * row  # a short sequence: both alike
+    assert kv.bytes(131072) == (131072 + 191) * half * row  # the sliding half of it: 191 rows
+    assert kv.bytes(131072, sequences=4) == (131072 + 4 * 191) * half * row
+    for tokens, sequences in ((100, 1), (191, 1), (5000, 1), (5000, 4), (500, 4)):
+        fits = kv.tokens_within(kv.bytes(tokens, sequences), sequences)
+        assert fits == tokens and kv.bytes(fits + 1, sequences) > kv.bytes(tokens, sequences)
+    small = dataclasses.replace(spec, sliding_window=4)
+    assert kv_size(small, torch.bfloat16).ring == 8 and ring_extend(small) == 5  # headroom: at most the window
+    everything = dataclasses.replace(spec, layer_kinds=("sliding_attention",) * spec.num_layers)
+    assert kv_size(everything, torch.bfloat16).tokens_within(10**9) == 10**9  # past the rings nothing grows

@@ -109,6 +109,69 @@ def test_no_anchors_saves_prompt_tails_only(ftw_of):
     off.close()
 
 
+def unmarked(rt: Runtime, n: int, gen: torch.Generator) -> list[int]:
+    """n random token ids, none of them a marker's (so the cuts are pages and periodic ones)."""
+    ids = torch.tensor([t for t in range(256) if t not in rt.tokenizer.added_ids])
+    return ids[torch.randint(0, len(ids), (n,), generator=gen)].tolist()
+
+
+def test_sliding_windows_resume_from_anchors(ftw_of):
+    """gpt-oss's sliding layer (window 4, a ring of 8 rows) keeps no rows in the tree, only the
+    full layer does; each anchor saves the sliding layer's last window - 1 = 3 rows. A prompt far
+    past the ring resumes from the periodic anchor inside the first (256) or from its tail (288),
+    bitwise as a cold prefill, and the resumed window is the cold prefill's."""
+    path = ftw_of("gpt_oss")
+    cached = Runtime(path, RuntimeOptions(strategy="fused", threads=1, prefix_cache_tokens=4096))
+    plain = Runtime(path, RuntimeOptions(strategy="fused", threads=1, prefix_cache=False))
+    gen = torch.Generator().manual_seed(8)
+    first = unmarked(cached, 300, gen)
+    assert set(cached.grid.scan(first).values()) == {"page", "periodic"}
+    run(cached, first)
+    pc = cached.prefix_cache
+    assert pc.anchored and all(set(n.k) == set(n.v) == {1} for n in pc.tree._nodes())
+    snaps = sorted((a.snap for a in pc.pool.live), key=lambda s: s.length)
+    assert [s.length for s in snaps] == [256, 288]
+    assert all(set(s.windows) == {0} and s.windows[0][0].shape[0] == 3 for s in snaps)
+    for shared, resumed in ((270, 256), (300, 288)):
+        second = first[:shared] + unmarked(cached, 9, gen)
+        (got, got_logits), (want, want_logits) = run(cached, second), run(plain, second)
+        assert (got.cached_tokens, want.cached_tokens) == (resumed, 0)
+        assert got.token_ids == want.token_ids and torch.equal(got_logits, want_logits)
+    cold = plain.new_kv(300)
+    with torch.inference_mode():
+        plain.step.forward(torch.tensor(first[:256]), cold, cuts=list(plain.grid.scan(first[:256])))
+    assert all(torch.equal(a, b) for a, b in zip(snaps[0].windows[0], cold.windows(0, 256), strict=True))
+    cached.close()
+    plain.close()
+
+
+def test_decoded_rows_leave_their_windows_at_a_tail_anchor(ftw_of):
+    """As a GPU reply ends (Decoding.remember -> PrefixCache.remember): its rows go into the tree
+    and the sliding windows at its stable end, still in the rings, into a tail anchor, where a
+    next turn resumes as from a prefill's rows. Rows computed as a CPU prefill's here, so the
+    resume is bitwise. Where the rings have moved past that window (the tiny ring keeps 4 rows
+    beside it; gpt-oss's 63 cover a page) it declines, and the scheduler prefills instead."""
+    path = ftw_of("gpt_oss")
+    cached = Runtime(path, RuntimeOptions(strategy="fused", threads=1, prefix_cache_tokens=4096))
+    plain = Runtime(path, RuntimeOptions(strategy="fused", threads=1, prefix_cache=False))
+    pc, gen = cached.prefix_cache, torch.Generator().manual_seed(9)
+    ids = unmarked(cached, 300, gen)
+    for n, kept in ((300, False), (290, True)):  # the stable end 288: 12 and 2 positions back
+        kv, cuts = cached.new_kv(n), cached.grid.scan(ids[:n])
+        with torch.inference_mode():
+            cached.step.forward(torch.tensor(ids[:n]), kv, cuts=list(cuts))
+            assert pc.remember(ids[:n], cuts, kv) == kept
+        assert pc.tree.tokens == (288 if kept else 0)
+    (anchor,) = pc.pool.live
+    assert (anchor.snap.length, anchor.kind) == (288, TAIL)
+    second = ids[:290] + unmarked(cached, 9, gen)
+    (got, got_logits), (want, want_logits) = run(cached, second), run(plain, second)
+    assert (got.cached_tokens, want.cached_tokens) == (288, 0)
+    assert got.token_ids == want.token_ids and torch.equal(got_logits, want_logits)
+    cached.close()
+    plain.close()
+
+
 # ---- through the server ---------------------------------------------------------------------
 LONG_SYSTEM = "You are a careful coding agent. " * 12
 

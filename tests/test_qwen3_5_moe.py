@@ -176,7 +176,7 @@ def test_memory_plan_counts_the_state_and_the_one_attention_layer(ftw):
     assert states == 3 * (conv + ssm)
     opts = RuntimeOptions(device="cuda", strategy="offload", cache_experts=8)
     plan = plan_memory(ftw["bfloat16"], opts, 256)
-    assert plan.graph_state_bytes == 2 * states and plan.graph_bytes == 256 * plan.kv_bytes_per_token + 2 * states
+    assert plan.graph_state_bytes == 2 * states and plan.graph_bytes == 256 * plan.kv.full + 2 * states
     assert plan_memory(ftw["bfloat16"], dataclasses.replace(opts, graphs=False), 256).graph_state_bytes == 0
 
 

@@ -124,14 +124,18 @@ KERNELS = [
     *((decode._rope_store, {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
                                                     "qout_ptr", "kc_ptr", "vc_ptr")}, "pos_ptr": "*i64",
                             "caches_ptr": "*i64", "eps": "fp32",
-                            **{n: "i32" for n in ("q_stride", "k_stride", "v_stride", "table_start")}},
-       dict(HEADS=32, KV_HEADS=4, D=128, R=128, BLOCK_D=128, NORM=True, BATCH=batch)) for batch in (False, True)),
+                            **{n: "i32" for n in ("q_stride", "k_stride", "v_stride", "table_start", "ring")}},
+       dict(HEADS=32, KV_HEADS=4, D=128, R=128, BLOCK_D=128, NORM=True, BATCH=batch, RING=ring))
+      for batch in (False, True) for ring in (False, True)),  # ring: a sliding layer's (row p mod ring)
     *((attention._partial, {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}, "acc_ptr": "*fp32", "ml_ptr": "*fp32",
                             "pos_ptr": "*i64" if dev else "*bf16", "caches_ptr": "*i64" if batch else "*bf16",
-                            "T": "i32", "S": "i32", "offset": "i32", "window": "i32", "scale": "fp32", "chunk": "i32"},
+                            "T": "i32", "S": "i32", "offset": "i32", "window": "i32", "scale": "fp32", "chunk": "i32",
+                            "first": "i32", "ring": "i32"},
        dict(HEADS=32, KV_HEADS=4, D=128, BLOCK_D=128, BT=1 if dev else 4, BLOCK_M=16 if dev else 32, BLOCK_S=64,
-            IEEE=ieee, POS_ON_DEVICE=dev, BATCH=batch))
-      for ieee, dev, batch in ((False, False, False), (True, False, False), (False, True, False), (False, True, True))),
+            IEEE=ieee, POS_ON_DEVICE=dev, BATCH=batch, RING=ring))
+      for ieee, dev, batch, ring in ((False, False, False, False), (True, False, False, False),
+                                     (False, True, False, False), (False, True, True, False), (False, False, False, True),
+                                     (False, True, False, True), (False, True, True, True))),
     *((attention._combine, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*bf16" if sink else "*fp32",
                             "out_ptr": "*bf16", "T": "i32", "splits": "i32"},
        dict(HEADS=32, D=128, BLOCK_D=128, BLOCK_P=32, SINK=sink)) for sink in (False, True)),

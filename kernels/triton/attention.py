@@ -31,13 +31,13 @@ BLOCK_S = 64  # keys per step of a program's walk
 DECODE_CHUNK = 256  # a decode step's smallest chunk: below it a program's walk is mostly its start
 
 
-@triton.jit(do_not_specialize=["T", "S", "offset", "window", "chunk"])  # one compile for every position
-def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, pos_ptr, caches_ptr, T, S, offset, window, scale, chunk,
-             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "S", "offset", "window", "chunk", "first"])  # one compile for every position
+def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, pos_ptr, caches_ptr, T, S, offset, window, scale, chunk, first,
+             ring, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
              BT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
-             POS_ON_DEVICE: tl.constexpr, BATCH: tl.constexpr):
+             POS_ON_DEVICE: tl.constexpr, BATCH: tl.constexpr, RING: tl.constexpr):
     kh, tb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = sp * chunk
+    start = first + sp * chunk  # keys before `first` are outside every query's window
     if POS_ON_DEVICE:  # offset, S and the chunk (at least `chunk`) from the position pos_ptr holds
         if BATCH:  # query tb (BT = 1) is its own sequence's: its position, its K and V caches
             last = tl.load(pos_ptr + tb).to(tl.int32)
@@ -72,7 +72,10 @@ def _partial(q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, pos_ptr, caches_ptr, T, S, of
     stop = tl.minimum(start + chunk, tl.minimum(S, offset + tb * BT + BT))  # no key past the block's last query
     for s0 in range(start, stop, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        koffs = (s[:, None].to(tl.int64) * KV_HEADS + kh) * D + d[None, :]
+        at = s
+        if RING:  # a sliding layer's ring: key position s at row s mod ring (those masked below
+            at = s % ring  # may hold a later position's key: never seen)
+        koffs = (at[:, None].to(tl.int64) * KV_HEADS + kh) * D + d[None, :]
         kmask = (s < S)[:, None] & dm[None, :]
         k = tl.load(k_ptr + koffs, mask=kmask, other=0.0)
         v = tl.load(v_ptr + koffs, mask=kmask, other=0.0)
@@ -122,22 +125,27 @@ def _combine(acc_ptr, ml_ptr, sink_ptr, out_ptr, T, splits, HEADS: tl.constexpr,
 
 
 def few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int,
-                        window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        window: int | None = None, sinks: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """Causal GQA attention as `layers.attention`: q [T, H, D] at positions offset..offset+T;
     k, v [S, KvH, D] (rows may be strided views of a cache: the inner two dims contiguous) with
     S = offset + T. T <= MAX_QUERIES. `sinks` [H] (gpt-oss): one more logit per head in the
-    softmax's denominator, with no value (gpt_oss_forward.sink_attention). Returns [T, H, D] in
-    q's dtype."""
-    t, s = q.shape[0], k.shape[0]
+    softmax's denominator, with no value (gpt_oss_forward.sink_attention). `ring` (a sliding
+    layer's, models/kv.py): k, v hold key position p at row p mod ring, the last `ring`
+    positions up to offset + T (all the queries' windows). Only the keys from the first query's
+    window on are read. Returns [T, H, D] in q's dtype."""
+    t = q.shape[0]
+    s = offset + t if ring else k.shape[0]
     if t > MAX_QUERIES:
         raise ValueError(f"few_query_attention takes at most {MAX_QUERIES} queries")
-    chunk = max(512, triton.cdiv(triton.cdiv(s, MAX_SPLITS), BLOCK_S) * BLOCK_S)
-    return _attend(q, k, v, s, offset, window, chunk, triton.cdiv(s, chunk), sinks=sinks)
+    first = max(0, offset - window + 1) // BLOCK_S * BLOCK_S if window else 0
+    chunk = max(512, triton.cdiv(triton.cdiv(s - first, MAX_SPLITS), BLOCK_S) * BLOCK_S)
+    return _attend(q, k, v, s, offset, window, chunk, triton.cdiv(s - first, chunk), sinks=sinks, first=first,
+                   ring=ring)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      window: int | None, caches: torch.Tensor | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """One query's GQA attention over cache rows 0..pos (the last `window` of them for sliding
     layers), graph-safe: q [1, heads, D]; k_cache, v_cache [positions, kv_heads, D]; pos int64
     [1] on the device. The grid is fixed by the cache's size, each chunk at least DECODE_CHUNK
@@ -146,18 +154,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     int64 [T] each one's position and `caches` int64 [2, T] on the device the addresses of query
     t's sequence's K cache (row 0) and V cache, contiguous, typed and laid out as k_cache and
     v_cache, which then give only that and the grid (their positions: as many as the longest).
-    `sinks`: as few_query_attention's."""
+    `sinks`, `ring`: as few_query_attention's (a ring's rows are its window and headroom, so
+    its grid is a chunk or two whatever the position)."""
     capacity = k_cache.shape[0]
     splits = min(MAX_SPLITS, triton.cdiv(capacity, DECODE_CHUNK))
-    return _attend(q, k_cache, v_cache, capacity, 0, window, DECODE_CHUNK, splits, pos, caches, sinks)
+    return _attend(q, k_cache, v_cache, capacity, 0, window, DECODE_CHUNK, splits, pos, caches, sinks, ring=ring)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, offset: int, window: int | None,
             chunk: int, splits: int, pos: torch.Tensor | None = None,
-            caches: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """`_partial` over `splits` key chunks of `chunk` keys (with `pos`: of at least that many,
-    sized on the device; with `caches` too: each query over its own sequence's), then `_combine`
-    (which adds the `sinks`)."""
+            caches: torch.Tensor | None = None, sinks: torch.Tensor | None = None, first: int = 0,
+            ring: int = 0) -> torch.Tensor:
+    """`_partial` over `splits` key chunks of `chunk` keys from key `first` (with `pos`: of at
+    least that many from the window's first key, sized on the device; with `caches` too: each
+    query over its own sequence's), then `_combine` (which adds the `sinks`). `ring`: key
+    position p at row p mod ring."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads:
@@ -173,8 +184,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, offset: i
     ieee = q.dtype == torch.float32 or interpreting()  # the interpreter's 16-bit dot is wrong (Triton 3.x)
     _partial[(kv_heads, triton.cdiv(t, bt), splits)](
         q, k, v, acc, ml, pos if pos is not None else q, caches if caches is not None else q, t, s, offset,
-        window or 0, d**-0.5, chunk, HEADS=heads, KV_HEADS=kv_heads, D=d, BLOCK_D=block_d, BT=bt, BLOCK_M=block_m,
-        BLOCK_S=BLOCK_S, IEEE=ieee, POS_ON_DEVICE=pos is not None, BATCH=caches is not None)
+        window or 0, d**-0.5, chunk, first, ring, HEADS=heads, KV_HEADS=kv_heads, D=d, BLOCK_D=block_d, BT=bt,
+        BLOCK_M=block_m, BLOCK_S=BLOCK_S, IEEE=ieee, POS_ON_DEVICE=pos is not None, BATCH=caches is not None,
+        RING=ring > 0)
     out = torch.empty_like(q)
     if sinks is not None and sinks.shape != (heads,):
         raise ValueError(f"attention sinks: one per query head ({heads}), not {tuple(sinks.shape)}")

@@ -21,8 +21,9 @@ import triton.language as tl
 
 @triton.jit
 def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qout_ptr, kc_ptr, vc_ptr, caches_ptr,
-                eps, q_stride, k_stride, v_stride, table_start, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                D: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, BATCH: tl.constexpr):
+                eps, q_stride, k_stride, v_stride, table_start, ring, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                D: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, BATCH: tl.constexpr,
+                RING: tl.constexpr):
     h, t = tl.program_id(0), tl.program_id(1)
     kc, vc = kc_ptr, vc_ptr
     if BATCH:  # token t is its own sequence's: its position, its K and V caches' addresses
@@ -55,7 +56,10 @@ def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
     if h < HEADS:
         tl.store(qout_ptr + (t * HEADS + h) * D + d, out, mask=dm)
     else:
-        row = (pos * KV_HEADS + kh) * D
+        at = pos
+        if RING:  # a sliding layer's ring: position p at row p mod ring
+            at = pos % ring
+        row = (at * KV_HEADS + kh) * D
         tl.store(kc + row + d, out, mask=dm)
         tl.store(vc + row + d, tl.load(v_ptr + t * v_stride + kh * D + d, mask=dm), mask=dm)
 
@@ -63,7 +67,7 @@ def _rope_store(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, table_start: int = 0,
-               caches: torch.Tensor | None = None) -> torch.Tensor:
+               caches: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """q [T, heads*D], k, v [T, kv_heads*D] (projections; rows may be strided, as the column
     views of one Q/K/V product are); q_norm, k_norm: per-head RMSNorm weights [D] or None; cos,
     sin [positions, R]: row r holds position table_start + r; pos int64 [1] on the device: the
@@ -72,7 +76,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.
     The batch form, `caches` given: the T tokens are T sequences' next ones, pos int64 [T] holds
     each one's position and `caches` int64 [2, T] on the device the addresses of token t's
     sequence's K cache (row 0) and V cache, contiguous, typed and laid out as k_cache and v_cache
-    (which are not written then); row pos[t] of each is written."""
+    (which are not written then); row pos[t] of each is written. `ring` (a sliding layer's,
+    models/kv.py): position p goes to row p mod ring instead."""
     kv_heads, d = k_cache.shape[1], k_cache.shape[2]
     t, heads = q.shape[0], q.shape[-1] // d
     if any(a.stride(-1) != 1 for a in (q, k, v)):
@@ -81,7 +86,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.
     norm = q_norm is not None
     _rope_store[(heads + kv_heads, t)](q, k, v, q_norm if norm else q, k_norm if norm else k, cos, sin, pos, out,
                                        k_cache, v_cache, caches if caches is not None else pos, eps, q.stride(0),
-                                       k.stride(0), v.stride(0), table_start, HEADS=heads, KV_HEADS=kv_heads, D=d,
-                                       R=cos.shape[-1], BLOCK_D=triton.next_power_of_2(d), NORM=norm,
-                                       BATCH=caches is not None)
+                                       k.stride(0), v.stride(0), table_start, ring, HEADS=heads, KV_HEADS=kv_heads,
+                                       D=d, R=cos.shape[-1], BLOCK_D=triton.next_power_of_2(d), NORM=norm,
+                                       BATCH=caches is not None, RING=ring > 0)
     return out

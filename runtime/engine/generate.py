@@ -106,18 +106,18 @@ class Decoding:
     def remember(self) -> bool:
         """Put the reply's decoded K/V rows into the prefix cache after the prompt's, for the
         next turn that resends them; True where they are as good as a prefill's rows: on a GPU
-        (whose contract is rounding, not bits) for a family without recurrent state (its state
-        inside the reply was never saved). Elsewhere the scheduler prefills prompt + reply in
-        idle time instead, which costs the GPU an extend per reply."""
+        (whose contract is rounding, not bits) for a family without recurrent state (none was
+        saved inside the reply; sliding windows are, at its end: `PrefixCache.remember`).
+        Elsewhere the scheduler prefills prompt + reply in idle time instead, which costs the GPU
+        an extend per reply."""
         rt, cache = self.rt, self.rt.prefix_cache
-        if cache is None or rt.device.type == "cpu" or cache.recurrent:
+        if cache is None or rt.device.type == "cpu":
             return False
         ids = self.prompt_ids + self.gen.token_ids[:-1]  # the last token was picked, never fed
         if self.kv.length != len(ids):
             return False
         with torch.inference_mode():
-            cache.insert(ids, rt.grid.scan(ids), self.kv, {}, {})
-        return True
+            return cache.remember(ids, rt.grid.scan(ids), self.kv)
 
     def emit(self, token: int | None = None) -> tuple[int, str, Generation]:
         """Sample the next token from the current logits, or take `token` (chosen on the

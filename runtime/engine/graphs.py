@@ -6,7 +6,9 @@ routing back to the host; at a few hundred microseconds of expert traffic per la
 becomes the bottleneck. Here a step has fixed shapes and no host decision:
 - the token and its position live in device tensors; rotary tables are gathered by position;
 - K/V go into static per-layer buffers (a sequence's KVCache is re-pointed at them while it is
-  bound), and attention covers a fixed span with a position mask, so one graph per span bucket
+  bound; a sliding-window layer's is a ring as the cache's, key position p at row p mod its
+  size, which the kernels address in place), and attention covers a fixed span with a position
+  mask, so one graph per span bucket
   (256, 512, ... tokens) serves every position below it; where the family's Q/K treatment allows
   (per-head or no Q/K norm, no clipping), Q, K and V come from one projection (the three
   weights concatenated once, the decoder's entries left as views of it), norms, RoPE and the
@@ -51,7 +53,8 @@ from ftkit.kernels.triton import optional
 from ..experts.store import ExpertStore
 from ..models import FAMILIES
 from ..models.decoder import Experts, Mixer, MoEDecoder
-from ..models.kv import KVCache, attention_layers
+from ..models.kv import KVCache
+from ..models.kv_size import attention_layers, ring_extend, ring_rows, sliding_layers
 from ..models.layers import decode_attention, linear
 from ..spec import QK_NORM_HEAD, QK_NORM_NONE
 from .sampling import Sampler
@@ -137,10 +140,12 @@ class GraphDecode:
         self.decoder, self.store, self.capacity, self.capture = decoder, store, capacity, capture
         self.max_batch = max_batch
         dtype = decoder.lm_head.dtype
-        shape = (capacity, s.num_kv_heads, s.head_dim)
         layers = attention_layers(s)
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=dev) for i in layers}
+        # a sliding layer's rows are a ring as its sequences' caches keep it (models/kv.py)
+        self.ring, self.sliding = ring_rows(s), frozenset(sliding_layers(s))
+        rows = {i: min(capacity, self.ring) if i in self.sliding else capacity for i in layers}
+        self.k = {i: torch.zeros((n, s.num_kv_heads, s.head_dim), dtype=dtype, device=dev) for i, n in rows.items()}
+        self.v = {i: torch.zeros((n, s.num_kv_heads, s.head_dim), dtype=dtype, device=dev) for i, n in rows.items()}
         # Recurrent (linear-attention) layers' states: static buffers shaped as the first bound
         # sequence's, carved from one flat buffer so one copy saves (or restores) them all.
         self.recurrent = sorted(set(range(s.num_layers)) - set(layers))
@@ -320,7 +325,8 @@ class GraphDecode:
                 # those buffers then only lay out
                 rows = None if caches is None else caches[i]
                 q = self._rope_store(i, self._qkv(i, h), self.k[i], self.v[i], (self.cos, self.sin, 0), pos, rows)
-                return self.few.decode_attention(q, self.k[i], self.v[i], pos, dec.window(i), rows, self._sinks(i))
+                return self.few.decode_attention(q, self.k[i], self.v[i], pos, dec.window(i), rows, self._sinks(i),
+                                                 self._ring(i))
 
             mix = self._projected(attend)
         else:  # the decoder's own token mixer (one sequence), its keys and values in the static buffers
@@ -329,9 +335,14 @@ class GraphDecode:
             visible = keys <= self.pos
 
             def kv(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                window = dec.window(i)
+                if i in self.sliding:  # the ring: each row holds the latest position it can
+                    held = self.pos - (self.pos - self.positions[: self.k[i].shape[0]]) % self.ring
+                    self.k[i].index_copy_(0, self.pos % self.ring, k)
+                    self.v[i].index_copy_(0, self.pos % self.ring, v)
+                    return decode_attention(q, self.k[i], self.v[i], (held >= 0) & (held > self.pos - window))
                 self.k[i].index_copy_(0, self.pos, k)
                 self.v[i].index_copy_(0, self.pos, v)
-                window = dec.window(i)
                 mask = visible if window is None else visible & (keys > self.pos - window)
                 return decode_attention(q, self.k[i][:span], self.v[i][:span], mask)
 
@@ -350,8 +361,9 @@ class GraphDecode:
         return logits
 
     def takes(self, tokens: int) -> bool:
-        """Whether `extend` runs these tokens: a few (the few-query attention kernel's limit)."""
-        return 1 < tokens <= self.few.MAX_QUERIES
+        """Whether `extend` runs these tokens: a few (the few-query attention kernel's limit, and
+        what the sliding layers' rings hold beside a window: `ring_extend`)."""
+        return 1 < tokens <= min(self.few.MAX_QUERIES, ring_extend(self.decoder.spec) or self.few.MAX_QUERIES)
 
     def extend(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits for a few tokens at cache.length.. (an agent turn after a prefix hit), eager,
@@ -449,9 +461,10 @@ class GraphDecode:
                 q, k, v = self._qkv(i, h)
                 out = []
                 for b, (c, start, end, a, z) in enumerate(segments):
+                    ring = self._ring(i)
                     qb = self._rope_store(i, (q[a:z], k[a:z], v[a:z]), c.k[i], c.v[i], tables[b], pos[b])
-                    out.append(self.few.few_query_attention(qb, c.k[i][:end], c.v[i][:end], start, dec.window(i),
-                                                            self._sinks(i)))
+                    keys, values = (c.k[i], c.v[i]) if ring else (c.k[i][:end], c.v[i][:end])
+                    out.append(self.few.few_query_attention(qb, keys, values, start, dec.window(i), self._sinks(i), ring))
                 return out[0] if len(out) == 1 else torch.cat(out)
 
             mix = self._projected(attend)
@@ -493,12 +506,17 @@ class GraphDecode:
                     caches: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's rotated queries [T, heads, D] from its projections (`_qkv`) at positions
         pos.. (`pos`: the first, on the device); its keys and values written into the cache rows
-        there. `table`: (cos, sin, the first row's position). `caches`: a batch's (rope_store's
-        batch form: each token at its own position pos[t], into its own sequence's caches)."""
+        there (a sliding layer's: its ring's). `table`: (cos, sin, the first row's position).
+        `caches`: a batch's (rope_store's batch form: each token at its own position pos[t], into
+        its own sequence's caches)."""
         p, s = f"layers.{i}.attn.", self.decoder.spec
         w = self.decoder.w
         return self.fused.rope_store(*qkv, w.get(p + "q_norm.weight"), w.get(p + "k_norm.weight"), s.rms_norm_eps,
-                                     *table[:2], pos, k_cache, v_cache, table[2], caches)
+                                     *table[:2], pos, k_cache, v_cache, table[2], caches, self._ring(i))
+
+    def _ring(self, i: int) -> int:
+        """Layer i's ring size where it is a sliding one (key position p at row p mod it), else 0."""
+        return self.ring if i in self.sliding else 0
 
     def _sinks(self, i: int) -> torch.Tensor | None:
         """Layer i's attention sinks [heads] (gpt-oss: a logit per head in the softmax), or None."""
@@ -582,10 +600,11 @@ class GraphDecode:
             at += size
 
     def _bind_kv(self, cache: KVCache) -> None:
-        n = cache.length
         for i in self.k:
+            rows = cache.k[i].shape[0]  # max_tokens, or a sliding layer's ring: its rows as they lie
+            n = min(cache.length, rows)
             self.k[i][:n].copy_(cache.k[i][:n])
             self.v[i][:n].copy_(cache.v[i][:n])
-            cache.k[i], cache.v[i] = self.k[i][: cache.max_tokens], self.v[i][: cache.max_tokens]
+            cache.k[i], cache.v[i] = self.k[i][:rows], self.v[i][:rows]
         self.addresses.pop(cache, None)
         self.bound = weakref.ref(cache)

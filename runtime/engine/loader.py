@@ -18,7 +18,7 @@ from ..models.stored import ftw_family
 from ..prefix_cache.boundaries import Boundaries
 from ..prefix_cache.cache import PrefixCache
 from .graphs import GraphDecode, unsupported
-from .memory import PREFILL_CHUNK, longest_request
+from .memory import ANCHOR_SLOTS, PREFILL_CHUNK, longest_request
 from .resolve import Resolved, resolve
 from .step import Step
 from .tokenizer import Tokenizer
@@ -42,7 +42,7 @@ class RuntimeOptions:
     prefix_cache: bool = True  # reuse K/V (and recurrent anchors) across requests
     anchors: bool = True  # recurrent-state snapshots at semantic boundaries (else prompt tails only)
     prefix_cache_tokens: int | None = None  # radix tree budget in tokens (default: the context)
-    anchor_slots: int = 32  # recurrent-state snapshots kept (hybrid families only)
+    anchor_slots: int = ANCHOR_SLOTS  # snapshots kept: recurrent states, sliding windows (those families only)
     graphs: bool = True  # CUDA: batch-1 decode through CUDA graphs with device-side expert planning
     stream_prefill: bool | None = None  # whole-layer double buffering in prefill (None: on CUDA)
     prefill_chunk: int = PREFILL_CHUNK  # GPU: tokens per prefill piece at most (a piece's activations)

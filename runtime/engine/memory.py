@@ -15,17 +15,18 @@ from dataclasses import dataclass, replace
 from ftkit.vocab import human_bytes
 
 from ..models import FAMILIES
-from ..models.kv_size import DType, kv_bytes_per_token
+from ..models.kv_size import DType, KVSize, kv_size, sliding_layers
 from ..spec import ModelSpec
 
 PREFILL_CHUNK = 8192  # tokens per prefill forward on a GPU
+ANCHOR_SLOTS = 32  # the prefix cache's snapshots (recurrent states, sliding windows) by default
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     dense_bytes: int
     kv_tokens: int
-    kv_bytes_per_token: int
+    kv: KVSize  # what positions take: full layers per token, sliding layers up to their rings
     expert_slots: int
     slot_bytes: int
     budget_bytes: int | None  # None: unknown, not checked
@@ -33,18 +34,22 @@ class MemoryPlan:
     graph_tokens: int = 0  # static K/V rows of CUDA graph decode (engine/graphs.py)
     workspace_bytes: int = 0  # a prefill chunk's transient activations (GPU: prefill_workspace_bytes)
     graph_state_bytes: int = 0  # graph decode's static recurrent states and their saved copy
+    sequences: int = 1  # the most sequences the KV tokens are spread over (each has its rings)
+    prefix_windows: int = 0  # sliding-layer windows the prefix cache may hold (its anchors)
 
     @property
     def prefix_bytes(self) -> int:
-        return self.prefix_tokens * self.kv_bytes_per_token
+        """The radix tree's full-layer rows and the anchors' saved windows (sliding layers keep
+        no rows in the tree: prefix_cache/cache.py)."""
+        return self.prefix_tokens * self.kv.full + self.prefix_windows * self.kv.saved_bytes
 
     @property
     def graph_bytes(self) -> int:
-        return self.graph_tokens * self.kv_bytes_per_token + self.graph_state_bytes
+        return self.kv.bytes(self.graph_tokens) + self.graph_state_bytes
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv_tokens * self.kv_bytes_per_token
+        return self.kv.bytes(self.kv_tokens, self.sequences)
 
     @property
     def expert_bytes(self) -> int:
@@ -66,7 +71,9 @@ class MemoryPlan:
         """What the plan places on the device, labelled, zero terms left out."""
         terms = [("dense weights", self.dense_bytes), (f"KV {self.kv_tokens} tokens", self.kv_bytes),
                  (f"{self.expert_slots} expert slots", self.expert_bytes),
-                 (f"prefix cache {self.prefix_tokens} tokens", self.prefix_bytes),
+                 (f"prefix cache {self.prefix_tokens} tokens"
+                  + (f" and {self.prefix_windows} windows" if self.prefix_windows and self.kv.saved else ""),
+                  self.prefix_bytes),
                  (f"graph K/V {self.graph_tokens} tokens" + (" and states" if self.graph_state_bytes else ""),
                   self.graph_bytes),
                  ("prefill workspace", self.workspace_bytes)]
@@ -105,7 +112,7 @@ class MemoryPlan:
             return (f"the dense weights alone ({human_bytes(self.dense_bytes)}) exceed the budget of "
                     f"{human_bytes(self.budget_bytes)}; use a smaller --dtype or a larger device")
         slots = max(0, (room - self.kv_bytes) // self.slot_bytes) if self.slot_bytes else 0
-        kv = max(0, (room - self.expert_bytes) // self.kv_bytes_per_token)
+        kv = self.kv.tokens_within(room - self.expert_bytes, self.sequences)
         head = f"{human_bytes(self.total_bytes)} does not fit {human_bytes(self.budget_bytes)}: "
         ways = ([f"lower --cache-experts to {slots} or fewer (with {self.kv_tokens} KV tokens)"] if slots else []) + (
             [f"lower --kv-tokens to {kv} or fewer (with {self.expert_slots} slots)"] if kv else [])
@@ -128,8 +135,10 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: 
     last ending at position `context`. Pieces and layers run one after another, so the peak is
     the whole prompt's residual stream, a piece's temporaries and the largest of one piece's
     attention and its MLP or experts, plus every piece's routing of a layer (read back together,
-    ExpertStore.expect). `flash`: a piece behind cached keys runs flash attention
-    (models.layers.flash_behind_cache)."""
+    ExpertStore.expect). A sliding layer's piece attends over a copy of its window's older keys
+    and its own (KVCache.append: up to window - 1 + chunk rows of K and V), counted on top of
+    the attention's workspace at the whole context (a bound: the full layers' is the larger).
+    `flash`: a piece behind cached keys runs flash attention (models.layers.flash_behind_cache)."""
     b, t, h = dtype.itemsize, min(chunk, context), spec.hidden_size
     items = t * spec.top_k
     # the router's float32 logits, the sorted work lists, the grouped GEMM's intermediate rows
@@ -138,6 +147,9 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: 
     experts += 3 * t * spec.shared_expert_intermediate_size * b
     mlp = 3 * t * spec.intermediate_size * b if len(spec.moe_layers) < spec.num_layers else 0
     attention = FAMILIES[spec.family].attention_workspace(spec, t, context, b, flash)
+    kv = kv_size(spec, dtype)
+    if kv.sliding:
+        attention += (kv.saved + t) * kv.sliding // len(sliding_layers(spec))
     routes = context * spec.top_k * (3 * 8 + b)  # ids, weights, their sort and its copy, every piece
     return (context + 3 * t) * h * b + routes + max(experts, mlp, attention)
 
@@ -151,16 +163,21 @@ def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: DType, family
 
 def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: DType, kv_tokens: int,
               budget_bytes: int | None = None, prefix_tokens: int = 0, cuda: bool = False,
-              graphs: bool = False, chunk: int = PREFILL_CHUNK, flash: bool = False) -> MemoryPlan:
+              graphs: bool = False, chunk: int = PREFILL_CHUNK, flash: bool = False, sequences: int = 1,
+              prefix_windows: int = 0) -> MemoryPlan:
     """Every term of a plan but the expert slots: on CUDA the graph K/V (with `graphs`) and the
     workspace of a `chunk`-token prefill forward, both sized by the longest request `kv_tokens`
     admits; `flash`: that GPU runs a chunk behind cached keys with flash attention
-    (models.layers.flash_behind_cache). Torch-free: a header-only check plans with it too."""
+    (models.layers.flash_behind_cache); `sequences`: how many running sequences share the
+    `kv_tokens` (each keeps its own sliding-layer rings); `prefix_windows`: the prefix cache's
+    anchor slots (each may save a window of the sliding layers). Torch-free: a header-only
+    check plans with it too."""
     longest = longest_request(spec, kv_tokens)
     graph = graphs and cuda
-    return MemoryPlan(dense_bytes, kv_tokens, kv_bytes_per_token(spec, dtype), 0, slot_bytes, budget_bytes,
+    return MemoryPlan(dense_bytes, kv_tokens, kv_size(spec, dtype), 0, slot_bytes, budget_bytes,
                       prefix_tokens, longest if graph else 0,
                       prefill_workspace_bytes(spec, longest, dtype, chunk, flash)
                       if cuda else 0,
-                      2 * FAMILIES[spec.family].recurrent_state_bytes(spec, dtype) if graph else 0)
+                      2 * FAMILIES[spec.family].recurrent_state_bytes(spec, dtype) if graph else 0,
+                      max(1, sequences), prefix_windows if prefix_tokens else 0)
 

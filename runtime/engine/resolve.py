@@ -215,10 +215,12 @@ def _shown(path: Path) -> str:
 
 
 def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
-            budget: int | None = None) -> Resolved:
+            budget: int | None = None, sequences: int = 1) -> Resolved:
     """`opts` resolved for `ftw` on `machine` (default: this one, on `opts.device`). `budget`: the device bytes
     the plan must fit (ft-run serve's --device-memory); default: what the device has free, less
-    the host pool on the CPU, where both share the RAM (None where unknown: not checked)."""
+    the host pool on the CPU, where both share the RAM (None where unknown: not checked).
+    `sequences`: how many sequences run at once (ft-run serve's --max-running), each with its
+    own sliding-layer rings."""
     if sum(x is not None for x in (opts.cache_experts, opts.cache_bytes, opts.gpu_budget)) > 1:
         raise ValueError("give one of --cache-experts, --cache-bytes and --gpu-budget")
     if opts.prefill_chunk < 1:
@@ -239,7 +241,8 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
     plan = base_plan(spec, dense_device_bytes({name: t["shape"] for name, t in dense.items()}, dtype, spec.family),
                      slot_bytes, dtype, opts.kv_tokens, budget, prefix, cuda=device.type == "cuda",
                      graphs=opts.graphs and family.graphs_unsupported(spec) is None, chunk=opts.prefill_chunk,
-                     flash=flash_behind_cache(dtype, spec.head_dim, "cuda"))
+                     flash=flash_behind_cache(dtype, spec.head_dim, "cuda"), sequences=sequences,
+                     prefix_windows=opts.anchor_slots)
     requested = opts.cache_experts if opts.cache_bytes is None else opts.cache_bytes // slot_bytes
     strategy, why = resolve_strategy(opts.strategy, ratio, _ratio_said(ratio, profile), device,
                                      _fit(plan, rows, opts.gpu_budget, budget, given, device),

@@ -81,8 +81,9 @@ class MoEDecoder:
         per piece. Every piece attends to the keys (and carries on the recurrent state) the
         pieces before it left in that layer, so the result is the forward's, to rounding.
         `snapshot_at`: positions inside this forward where pieces also end; `self.snapshots`
-        then holds the cache's snapshot at each, every layer's recurrent state as that layer
-        left it there: what a forward ending at that position would have left.
+        then holds the cache's snapshot at each, every layer's recurrent state (and sliding
+        window) as that layer left it there: what a forward ending at that position would have
+        left.
         `cuts` (CPU prefill): positions where pieces also end, for everything but the routed
         experts, which run once for consecutive pieces of up to `chunk` tokens together. A
         token's expert output does not depend on the others in its batch, so the result is
@@ -113,8 +114,7 @@ class MoEDecoder:
         xs = [F.embedding(inputs[s][a:b], self.w["embed.weight"]) for s, a, b in pieces]
         ropes = [self.rope(starts[s] + a, b - a, x.dtype) for (s, a, b), x in zip(pieces, xs, strict=True)]
         start = starts[0]
-        states: dict[int, dict[int, dict[str, torch.Tensor]]] = {start + b: {} for _, a, b in pieces[:-1]
-                                                                 if start + b in snapshot_at}
+        snaps = {start + b: CacheSnapshot(start + b) for _, a, b in pieces[:-1] if start + b in snapshot_at}
         keep = len(batches) == 1  # one batch needs every piece's normed input at once anyway
         try:
             for i in range(self.spec.num_layers):
@@ -127,8 +127,11 @@ class MoEDecoder:
                     cache = caches[s]
                     cache.length = starts[s] + a  # where this piece's keys go and its queries sit
                     xs[n] = xs[n] + self.mixer(i, self.norm(xs[n], p + "attn_norm.weight"), *ropes[n], cache)
-                    if start + b in states and i in cache.states:
-                        states[start + b][i] = {k: v.clone() for k, v in cache.states[i].items()}
+                    if (snap := snaps.get(start + b)) is not None:  # what this layer holds there
+                        if i in cache.states:
+                            snap.states[i] = {k: v.clone() for k, v in cache.states[i].items()}
+                        if i in cache.sliding:
+                            snap.windows[i] = cache.windows(i, start + b)
                     if moe:  # with several batches the normed input is recomputed below, not kept
                         h = self.norm(xs[n], p + "mlp_norm.weight")
                         routes.append(self.route(i, h))
@@ -149,7 +152,7 @@ class MoEDecoder:
         for cache, ids in zip(caches, inputs, strict=True):
             cache.advance(ids.shape[0])
         if snapshot_at:
-            self.snapshots = {p: CacheSnapshot(p, s) for p, s in states.items()}
+            self.snapshots = snaps
         outs = []
         for s in range(len(inputs)):
             mine = [x for (q, _, _), x in zip(pieces, xs, strict=True) if q == s]
@@ -216,10 +219,10 @@ class MoEDecoder:
         return self.linear(f"layers.{i}.attn.o", out.reshape(x.shape[0], -1))
 
     def cached(self, cache: KVCache) -> KVAttend:
-        """Attention over `cache`: the new keys and values appended at cache.length, causal."""
+        """Attention over `cache`: the new keys and values appended at cache.length, causal (a
+        sliding layer's over the window's keys `append` returns, positions relative to them)."""
         def kv(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            offset = cache.length
-            return attention(q, *cache.append(i, k, v), offset, self.window(i))
+            return attention(q, *cache.append(i, k, v), self.window(i))
         return kv
 
     def window(self, i: int) -> int | None:

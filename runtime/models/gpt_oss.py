@@ -9,8 +9,9 @@ HF checkpoints store each layer's experts stacked and transposed for x @ W: `gat
 The released checkpoints hold the expert matrices as MXFP4 instead (`*_blocks`, `*_scales`,
 [out, in]); the safetensors source pairs those into one mxfp4 tensor (checkpoint/safetensors.py),
 which conversion dequantizes. GGUF (llama.cpp's arch `gpt-oss`) stores them split into gate, up
-and down [out, in], biases alike. Sliding-window layers keep every K/V row (the window is a mask), so
-a prefix reused from the cache restores exactly what a fresh prefill would have. The forward
+and down [out, in], biases alike. Sliding-window layers keep a ring of their window's K/V rows
+(models/kv.py; the memory plan prices them so), and a prefix reused from the cache resumes at an
+anchor that saved each window, restoring exactly what a fresh prefill would have. The forward
 pass (sink attention, the biased router, the norms) is gpt_oss_forward.py; graph decode runs
 the same layer body, the Triton attention kernels adding the sinks (engine/graphs.py).
 """

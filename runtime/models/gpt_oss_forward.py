@@ -1,5 +1,6 @@
-"""gpt-oss's forward pass: attention with a learned sink logit per head (sliding windows as masks
-over full K/V rows), float32 RMSNorm weights, the biased router whose top-k logits are softmaxed.
+"""gpt-oss's forward pass: attention with a learned sink logit per head (a sliding layer's over the
+window's keys its ring keeps, kv.KVCache), float32 RMSNorm weights, the biased router whose top-k
+logits are softmaxed.
 The experts' biases and clamped SwiGLU are the slot layout's (ftkit.vocab.ClampedSwiGLU)."""
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from .layers import topk_softmax
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int | None,
                    sinks: torch.Tensor) -> torch.Tensor:
     """Causal GQA attention whose softmax also counts one sink logit per head: q [T, H, D] at
-    positions offset..offset+T over k, v [S, KvH, D] (positions 0..S); `window`: keys within the
-    last `window` positions only. transformers' eager gpt-oss attention, op for op (scores in the
+    positions offset..offset+T over k, v [S, KvH, D] (positions 0..S, relative: a sliding
+    layer's start at its window); `window`: keys within the last `window` positions only. transformers' eager gpt-oss attention, op for op (scores in the
     activations' dtype, the max subtracted, the sink's column dropped after the softmax); queries
     run in blocks so the scores stay SCORES_PER_BLOCK at most."""
     t, heads, d = q.shape
@@ -49,8 +50,7 @@ class GptOssDecoder(MoEDecoder):
 
     def cached(self, cache: KVCache) -> KVAttend:
         def kv(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            offset = cache.length
-            return sink_attention(q, *cache.append(i, k, v), offset, self.window(i), self.w[f"layers.{i}.attn.sinks"])
+            return sink_attention(q, *cache.append(i, k, v), self.window(i), self.w[f"layers.{i}.attn.sinks"])
         return kv
 
     def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,7 +182,8 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, window: int | None = None
 ) -> torch.Tensor:
     """Causal GQA attention. q [T, H, D] holds positions offset..offset+T; k, v [S, KvH, D]
-    hold positions 0..S with S = offset + T. Returns [T, H, D]."""
+    hold positions 0..S with S = offset + T (relative positions: a sliding layer's keys start at
+    its first query's window). Returns [T, H, D]."""
     t, s = q.shape[0], k.shape[0]
     mask, causal, gqa = None, False, True
     if window is None and offset == 0:

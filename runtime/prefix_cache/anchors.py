@@ -1,8 +1,10 @@
-"""A bounded pool of recurrent-state snapshots ("anchors"), each at the end of a radix node.
+"""A bounded pool of snapshots ("anchors": recurrent states, sliding windows), each at the end of
+a radix node.
 
 A recurrent layer can resume only where its state was saved, and one state costs as much as
-hundreds of tokens of K/V, so few fit. They are taken where agent harnesses cut (see
-boundaries.MARKERS) and kept by value:
+hundreds of tokens of K/V, so few fit. A sliding-window layer likewise resumes only where its
+window (the `window - 1` K/V rows before the cut) was saved: the tree keeps none of its rows.
+They are taken where agent harnesses cut (see boundaries.MARKERS) and kept by value:
 
     value = position x weight(kind) / (1 + age in requests)
 

@@ -1,5 +1,5 @@
-"""A radix tree over token ids whose nodes own the K/V rows of their span, for every attention
-layer. Requests copy rows out (so nothing is locked while they run) and copy rows in after their
+"""A radix tree over token ids whose nodes own the K/V rows of their span, for every full-attention
+layer (a sliding-window layer resumes from the window an anchor saved: cache.py). Requests copy rows out (so nothing is locked while they run) and copy rows in after their
 prefill. Eviction drops leaves under a token budget, least valuable first:
 
     value = sqrt(depth) / (1 + age in requests)
@@ -11,6 +11,7 @@ one huge idle session evict every newcomer)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,9 @@ def _common(a: list[int], b: list[int], start: int, n: int) -> int:
 
 
 class RadixTree:
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, layers: Collection[int]):
+        """`layers`: those whose rows the nodes keep."""
+        self.layers = tuple(layers)
         self.root = Node([], 0, None)
         self.max_tokens, self.tokens = max_tokens, 0
         self.clock = 0  # one tick per lookup: ages are counted in requests
@@ -65,7 +68,7 @@ class RadixTree:
             if start >= upto:
                 break
             n = min(len(node.tokens), upto - start)
-            for layer in kv.k:
+            for layer in self.layers:
                 kv.k[layer][start : start + n] = node.k[layer][:n]
                 kv.v[layer][start : start + n] = node.v[layer][:n]
 
@@ -107,8 +110,8 @@ class RadixTree:
 
     def _new(self, parent: Node, tokens: list[int], kv: KVCache, start: int) -> Node:
         end = start + len(tokens)
-        node = Node(list(tokens), end, parent, {i: t[start:end].clone() for i, t in kv.k.items()},
-                    {i: t[start:end].clone() for i, t in kv.v.items()}, last_used=self.clock)
+        node = Node(list(tokens), end, parent, {i: kv.k[i][start:end].clone() for i in self.layers},
+                    {i: kv.v[i][start:end].clone() for i in self.layers}, last_used=self.clock)
         parent.children[tokens[0]] = node
         self.tokens += len(tokens)
         return node

@@ -61,7 +61,7 @@ def resolve_serve(ftw: FTWModel, opts: RuntimeOptions, max_running: int, kv_toke
         kv_tokens = max_running * ftw.spec.max_position_embeddings
     if kv_tokens < 1:
         raise ValueError("--kv-tokens must be >= 1")
-    return resolve(ftw, replace(opts, kv_tokens=kv_tokens), budget=device_memory)
+    return resolve(ftw, replace(opts, kv_tokens=kv_tokens), budget=device_memory, sequences=max_running)
 
 
 def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,

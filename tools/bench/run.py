@@ -21,7 +21,7 @@ import torch
 from ftkit.runtime.engine.loader import Runtime
 from ftkit.runtime.engine.sampling import Sampler
 from ftkit.runtime.experts.stats import LayerClock
-from ftkit.runtime.models.kv_size import attention_layers, kv_bytes_per_token
+from ftkit.runtime.models.kv_size import attention_layers, kv_rows
 from ftkit.runtime.prefix_cache.prefill import prefill as runtime_prefill
 from ftkit.vocab import HYBRID
 
@@ -57,7 +57,8 @@ def step_kv_bytes(rt: Runtime, position: int) -> int:
     """K/V bytes one decode step's attention reads at `position`: keys and values 0..position of
     every softmax-attention layer, the last `window` of them in a sliding one."""
     layers = attention_layers(rt.spec)
-    per_key = kv_bytes_per_token(rt.spec, rt.dtype) // max(1, len(layers))  # one layer's K and V of a position
+    (kh, kw), (vh, vw) = kv_rows(rt.spec)
+    per_key = (kh * kw + vh * vw) * rt.dtype.itemsize  # one layer's K and V of a position
     return sum(min(position + 1, rt.decoder.window(i) or position + 1) * per_key for i in layers)
 
 

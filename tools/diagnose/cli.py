@@ -47,8 +47,11 @@ def render(r: dict[str, Any]) -> Group:
                                  f"({_bytes(m['expert_data_bytes'])} of weights)")
         t.add_row("host expert pool", _bytes(m["host_expert_pool_bytes"]))
         t.add_row("dense (GPU)", f"{_bytes(m['dense_bytes'])}, {m['dtype']}")
-        t.add_row("KV per 1,000 tokens", f"{_bytes(m['kv_bytes_per_1k_tokens'])}, {m['dtype']}")
-        t.add_row("prefix cache (default)", f"{_bytes(m['prefix_cache_bytes'])}: K/V of the whole context")
+        t.add_row("KV per 1,000 tokens", f"{_bytes(m['kv_bytes_per_1k_tokens'])}, {m['dtype']}"
+                  + (f" (full-attention layers); the sliding-window layers {_bytes(m['kv_window_bytes'])} a "
+                     "sequence, whatever its length" if m["kv_window_bytes"] else ""))
+        t.add_row("prefix cache (default)", f"{_bytes(m['prefix_cache_bytes'])}: K/V of the whole context"
+                  + (" (full layers; the sliding ones' windows at its anchors)" if m["kv_window_bytes"] else ""))
         t.add_row("smallest GPU budget", f"{_bytes(m['min_gpu_bytes'])}: " + " + ".join(m["min_gpu_terms"])
                   + f" (ft-run --kv-tokens {m['min_gpu_context_tokens']} --no-prefix-cache)")
     parts: list[Any] = [t]

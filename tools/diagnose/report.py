@@ -19,12 +19,12 @@ from typing import Any, TypeVar
 from ftkit.errors import InputError, one_line
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.checkpoint.safetensors import read_config
-from ftkit.runtime.engine.memory import base_plan, dense_device_bytes
+from ftkit.runtime.engine.memory import ANCHOR_SLOTS, base_plan, dense_device_bytes
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer, compile_template
 from ftkit.runtime.ftw.manifest import MANIFEST
 from ftkit.runtime.models import Family, family_for_config, located
 from ftkit.runtime.models.inventory import Inventory, take_inventory
-from ftkit.runtime.models.kv_size import kv_bytes_per_token
+from ftkit.runtime.models.kv_size import kv_size
 from ftkit.runtime.spec import ModelSpec
 from ftkit.vocab import (
     EXPERT_FORMATS,
@@ -130,10 +130,6 @@ def cuda_flash(spec: ModelSpec) -> bool:
     return flash_behind_cache(torch.bfloat16, spec.head_dim, "cuda")
 
 
-def kv_bytes(spec: ModelSpec, tokens: int) -> int:
-    return tokens * kv_bytes_per_token(spec, PLAN_DTYPE)
-
-
 def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout) -> dict[str, Any]:
     """Host and GPU bytes to serve the model with its experts in `layout`. `min_gpu_bytes` is
     the smallest `--gpu-budget` that `ft-run` accepts on CUDA with `--kv-tokens` KV_TOKENS and
@@ -145,6 +141,9 @@ def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout) -> dict[s
     graphs = family.graphs_unsupported(spec) is None  # the runtime decodes through them
     least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=graphs,
                       flash=cuda_flash(spec)).with_sizes(expert_slots=spec.top_k)
+    kv = kv_size(spec, PLAN_DTYPE)
+    prefix = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, prefix_tokens=spec.max_position_embeddings,
+                       prefix_windows=ANCHOR_SLOTS)
     return {
         "dtype": PLAN_DTYPE.name,
         "expert_dtype": layout.describe(),
@@ -153,8 +152,9 @@ def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout) -> dict[s
         "expert_data_bytes": max(lay.data_bytes for lay in layout.layers),
         "host_expert_pool_bytes": spec.num_expert_rows * slot,
         "dense_bytes": dense,
-        "kv_bytes_per_1k_tokens": kv_bytes(spec, KV_TOKENS),
-        "prefix_cache_bytes": kv_bytes(spec, spec.max_position_embeddings),
+        "kv_bytes_per_1k_tokens": KV_TOKENS * kv.full,
+        "kv_window_bytes": kv.window_bytes,
+        "prefix_cache_bytes": prefix.prefix_bytes,
         "min_gpu_bytes": least.total_bytes,
         "min_gpu_terms": dict(least.terms()),
         "min_gpu_context_tokens": KV_TOKENS,
