@@ -410,8 +410,8 @@ def test_write_quantized_lays_experts_out_as_llama_quantize(tmp_path):
     """`ft-bench write --quant q4_k_m`: the experts in GGUF blocks as llama-quantize's preset lays
     them out per layer (ffn_down q6_k on the layers use_more_bits picks), and the model runs on
     the cpu strategy."""
+    from ftkit.runtime.checkpoint.quant_presets import expert_formats, use_more_bits
     from ftkit.runtime.ftw.reader import FTWModel
-    from ftkit.tools.convert.quant_presets import expert_formats, use_more_bits
 
     spec = dataclasses.replace(preset_spec("tiny"), hidden_size=256, moe_intermediate_size=256, num_heads=8)
     assert expert_formats(spec, "q4_k_m") == [

@@ -23,12 +23,12 @@ from typer.testing import CliRunner
 from ftkit.kernels.dequant import DEQUANTIZERS, dequantize, dequantize_q8_0
 from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.checkpoint.gguf import GGUFSource
+from ftkit.runtime.checkpoint.quant_presets import preset_formats
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.tools.convert.pipeline import convert, prepare
-from ftkit.tools.convert.quant_presets import preset_formats
 from ftkit.tools.diagnose.cli import app as diagnose_app
 from ftkit.tools.diagnose.report import diagnose
 from ftkit.vocab import BLOCK_FORMATS, FORMATS, FormatError, expert_layout, slot_layout
@@ -188,7 +188,7 @@ def test_quantize_keeps_leading_dimensions_and_dtypes():
 
 # ---- quantized GGUF models: ft-diagnose, ftw-convert, and the same tokens as float32 ---------
 def test_q4_k_m_layout():
-    """llama-quantize's Q4_K_M, as tools/convert/quant_presets.py lays it out for an MoE model."""
+    """llama-quantize's Q4_K_M, as runtime/checkpoint/quant_presets.py lays it out for an MoE model."""
     shapes = {"token_embd.weight": (320, 256), "output_norm.weight": (256,), "output.weight": (320, 256)}
     for i in range(8):
         shapes |= {f"blk.{i}.attn_norm.weight": (256,), f"blk.{i}.attn_v.weight": (128, 256),

@@ -24,12 +24,12 @@ from test_quant_formats import weights
 from ftkit.kernels.dequant import dequantize
 from ftkit.kernels.quantize import NATIVE_CODES, QUANTIZERS, _native, quantize, quantize_native
 from ftkit.runtime.checkpoint import CheckpointError
+from ftkit.runtime.checkpoint.quant_presets import expert_formats
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.tools.convert.pipeline import convert, prepare
-from ftkit.tools.convert.quant_presets import expert_formats
 from ftkit.vocab import FORMATS
 
 QT = gguf.GGMLQuantizationType
@@ -141,3 +141,22 @@ def test_quantize_refuses_blocks_and_unknown_presets(wide, tmp_path):
     blocks = requantize_gguf(f32, tmp_path / "q8.gguf", {n: "q8_0" for n in names})
     with pytest.raises(CheckpointError, match=r"already quantized \(q8_0\); --quantize takes float experts"):
         prepare(blocks, quantize="q4_k_m")
+
+
+def test_diagnose_prices_the_slots_quantize_writes(wide, tmp_path):
+    """`ft-diagnose --quantize` plans with the slots `ftw-convert --quantize` then writes, and
+    says in a problem line what it cannot price."""
+    from ftkit.tools.diagnose.report import diagnose
+
+    q = tmp_path / "q.ftw"
+    convert(prepare(wide, quantize="q4_k_m"), q)
+    layout = FTWModel(q).layout
+    r = diagnose(wide, quantize="q4_k_m")
+    assert (r["verdict"], r["problems"]) == ("PASS", [])
+    m = r["memory"]
+    assert (m["expert_dtype"], m["expert_slot_bytes"]) == (layout.describe(), layout.slot_bytes)
+    assert m["host_expert_pool_bytes"] == FTWModel(q).spec.num_expert_rows * layout.slot_bytes
+    assert diagnose(wide)["memory"]["expert_slot_bytes"] > 3 * layout.slot_bytes  # float32 as stored
+    assert "unknown preset 'q3'" in diagnose(wide, quantize="q3")["problems"][0]
+    assert diagnose(q, quantize="q4_k_m")["problems"] == [
+        "--quantize q4_k_m: an FTW directory's slots are as written; it prices a conversion"]

@@ -17,6 +17,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from ftkit import __version__
+from ftkit.runtime.checkpoint.quant_presets import PRESETS as QUANT_PRESETS
+from ftkit.runtime.checkpoint.quant_presets import expert_formats
 from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
 from ftkit.runtime.console import Version, err_console, guarded, listed
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
@@ -24,8 +26,6 @@ from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.ftw.manifest import write_json_atomic
 from ftkit.runtime.profile import cache_dir
 from ftkit.runtime.random_model import write_random_ftw
-from ftkit.tools.convert.quant_presets import PRESETS as QUANT_PRESETS
-from ftkit.tools.convert.quant_presets import expert_formats
 from ftkit.vocab import expert_layout, human_bytes
 
 from . import agent_trace, hostmem, run, soak

@@ -18,11 +18,11 @@ from rich.progress import (
 from rich.table import Table
 
 from ftkit.runtime.checkpoint.hub import local_path
+from ftkit.runtime.checkpoint.quant_presets import PRESETS
 from ftkit.runtime.console import PlainUsage, Version, guarded, parse_bytes
 from ftkit.vocab import human_bytes
 
 from .pipeline import CAST_DTYPES, Conversion, convert, prepare
-from .quant_presets import PRESETS
 
 console = Console()
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, help="Convert a checkpoint (HF directory or GGUF file) to FTW.")

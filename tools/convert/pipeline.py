@@ -13,6 +13,7 @@ from ftkit import __version__
 from ftkit.kernels.dequant import dequantize
 from ftkit.kernels.quantize import QUANTIZERS, quantize
 from ftkit.runtime.checkpoint import CheckpointError, open_source
+from ftkit.runtime.checkpoint.quant_presets import PRESETS, expert_formats
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer
 from ftkit.runtime.ftw.manifest import (
     DENSE_FILE,
@@ -29,8 +30,6 @@ from ftkit.vocab import (
     storage_dtype,
     stored_nbytes,
 )
-
-from .quant_presets import PRESETS, expert_formats
 
 DEFAULT_BANK_BYTES = 4 << 30
 CAST_DTYPES = ("float32", "float16", "bfloat16")

@@ -80,7 +80,7 @@ def unusable(src: str, problem: str) -> dict[str, Any]:
             "notes": [], "memory": None}
 
 
-def remote_report(repo: str) -> dict[str, Any]:
+def remote_report(repo: str, quantize: str | None = None) -> dict[str, Any]:
     """The verdict of a Hugging Face repository from its headers, fetched into a scratch stub."""
     from .remote import fetch_stub
     from .report import diagnose
@@ -89,7 +89,7 @@ def remote_report(repo: str) -> dict[str, Any]:
         fetched = fetch_stub(repo, Path(tmp))
         err_console.print(f"fetched {human_bytes(fetched.fetched)} ({fetched.fetched:,} bytes) of headers from "
                           f"{fetched.url('')}", highlight=False, soft_wrap=True)
-        result = diagnose(Path(tmp))
+        result = diagnose(Path(tmp), quantize)
     return {**result, "path": repo}
 
 
@@ -103,6 +103,8 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object (schema: docs/diagnose.md)")] = False,
     remote: Annotated[bool, typer.Option("--remote", help="SRC is a Hugging Face repository: fetch only its "
                                                           "headers (HTTP range requests; HF_ENDPOINT, HF_TOKEN)")] = False,
+    quantize: Annotated[str | None, typer.Option(help="price a checkpoint's expert slots as `ftw-convert --quantize "
+                                                      "PRESET` writes them (e.g. q4_k_m)")] = None,
     version: Version = False,
 ) -> None:
     """Check that SRC will load: every tensor present with the right shape and dtype, and its memory plan."""
@@ -114,10 +116,10 @@ def run(
 
     def report() -> dict[str, Any]:
         if remote:
-            return remote_report(src)
+            return remote_report(src, quantize)
         from .report import diagnose
 
-        return diagnose(local_path(src))
+        return diagnose(local_path(src), quantize)
 
     result: dict[str, Any] = {}
     try:

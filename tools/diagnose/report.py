@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from ftkit.errors import InputError, one_line
 from ftkit.runtime.checkpoint import open_source
+from ftkit.runtime.checkpoint.quant_presets import expert_formats
 from ftkit.runtime.checkpoint.safetensors import read_config
 from ftkit.runtime.engine.memory import ANCHOR_SLOTS, base_plan, dense_device_bytes
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer, compile_template
@@ -27,6 +28,7 @@ from ftkit.runtime.models.inventory import Inventory, take_inventory
 from ftkit.runtime.models.kv_size import kv_size
 from ftkit.runtime.spec import ModelSpec
 from ftkit.vocab import (
+    BLOCK_FORMATS,
     EXPERT_FORMATS,
     EXPERT_PARTS,
     FORMATS,
@@ -101,16 +103,19 @@ class Diagnosis:
         }
 
 
-def diagnose(path: Path) -> dict[str, Any]:
-    """The loadability report of an HF directory, a GGUF file, an FTW directory or their stubs."""
+def diagnose(path: Path, quantize: str | None = None) -> dict[str, Any]:
+    """The loadability report of an HF directory, a GGUF file, an FTW directory or their stubs;
+    `quantize`: a checkpoint's slots priced as `ftw-convert --quantize` writes them."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     d = Diagnosis(path)
     if path.is_dir() and (path / MANIFEST).is_file():
         _check_ftw(d)
+        if quantize:
+            d.problems.append(f"--quantize {quantize}: an FTW directory's slots are as written; it prices a conversion")
     else:
-        _check_checkpoint(d)
+        _check_checkpoint(d, quantize)
     if d.family and d.spec:
         d.memory = d.attempt(lambda: memory_plan(d.family, d.spec, d.slots or expert_layout(d.spec, "bfloat16")))
     return d.to_dict()
@@ -163,7 +168,7 @@ def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout) -> dict[s
 
 
 # ---- HF directories and GGUF files -----------------------------------------------------------
-def _check_checkpoint(d: Diagnosis) -> None:
+def _check_checkpoint(d: Diagnosis, quantize: str | None = None) -> None:
     source = d.attempt(lambda: open_source(d.path, allow_stub=True, strict_types=False))
     if source is None:
         if d.path.is_dir() or d.path.suffix == ".safetensors":
@@ -192,11 +197,20 @@ def _check_checkpoint(d: Diagnosis) -> None:
     d.expert_layout = inv.expert_layout
     d.expert_dtype = "/".join(sorted(inv.expert_dtypes)) or None
     d.slots = _converted_layout(inv)
+    if quantize:
+        d.slots = d.attempt(lambda: _quantized_layout(inv, quantize)) or d.slots
     if note := inv.skipped_note():
         d.notes.append(note)
     if note := inv.dense_note():
         d.notes.append(note)
     d.notes += list(getattr(source, "notes", ()))
+
+
+def _quantized_layout(inv: Inventory, preset: str) -> ExpertLayout:
+    """The slots `ftw-convert --quantize preset` writes (its refusals as problems)."""
+    if stored := sorted(inv.expert_dtypes & set(BLOCK_FORMATS)):
+        raise InputError(f"--quantize {preset}: the experts are already quantized ({'/'.join(stored)})")
+    return expert_layout(inv.spec, expert_formats(inv.spec, preset))
 
 
 def _converted_layout(inv: Inventory) -> ExpertLayout:
