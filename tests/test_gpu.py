@@ -43,7 +43,8 @@ def logits(path, **opts) -> torch.Tensor:
 @pytest.mark.parametrize("cfg", [
     dict(strategy="fused"),
     dict(strategy="offload", cache_experts=5),
-    dict(strategy="cpu"),
+    dict(strategy="cpu"),  # two layers of staging slots on a GPU (resolve.prefill_staging)
+    dict(strategy="cpu", stream_prefill=False),  # none
     dict(strategy="hybrid", cache_experts=9, bandwidth_ratio=0.5),
     dict(strategy="offload", cache_experts=40, stream_prefill=True),
     dict(strategy="hybrid", cache_experts=40, bandwidth_ratio=0.5, stream_prefill=True),

@@ -126,6 +126,25 @@ def test_a_16gb_model_on_an_h200_is_fused_and_on_a_small_gpu_hybrid(q12, tmp_pat
         "% of experts fit the GPU's 8.00 GiB free)")
 
 
+def test_the_cpu_strategy_on_a_gpu_gets_two_layers_of_staging_slots(q12, tmp_path, capsys):
+    """On a GPU the cpu strategy keeps two layers of expert slots, where long prompts stream
+    whole layers through and run (resolve.prefill_staging); none where streaming is off, and
+    none with a line where the budget leaves less room. The CPU device has none."""
+    two = 2 * q12.spec.num_experts
+    opts = RuntimeOptions(device="cuda", strategy="cpu", threads=4)
+    got = resolve(q12, opts, Machine(torch.device("cuda"), H200, 24 * GiB, "box", tmp_path))
+    assert (got.strategy, got.cache_slots) == ("cpu", two) and got.memory.fits
+    off = resolve(q12, dataclasses.replace(opts, stream_prefill=False), Machine(torch.device("cuda"), H200, 24 * GiB, "box", tmp_path))
+    assert off.cache_slots == 0
+    lines(capsys)
+    rest = off.memory.total_bytes
+    tight = resolve(q12, opts, Machine(torch.device("cuda"), H200, rest + (two - 1) * q12.layout.slot_bytes, "box", tmp_path))
+    assert tight.cache_slots == 0
+    assert "ftkit: strategy cpu: no room for two layers of experts (2.25 GiB) beside the rest of the plan: " \
+           "long prompts run on the CPU too" in lines(capsys)
+    assert resolve(q12, dataclasses.replace(opts, device="cpu"), Machine(torch.device("cpu"), free_bytes=64 * GiB)).cache_slots == 0
+
+
 def test_the_profile_is_found_by_the_gpu_and_refused_from_another_machine(model, tmp_path, capsys):
     opts = RuntimeOptions(device="cuda", strategy="offload", find_profile=True, threads=4)
     here = Machine(torch.device("cuda"), H200, None, "box", tmp_path)

@@ -3,13 +3,17 @@ logits bitwise identical to `fused` on CPU in float32; the stats add up."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.resolve import Machine, resolve
 from ftkit.runtime.experts.cache import SlotCache
 from ftkit.runtime.experts.planner import Planner, hybrid_fill_count
 from ftkit.runtime.experts.streaming import LayerPrefetcher
+from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.profile import Bandwidths
 from ftkit.tools.convert.pipeline import convert, prepare
 
@@ -103,6 +107,38 @@ def test_prefill_layer_streaming_is_exact(ftw_models, family):
         assert all(c.cpu == 0 and c.hits + c.fills == c.active for layer, c in prefill.items() if layer != first)
         for step, seen in zip(stats.steps, distinct, strict=True):
             assert all(c.hits + c.fills + c.cpu == c.active == seen[layer] for layer, c in step.items())
+
+
+def test_the_cpu_strategy_runs_long_prompts_in_its_staging_slots(ftw_models):
+    """The cpu strategy as a GPU resolves it, with device slots: two layers' (streamed a layer
+    ahead; here every row) or one layer's (on-demand fills). A prompt of over CPU_MAX_TOKENS
+    items per expert fills every miss and runs none on the CPU; decode steps fill nothing, run
+    their misses on the CPU and use the rows the prompt left resident. The same bits as fused,
+    prompt and steps."""
+    path = ftw_models["qwen3_moe"]
+    prompt, e = PROMPT * 5, FTWModel(path).spec.num_experts  # 100 tokens: 25 items per expert
+
+    def run(strategy: str, slots: int = 0):
+        r = resolve(FTWModel(path), RuntimeOptions(trace_stats=True, threads=2, strategy=strategy),
+                    Machine(torch.device("cpu")))
+        rt = Runtime(path, dataclasses.replace(r, memory=r.memory.with_sizes(expert_slots=slots)) if slots else r)
+        rt.store.streaming.prefetcher = LayerPrefetcher(rt.pool, rt.device)
+        kv, logits = rt.new_kv(len(prompt) + len(DECODE)), []
+        with torch.inference_mode():
+            for chunk in [prompt] + [[t] for t in DECODE]:
+                rt.store.stats.new_step()
+                logits.append(rt.step.forward(torch.tensor(chunk), kv))
+        rt.close()
+        return torch.cat(logits), rt.store.stats
+
+    ref, _ = run("fused")
+    for slots in (2 * e, e):
+        got, stats = run("cpu", slots)
+        assert torch.equal(got, ref), slots
+        assert all(c.cpu == 0 and c.hits + c.fills == c.active for c in stats.steps[0].values())
+        decode = [c for step in stats.steps[1:] for c in step.values()]
+        assert all(c.fills == 0 and c.hits + c.cpu == c.active for c in decode) and sum(c.hits for c in decode) > 0
+        assert (sum(c.cpu for c in decode) > 0) == (slots < len(stats.steps[0]) * e)
 
 
 def test_fused_has_no_misses_and_cpu_no_cache(ftw_models):

@@ -34,6 +34,7 @@ from ..ftw.reader import FTWModel
 from ..models.layers import flash_behind_cache
 from ..models.stored import stored_family
 from ..profile import GPU, Profile, default_path, gpu_identity, load_profile, profiles_dir
+from ..spec import ModelSpec
 from .memory import MemoryPlan, base_plan, dense_device_bytes
 
 if TYPE_CHECKING:
@@ -138,16 +139,33 @@ def resolve_strategy(strategy: str, ratio: float | None, ratio_said: str, device
     return OFFLOAD, f"no profile for this GPU (run ft-calibrate) and no --bandwidth-ratio; {room}"
 
 
-def cache_capacity(strategy: str, cache_slots: int | None, rows: int) -> int:
-    """Device cache slots a resolved strategy uses for a requested size (None: all rows)."""
+def cache_capacity(strategy: str, cache_slots: int | None, rows: int, staging: int = 0) -> int:
+    """Device cache slots a resolved strategy uses for a requested size (None: all rows); the
+    cpu strategy's are `staging` (`prefill_staging`) whatever the size asked."""
     if strategy == FUSED:
         return rows
     if strategy == CPU:
-        return 0
+        return staging
     capacity = rows if cache_slots is None else min(cache_slots, rows)
     if capacity < 1:
         raise ValueError(f"strategy {strategy} needs a cache of at least one expert slot")
     return capacity
+
+
+def prefill_staging(spec: ModelSpec, plan: MemoryPlan, budget: int | None, stream_prefill: bool | None) -> int:
+    """The cpu strategy's device slots on a GPU: two layers' experts, where long prompts stream
+    whole layers through and run on the GPU (what llama.cpp does with a big batch whose experts
+    live in host memory), while decode and short extends compute on the CPU. A 4096-token
+    prompt ran at 630 tok/s on the CPU kernel (q4km, BV) against 36.3k streamed. 0 where
+    streaming is off (`stream_prefill=False`) or the budget leaves less room (said in one line)."""
+    staging = min(spec.num_expert_rows, 2 * spec.num_experts)
+    if stream_prefill is False:
+        return 0
+    if budget is not None and plan.slots_fitting(budget) < staging:
+        note(f"strategy cpu: no room for two layers of experts ({human_bytes(staging * plan.slot_bytes)}) "
+             "beside the rest of the plan: long prompts run on the CPU too")
+        return 0
+    return staging
 
 
 def _profile(opts: RuntimeOptions, machine: Machine) -> Profile | None:
@@ -256,5 +274,6 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
         # would not fit, or auto would have chosen fused)
         requested = min(rows, plan.slots_fitting(budget))
         note(f"expert cache {requested} of {rows} slots ({human_bytes(requested * slot_bytes)}): what the GPU holds")
-    memory = plan.with_sizes(expert_slots=cache_capacity(strategy, requested, rows))
+    staging = prefill_staging(spec, plan, budget, opts.stream_prefill) if strategy == CPU and device.type == "cuda" else 0
+    memory = plan.with_sizes(expert_slots=cache_capacity(strategy, requested, rows, staging))
     return Resolved(opts, device, strategy, ratio, profile, threads, dtype, memory)

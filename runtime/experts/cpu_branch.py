@@ -27,8 +27,11 @@ from .pool import HostPool
 
 class CPUBranch:
     def __init__(self, spec: ModelSpec, pool: HostPool, strategy: str, device: torch.device,
-                 kernels: ExpertKernels, threads: int | None = None):
+                 kernels: ExpertKernels, threads: int | None = None, fills_prefill: bool | None = None):
+        """`fills_prefill`: prefill-sized batches fill every miss instead (default: hybrid's;
+        the cpu strategy's too where it has device slots to stream them through)."""
         self.spec, self.pool, self.strategy, self.kernels = spec, pool, strategy, kernels
+        self.fills_prefill = strategy == HYBRID if fills_prefill is None else fills_prefill
         self.executor = CPUExecutor(threads)
         self.kernel = kernels.kernel
         self.runner = self.kernel.runner() if self.kernel is not None else None  # the branch's own thread
@@ -44,11 +47,11 @@ class CPUBranch:
     def stage(self, hidden: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On a GPU, queue the CPU branch's inputs (float32 activations and router weights) into
         page-locked host memory ahead of the routing read-back, so that one synchronisation per
-        layer serves both. Only where the CPU may get work: hybrid batches small enough that
-        not every miss is filled (`CPU_MAX_TOKENS`), and the cpu strategy."""
+        layer serves both. Only where the CPU may get work: batches small enough that not every
+        miss is filled (`CPU_MAX_TOKENS`, where `fills_prefill`), else every cpu-strategy batch."""
         if hidden.device.type == "cpu" or self.strategy not in (CPU, HYBRID):
             return None
-        if self.strategy == HYBRID and weights.numel() > CPU_MAX_TOKENS * self.spec.num_experts:
+        if self.fills_prefill and weights.numel() > CPU_MAX_TOKENS * self.spec.num_experts:
             return None
         n = hidden.numel()  # one page-locked block for both (an allocation costs ~40 us of Python)
         both = torch.empty(n + weights.numel(), dtype=torch.float32, pin_memory=True)

@@ -112,14 +112,13 @@ class Planner:
 
     def plan(self, cache: SlotCache, rows: list[int], fill_all: bool = False, shared: bool = False) -> LayerPlan:
         """`rows`: the layer's distinct active experts, most-used first (they are filled first);
-        `fill_all`: hybrid fills every miss (prefill-sized batches: the CPU branch is
-        compute-bound there, a copy costs the same for one token or thousands); `shared`: hybrid
+        `fill_all`: fill every miss a slot can take (prefill-sized batches of hybrid, or of the
+        cpu strategy with its staging slots: the CPU branch is compute-bound there, a copy costs
+        the same for one token or thousands); the cpu strategy otherwise fills none, and uses
+        the rows such a batch left resident; `shared`: hybrid
         leaves every miss in `cpu`, most-used first, for the store to split while both branches
         run (`ExpertStore._share`), so no rate estimate decides it."""
         plan = LayerPlan()
-        if self.strategy == CPU:
-            plan.cpu = list(rows)
-            return plan
         misses = []
         for row in rows:
             slot = cache.lookup(row)

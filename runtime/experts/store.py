@@ -78,11 +78,14 @@ class ExpertStore:
         kernel = load_cpu_kernel()
         grouped = optional("experts") if self.device.type == "cuda" else None
         self.kernels = ExpertKernels(pool.layout, self.device, kernel, threads or CPUExecutor.default_threads(), grouped)
-        self.cpu = CPUBranch(spec, pool, self.strategy, self.device, self.kernels, threads)
+        # hybrid's prefill-sized batches fill every miss; so do the cpu strategy's where it has
+        # device slots (resolve.prefill_staging): long prompts stream through them
+        self.fills_prefill = self.strategy == HYBRID or (self.strategy == CPU and capacity > 0)
+        self.cpu = CPUBranch(spec, pool, self.strategy, self.device, self.kernels, threads, self.fills_prefill)
         # its layer's fills (start and end events) and how long after they started the CPU did
         self._fill_span: tuple[torch.cuda.Event, torch.cuda.Event, float] | None = None
         if stream_prefill is None:
-            stream_prefill = self.device.type == "cuda" and self.strategy in (OFFLOAD, HYBRID)
+            stream_prefill = self.device.type == "cuda" and (self.strategy == OFFLOAD or self.fills_prefill)
         prefetcher = LayerPrefetcher(pool, self.device) if stream_prefill else None
         self.streaming = PrefillStreaming(spec, prefetcher)
         if prefetcher and not prefetcher.fits(self.cache):
@@ -105,8 +108,8 @@ class ExpertStore:
         instead of once a piece, and the host plans each next piece while the GPU runs the one
         before (a 32768-token prompt in pieces of 8192: 12 drains instead of 48). Not where the
         CPU branch may get work: its inputs are staged to ride on each piece's own read-back."""
-        if len(topk_ids) < 2 or not topk_ids[0].is_cuda or self.strategy == CPU or (
-                self.strategy == HYBRID
+        if len(topk_ids) < 2 or not topk_ids[0].is_cuda or (self.strategy == CPU and not self.fills_prefill) or (
+                self.fills_prefill
                 and min(ids.numel() for ids in topk_ids) <= CPU_MAX_TOKENS * self.spec.num_experts):
             return
         sorted_ = self._device_sorted([ids.reshape(-1) for ids in topk_ids])
