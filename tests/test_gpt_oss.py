@@ -356,7 +356,7 @@ def test_graph_paths_wrap_the_sliding_ring(ftw):
     own ring took the 48 tokens in one piece."""
     rt = graph_runtime(ftw, strategy="fused")
     graphs = rt.step.graphs
-    assert (graphs.k[0].shape[0], graphs.k[1].shape[0]) == (8, 64) and graphs.takes(5) and not graphs.takes(6)
+    assert graphs.k[0].shape[0] == 8 < graphs.k[1].shape[0] == graphs.capacity and graphs.takes(5) and not graphs.takes(6)
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(4))
     runs = [7, 5, 1, 3, 1, 1, 4, 5, 2, 1, 5, 1, 1, 1, 5, 3, 1, 1]  # prompt, extends and steps
     kv, got = rt.new_kv(48), []

@@ -165,7 +165,7 @@ def test_graph_decode_wraps_a_sliding_ring(sliding_model, kernels, monkeypatch):
         monkeypatch.setattr(graph_module, "_fused_attention", lambda decoder: None)
     got, rt, _ = run(sliding_model, graphs=True, device="cuda" if CUDA else "cpu", strategy="offload", cache_experts=8)
     graphs = rt.step.graphs
-    assert (graphs.fused is not None) == kernels and (graphs.k[0].shape[0], graphs.k[1].shape[0]) == (8, 64)
+    assert (graphs.fused is not None) == kernels and graphs.k[0].shape[0] == 8 < graphs.k[1].shape[0] == graphs.capacity
     assert graphs.bound is not None, "the graph path did not run"
     rt.close()
     assert (got - ref).norm() / ref.norm() < 1e-3
