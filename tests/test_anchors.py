@@ -3,6 +3,7 @@ tree's splits and eviction, and the anchor pool's eviction rule."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ftkit.runtime.engine.tokenizer import Tokenizer
@@ -69,6 +70,48 @@ def test_tokenizer_markers(tmp_path):
     text = tok.chat([{"role": "user", "content": "hi"}])
     ids = tok.encode(text)
     assert g.scan(ids)[len(ids)] == "turn"  # the generation prompt's end is a cut
+
+
+class TagEncoder:
+    """A tokenizer whose added tokens are `tags` (ids from 1000): other text is a token a
+    character, so a tag spelled inside plain text is no added token."""
+
+    def __init__(self, tags: list[str]):
+        self.tags = {t: 1000 + i for i, t in enumerate(tags)}
+        self.added_ids = frozenset(self.tags.values())
+
+    def encode(self, text: str) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            tag = next((t for t in sorted(self.tags, key=len, reverse=True) if text.startswith(t, i)), None)
+            ids.append(self.tags[tag] if tag else ord(text[i]))
+            i += len(tag) if tag else 1
+        return ids
+
+
+@pytest.mark.parametrize(("tags", "history", "prompt"), [
+    (["<|start|>", "<|end|>", "<|message|>", "<|channel|>"],  # gpt-oss's harmony
+     "<|start|>system<|message|>Reasoning: low<|end|><|start|>user<|message|>hi<|end|>",
+     "<|start|>assistant"),
+    (["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],  # GLM-4.5
+     "[gMASK]<sop><|system|>\nbe brief<|user|>\nhi", "<|assistant|>"),
+    (["<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>"],  # DeepSeek-V3
+     "<\uff5cbegin\u2581of\u2581sentence\uff5c>be brief<\uff5cUser\uff5c>hi", "<\uff5cAssistant\uff5c>"),
+    (["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"],  # Kimi-K2
+     "<|im_system|>system<|im_middle|>be brief<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|>",
+     "<|im_assistant|>assistant<|im_middle|>"),
+], ids=["harmony", "glm", "deepseek", "kimi"])
+def test_each_familys_turns_are_cuts(tags, history, prompt):
+    """Each template's turn headers cut before them and its generation prompt's end is a turn
+    cut (where the next turn resumes); its tags spelled in plain text are no markers."""
+    tok = TagEncoder(tags)
+    g = Boundaries.for_tokenizer(tok)
+    head, ids = tok.encode(history), tok.encode(history + prompt)
+    cuts = g.scan(ids)
+    assert cuts[len(ids)] == "turn" and cuts[len(ids) - len(tok.encode(prompt))] == "turn"
+    assert sum(k == "turn" for k in cuts.values()) >= 3
+    plain = [ord(c) for c in history + prompt]  # the same text without added tokens
+    assert "turn" not in g.scan(plain).values() and len(head) < len(ids)
 
 
 LAYERS = attention_layers(demo_spec(400))  # the rows a tree of demo_spec's keeps

@@ -31,9 +31,12 @@ PAGE = 16
 PERIOD = 256  # an anchor-worthy cut after this many tokens without a semantic boundary
 
 # (text, kind, after): `after` puts the cut right after the marker, otherwise right before it.
-# "<|im_start|>assistant\n" ends the generation prompt: the next turn's edits of the reply
-# (dropped reasoning, a re-rendered tool call) start exactly there.
+# Each template's generation prompt ("<|im_start|>assistant\n" in ChatML) is an `after` marker:
+# the next turn's edits of the reply (dropped reasoning, a re-rendered tool call) start exactly
+# there. The families' own tags, as their templates write them: a tokenizer whose added tokens
+# lack a tag never matches it (Mixtral's "[INST]" is plain text in its v1 tokenizer: no markers).
 MARKERS: tuple[tuple[str, str, bool], ...] = (
+    # ChatML (Qwen, OLMoE), and Qwen's and GLM-4.5's thinking and tool tags
     ("<|im_start|>", "turn", False),
     ("<|im_start|>assistant\n", "turn", True),
     ("<think>", "think", False),
@@ -42,6 +45,27 @@ MARKERS: tuple[tuple[str, str, bool], ...] = (
     ("</tool_call>", "tool_call", True),
     ("<tool_response>", "tool_result", False),
     ("</tool_response>", "tool_result", True),
+    # gpt-oss's harmony: every message opens "<|start|>{role}", tool calls and results included
+    ("<|start|>", "turn", False),
+    ("<|start|>assistant", "turn", True),
+    # GLM-4.5's role tags (tool results come as an observation turn)
+    ("<|system|>", "turn", False),
+    ("<|user|>", "turn", False),
+    ("<|assistant|>", "turn", False),
+    ("<|assistant|>", "turn", True),
+    ("<|observation|>", "turn", False),
+    # DeepSeek-V3's and Kimi-K2's
+    ("<｜User｜>", "turn", False),
+    ("<｜Assistant｜>", "turn", False),
+    ("<｜Assistant｜>", "turn", True),
+    ("<｜tool▁calls▁begin｜>", "tool_call", False),
+    ("<｜tool▁calls▁end｜>", "tool_call", True),
+    ("<｜tool▁outputs▁begin｜>", "tool_result", False),
+    ("<｜tool▁outputs▁end｜>", "tool_result", True),
+    ("<|im_system|>", "turn", False),
+    ("<|im_user|>", "turn", False),
+    ("<|im_assistant|>", "turn", False),
+    ("<|im_assistant|>assistant<|im_middle|>", "turn", True),
 )
 # Cut kinds, lowest anchor value first; "page" cuts are never anchors.
 IN_THINK, PERIODIC = "in_think", "periodic"
