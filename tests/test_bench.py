@@ -379,6 +379,7 @@ def test_serve_drives_the_real_server_beside_the_engine(tiny, tmp_path):
         assert turns[0]["cached"] == 0 and all(t["cached"] >= t["prompt"] - int(suffix) - 16 for t in turns[1:])
     c = res["concurrent"]
     assert len(c["streams"]) == 2 and c["aggregate_tok_s"] > 0 and all(s["tokens"] == 6 for s in c["streams"])
+    assert c["alone"]["cached"] > 0  # after the untimed lone stream, its shared prefix is a hit
     assert "overlap_tok_s" in c and not any("times" in s for s in [c["alone"], *c["streams"], *res["single"]])
     eng = res["engine"]
     assert set(eng["extend_s"]) == {"8", "40"} and eng["80"]["prefill_s"] > 0 and eng["40"]["decode_tok_s"] > 0
