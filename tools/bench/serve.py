@@ -311,6 +311,10 @@ def rows(result: dict, work: Workload) -> list[tuple[str, str, str, str]]:
                     " tok/s", "{:.1f}"))
     out.append(pair(f"{work.concurrent} streams while all decode (beside: the engine's batched steps)",
                     c.get("overlap_tok_s"), eng.get("batch", {}).get("tok_s"), " tok/s", "{:.1f}"))
+    # what batching can win at this routing: the bound of the engine's batched steps (the
+    # distinct experts they touched) over one stream's
+    out.append(pair(f"{work.concurrent} streams' bound (beside: one stream's)", eng.get("batch", {}).get("bound_tok_s"),
+                    e.get("decode_bound_tok_s"), " tok/s", "{:.1f}"))
     per = statistics.median(s["decode_tok_s"] for s in c["streams"] if s["decode_tok_s"])
     out.append(pair(f"{work.concurrent} streams, each (median)", per, alone, " tok/s", "{:.1f}"))
     out.append(pair(f"{work.concurrent} streams, worst TTFT (beside: alone)", max(c["ttft_s"]),
