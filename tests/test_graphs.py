@@ -172,6 +172,43 @@ def test_graph_decode_wraps_a_sliding_ring(sliding_model, kernels, monkeypatch):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_the_cpu_strategys_graph_steps_use_what_a_long_prompt_left(model):
+    """The cpu strategy with its staging slots (two layers' experts, as a GPU resolves it): an
+    80-token prompt (20 items per expert) runs its experts in the slots, none on the CPU; the
+    graph steps after it fill nothing, run the other layer's experts on the CPU and the staged
+    rows where they are (the device planner's CPU mode over a cache): the fused logits."""
+    from ftkit.runtime.engine.resolve import resolve
+    from ftkit.runtime.ftw.reader import FTWModel
+
+    prompt = [(7 * i + 3) % 300 for i in range(80)]
+
+    def logits(rt: Runtime) -> tuple[torch.Tensor, list]:
+        kv, out, counts = rt.new_kv(len(prompt) + len(DECODE)), [], []
+        with torch.inference_mode():
+            for chunk in [prompt] + [[t] for t in DECODE]:
+                out.append(rt.step.forward(torch.tensor(chunk, device=rt.device), kv).float().cpu())
+                t = rt.store.stats.totals()
+                counts.append((t.hits, t.fills, t.cpu))
+        return torch.cat(out), counts
+
+    ref_rt = Runtime(model, RuntimeOptions(threads=2, strategy="fused", dtype="float32", graphs=False))
+    ref, _ = logits(ref_rt)
+    ref_rt.close()
+    r = resolve(FTWModel(model), RuntimeOptions(threads=2, device="cuda" if CUDA else "cpu", strategy="cpu", dtype="float32"))
+    two = 2 * FTWModel(model).spec.num_experts
+    rt = Runtime(model, r if CUDA else dataclasses.replace(r, memory=r.memory.with_sizes(expert_slots=two)))
+    assert rt.store.cache.capacity == two
+    if not CUDA:
+        rt.step.graphs = GraphDecode(rt.decoder, rt.store, capacity=128, capture=False)
+    got, counts = logits(rt)
+    assert rt.store.device_planner is not None, "the graph path did not run"
+    assert (got - ref).norm() / ref.norm() < 1e-3 and torch.equal(got.argmax(-1), ref.argmax(-1))
+    (hits0, fills0, cpu0), (hits, fills, cpu) = counts[0], counts[-1]
+    assert cpu0 == 0 and fills0 > 0  # the prompt: every expert in the slots
+    assert fills == fills0 and hits > hits0 and cpu > 0  # the steps: staged rows used, the rest on the CPU
+    rt.close()
+
+
 def _check_residency(rt: Runtime) -> None:
     """After graph decode and a host-planned prefill, table, LRU and free list agree, and every
     resident slot holds its row's bytes."""
