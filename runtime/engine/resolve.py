@@ -156,7 +156,7 @@ def prefill_staging(spec: ModelSpec, plan: MemoryPlan, budget: int | None, strea
     """The cpu strategy's device slots on a GPU: two layers' experts, where long prompts stream
     whole layers through and run on the GPU (what llama.cpp does with a big batch whose experts
     live in host memory), while decode and short extends compute on the CPU. A 4096-token
-    prompt ran at 630 tok/s on the CPU kernel (q4km, BV) against 36.3k streamed. 0 where
+    prompt ran at 630 tok/s on the CPU kernel (q4km, BV), hybrid's streamed at 36.3k. 0 where
     streaming is off (`stream_prefill=False`) or the budget leaves less room (said in one line)."""
     staging = min(spec.num_expert_rows, 2 * spec.num_experts)
     if stream_prefill is False:

@@ -27,11 +27,11 @@ from .pool import HostPool
 
 class CPUBranch:
     def __init__(self, spec: ModelSpec, pool: HostPool, strategy: str, device: torch.device,
-                 kernels: ExpertKernels, threads: int | None = None, fills_prefill: bool | None = None):
-        """`fills_prefill`: prefill-sized batches fill every miss instead (default: hybrid's;
-        the cpu strategy's too where it has device slots to stream them through)."""
+                 kernels: ExpertKernels, fills_prefill: bool, threads: int | None = None):
+        """`fills_prefill`: the store fills every miss of a prefill-sized batch
+        (`ExpertStore.fills_prefill`), so the CPU gets none of it."""
         self.spec, self.pool, self.strategy, self.kernels = spec, pool, strategy, kernels
-        self.fills_prefill = strategy == HYBRID if fills_prefill is None else fills_prefill
+        self.fills_prefill = fills_prefill
         self.executor = CPUExecutor(threads)
         self.kernel = kernels.kernel
         self.runner = self.kernel.runner() if self.kernel is not None else None  # the branch's own thread

@@ -81,7 +81,7 @@ class ExpertStore:
         # hybrid's prefill-sized batches fill every miss; so do the cpu strategy's where it has
         # device slots (resolve.prefill_staging): long prompts stream through them
         self.fills_prefill = self.strategy == HYBRID or (self.strategy == CPU and capacity > 0)
-        self.cpu = CPUBranch(spec, pool, self.strategy, self.device, self.kernels, threads, self.fills_prefill)
+        self.cpu = CPUBranch(spec, pool, self.strategy, self.device, self.kernels, self.fills_prefill, threads)
         # its layer's fills (start and end events) and how long after they started the CPU did
         self._fill_span: tuple[torch.cuda.Event, torch.cuda.Event, float] | None = None
         if stream_prefill is None:
