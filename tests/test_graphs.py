@@ -880,6 +880,51 @@ def test_a_captured_batch_step_is_each_sequences_own_step(model, size, cfg, slid
             assert all(torch.allclose(a[i], b[i], rtol=1e-4, atol=1e-5) for i in a)
 
 
+def test_a_pipelined_batch_matches_its_batched_steps(model):
+    """GraphDecode.pipeline_batch (each batched step queued before the previous one's tokens are
+    read, its argmax or a row's sampler pick fed on the device) gives the tokens and K/V rows of
+    `batch` stepped one at a time, a greedy row beside a sampled one, also when stopped early
+    (the dropped step's draw rewound) and continued step by step."""
+    params = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=5)
+    prompts = [PROMPT, PROMPT[:4] + MORE]
+
+    def start() -> tuple[Runtime, list[KVCache], list[int]]:
+        rt = _graph_runtime(model, **HYBRID8)
+        kvs = [rt.new_kv(len(p) + 10) for p in prompts]
+        with torch.inference_mode():
+            firsts = [int(rt.step.forward(torch.tensor(p, device=rt.device), kv)[-1].argmax())
+                      for p, kv in zip(prompts, kvs, strict=True)]
+        return rt, kvs, firsts
+
+    def stepped(rt, kvs, tokens, n, sampler) -> list[list[int]]:
+        out = []
+        with torch.inference_mode():
+            for _ in range(n):
+                logits = rt.step.graphs.batch(torch.tensor(tokens, device=rt.device), kvs)
+                tokens = [int(logits[0].argmax()), sampler(logits[1])]
+                out.append(tokens)
+        return out
+
+    rt, kvs, firsts = start()
+    assert rt.step.pipelines_batch(kvs)
+    ref = stepped(rt, kvs, firsts, 5, Sampler(params))
+    ref_k = [{i: kv.k[i][: kv.length].clone() for i in kv.k} for kv in kvs]
+    rt.close()
+
+    rt, kvs, firsts = start()
+    sampler = Sampler(params)
+    with torch.inference_mode():
+        steps = rt.step.pipeline_batch(firsts, kvs, 5, [None, sampler])
+        got = [next(steps) for _ in range(3)]
+        steps.close()  # the fourth step was in flight: dropped, its draw rewound
+    assert [kv.length for kv in kvs] == [len(p) + 3 for p in prompts]
+    got += stepped(rt, kvs, got[-1], 2, sampler)
+    assert got == ref and len({t for step in got for t in step}) > 2
+    for kv, want in zip(kvs, ref_k, strict=True):
+        assert all(torch.allclose(kv.k[i][: kv.length], want[i], rtol=1e-4, atol=1e-5) for i in want)
+    rt.close()
+
+
 def test_sequences_join_and_leave_batches_between_single_steps(model):
     """Three sequences move between batched steps (of 2 and 3, in changing order and
     membership) and single graph steps: a batch writes the row of the sequence the single step

@@ -172,6 +172,25 @@ class Decoding:
         self.logits = logits
 
 
+def batch_burst(decodings: list[Decoding], limit: int,
+                interrupt: Callable[[], bool] = lambda: False) -> Iterator[list[tuple[int, str, Generation]]]:
+    """`Decoding.burst` for several sequences at once (Step.pipeline_batch, where
+    `pipelines_batch`): each step's `emit`s, until one of them is done, `interrupt()` or `limit`
+    steps; decoding can go on step by step after."""
+    rt = decodings[0].rt
+    samplers = [d.sampler if d.params.temperature else None for d in decodings]
+    limit = min(limit, *(d.max_new - len(d.gen.token_ids) for d in decodings))
+    steps = rt.step.pipeline_batch([d.next_input for d in decodings], [d.kv for d in decodings], limit, samplers)
+    try:
+        for tokens in steps:
+            rt.store.stats.new_step()
+            yield [d.emit(t) for d, t in zip(decodings, tokens, strict=True)]
+            if any(d.done for d in decodings) or interrupt():
+                return
+    finally:
+        steps.close()
+
+
 def prefill_group(group: list[Decoding]) -> None:
     """Compute the rest of each resumed prompt, several in one forward (`prefill_many`: every
     layer's experts read once for all of them), and put each into the prefix cache."""

@@ -355,9 +355,11 @@ class GraphDecode:
         if layers.stop < s.num_layers:
             return x, h
         logits = F.linear(h, dec.lm_head)
-        if batch is None:  # the next step's input when decoding greedily (a batch's: the scheduler samples)
-            self.token.copy_(logits.argmax(-1))
-            self.pos.add_(1)
+        # the next step's inputs when decoding greedily (`pipeline`, `pipeline_batch`; `step` and
+        # `batch` write both before each step)
+        token, pos = (self.token, self.pos) if batch is None else (batch.token, batch.pos)
+        token.copy_(logits.argmax(-1))
+        pos.add_(1)
         return logits
 
     def takes(self, tokens: int) -> bool:
@@ -390,6 +392,56 @@ class GraphDecode:
         for c in caches:
             c.advance(1)
         return logits.clone() if self.capture else logits  # the graph's buffer is reused next step
+
+    def pipeline_batch(self, firsts: list[int], caches: list[KVCache], limit: int,
+                       samplers: list[Sampler | None]) -> Iterator[list[int]]:
+        """`pipeline` for B sequences that `batched` takes: up to `limit` captured batched steps,
+        the next always queued on the GPU while the host reads a step's B tokens (each row's
+        argmax, or its sampler's pick on the device, is its next input; the positions advance
+        on the device), so the GPU does not wait for the host's sampling and replies between
+        steps, as it does in `batch`. Stopped early, it waits for the step in flight and drops
+        it (its samplers' draws rewound), as `pipeline` does."""
+        limit = min(limit, *(c.max_tokens - c.length for c in caches))
+        if limit <= 0:
+            return
+        batch = self._batch_inputs(caches)
+        batch.token.copy_(torch.tensor(firsts), non_blocking=True)
+        cuda, n = batch.token.is_cuda, len(caches)
+        out = torch.zeros(2, n, dtype=torch.int64, pin_memory=cuda)  # two steps' tokens in turn
+        done = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        draws: list[list[dict]] = [[{}] * n, [{}] * n]  # each row's sampler before each of the two steps
+
+        def launch(i: int) -> None:
+            self._plan_on_device().adapt(extend=True)
+            logits = self._launch(self.capacity, batch)
+            for b, sampler in enumerate(samplers):
+                if sampler is not None:
+                    draws[i % 2][b] = sampler.draws()
+                    batch.token[b : b + 1].copy_(sampler.sample(logits[b]))
+            out[i % 2].copy_(batch.token, non_blocking=True)
+            if cuda:
+                done[i % 2].record()
+
+        launch(0)
+        in_flight = False
+        try:
+            for i in range(limit):
+                in_flight = i + 1 < limit
+                if in_flight:
+                    launch(i + 1)
+                if cuda:
+                    done[i % 2].synchronize()
+                for c in caches:
+                    c.advance(1)
+                yield out[i % 2].tolist()
+            in_flight = False
+        finally:
+            if in_flight and cuda:  # nothing may touch the caches or the slots under a running step
+                done[(i + 1) % 2].synchronize()
+            if in_flight:
+                for sampler, draw in zip(samplers, draws[(i + 1) % 2], strict=True):
+                    if sampler is not None:
+                        sampler.rewind(draw)
 
     def batched(self, caches: list[KVCache]) -> bool:
         """Whether `batch` replays captured graphs for these sequences: 2 to `max_batch` of them;

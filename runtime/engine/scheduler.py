@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_mode import SLICE, TURNS, DecodeMode
-from .generate import Decoding, Generation, prefill_group, prefill_groups
+from .generate import Decoding, Generation, batch_burst, prefill_group, prefill_groups
 from .loader import Runtime
 from .memory import MemoryPlan
 from .sampling import SamplingParams
@@ -239,6 +239,8 @@ class Scheduler:
         measured over as many tokens), until one of them ends or the safe point is needed; the
         tokens made. (One step a pass measured a batch by its first step after a prefill, which
         waits for that prefill's queued GPU work: batching lost to turns on one slow sample.)"""
+        if self.rt.step.pipelines_batch([r.decoding.kv for r in live]):
+            return self._batch_burst(live)
         made = 0
         for _ in range(SLICE):
             step = self._step(live)
@@ -246,6 +248,33 @@ class Scheduler:
             if (not step or any(r.decoding.done or r.cancelled.is_set() for r in live)
                     or self.rebuilds or self._admissible()):
                 break
+        return made
+
+    def _batch_burst(self, live: list[Request]) -> int:
+        """Up to SLICE captured batched steps of the live requests with the next always queued
+        (generate.batch_burst), until one of them ends or the safe point is needed; the tokens
+        made."""
+        made = 0
+
+        def interrupt() -> bool:
+            return any(r.cancelled.is_set() for r in live) or bool(self.rebuilds) or self._admissible()
+
+        def run() -> None:
+            nonlocal made
+            t0 = time.perf_counter()
+            for outs in batch_burst([r.decoding for r in live], SLICE, interrupt):
+                for req, out in zip(live, outs, strict=True):
+                    self._send(req, out)
+                made += len(live)
+                self.counts["decode_forwards"] += 1
+                self.counts["decode_batched_tokens"] += len(live)
+                self.counts["decode_batches"] += 1
+            self.counts["decode_batch_seconds"] += time.perf_counter() - t0
+
+        if self._run(live, run):
+            for req in live:
+                if req.decoding.done:
+                    self._finish(req, "completed")
         return made
 
     def _step(self, live: list[Request]) -> int:

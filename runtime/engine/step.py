@@ -65,6 +65,16 @@ class Step:
             return self.graphs.batch(input_ids, caches)
         return self.decoder.forward_batch(input_ids, caches)
 
+    def pipelines_batch(self, caches: list[KVCache]) -> bool:
+        """Whether `pipeline_batch` can decode these sequences (a captured batched step)."""
+        return self.graphs is not None and len(caches) > 1 and self.graphs.batched(caches)
+
+    def pipeline_batch(self, firsts: list[int], caches: list[KVCache], limit: int,
+                       samplers: list[Sampler | None]) -> Iterator[list[int]]:
+        """GraphDecode.pipeline_batch: B sequences' tokens, a step always queued on the GPU."""
+        assert self.graphs is not None, "pipeline_batch needs CUDA graphs (check `pipelines_batch` first)"
+        return self.graphs.pipeline_batch(firsts, caches, limit, samplers)
+
     def pipelines(self, cache: KVCache) -> bool:
         """Whether `pipeline` can decode this sequence (through CUDA graphs)."""
         return self.graphs is not None and self.graphs.accepts(cache)
