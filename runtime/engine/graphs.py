@@ -586,7 +586,8 @@ class GraphDecode:
         """Capture the step of `key` (span, sequences) as `_launch` replays it."""
         span = key[0]
         plan = self.store.device_planner_for_graphs()
-        kept = [t for t in (plan.counts, self.token, self.pos, self.flat) if t is not None]
+        inputs = (self.token, self.pos) if batch is None else (batch.token, batch.io)  # the step writes the next
+        kept = [t for t in (plan.counts, *inputs, self.flat) if t is not None]
         saved = [t.clone() for t in kept]
         # Warm-up on a side stream (Triton compiles, cuBLAS picks kernels): it runs this very
         # step, which is idempotent (same K/V rows, a valid cache state), minus its counts, the
