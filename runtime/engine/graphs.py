@@ -42,8 +42,8 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,8 @@ from ..models.kv_size import attention_layers, ring_extend, ring_rows, sliding_l
 from ..models.layers import decode_attention, linear
 from ..spec import QK_NORM_HEAD, QK_NORM_NONE
 from .sampling import Sampler
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from ..experts.device_planner import DevicePlanner
@@ -112,6 +114,32 @@ def _concat_qkv(w: dict[str, torch.Tensor], i: int,
         fused.append(torch.cat([w[n] for n in g]))
         w.update(zip(g, fused[-1].split([w[n].shape[0] for n in g]), strict=True))
     return fused[0], fused[1] if len(fused) > 1 else None
+
+
+def _two_in_flight(launch: Callable[[int], None], limit: int, done: list[torch.cuda.Event],
+                   caches: list[KVCache], read: Callable[[int], T], drop: Callable[[int], None]) -> Iterator[T]:
+    """Steps 0..limit-1 with the next always queued: `launch(i + 1)` goes before step i's `done`
+    event (none on a CPU) is waited for, then the caches advance and `read(i)` is yielded. Stopped
+    early, the step in flight is waited for (nothing may touch the caches or the slots under a
+    running step) and `drop`ped."""
+    launch(0)
+    in_flight, i = False, 0
+    try:
+        for i in range(limit):
+            in_flight = i + 1 < limit
+            if in_flight:
+                launch(i + 1)
+            if done:
+                done[i % 2].synchronize()
+            for c in caches:
+                c.advance(1)
+            yield read(i)
+        in_flight = False
+    finally:
+        if in_flight:
+            if done:
+                done[(i + 1) % 2].synchronize()
+            drop(i + 1)
 
 
 class _Batch:
@@ -249,25 +277,13 @@ class GraphDecode:
             if feed is not None and i + 1 < feed.numel():
                 self.token.copy_(feed[i + 1 : i + 2])
 
-        launch(0)
-        in_flight = False
-        try:
-            for i in range(limit):
-                in_flight = i + 1 < limit
-                if in_flight:
-                    launch(i + 1)
-                if cuda:
-                    done[i % 2].synchronize()
-                cache.advance(1)
-                yield int(out[i % 2])
-            in_flight = False
-        finally:
-            if in_flight and cuda:  # nothing may touch the cache or its slots under a running step
-                done[(i + 1) % 2].synchronize()
-            if in_flight and self.flat is not None:
+        def drop(i: int) -> None:
+            if self.flat is not None:
                 self.flat.copy_(self.flat_saved)
-            if in_flight and sampler is not None:
-                sampler.rewind(draws[(i + 1) % 2])
+            if sampler is not None:
+                sampler.rewind(draws[i % 2])
+
+        yield from _two_in_flight(launch, limit, done, [cache], lambda i: int(out[i % 2]), drop)
 
     def _prepare(self, cache: KVCache, end: int) -> int:
         """Bind `cache`, hand the residency to the device planner; the attention span that
@@ -422,26 +438,12 @@ class GraphDecode:
             if cuda:
                 done[i % 2].record()
 
-        launch(0)
-        in_flight = False
-        try:
-            for i in range(limit):
-                in_flight = i + 1 < limit
-                if in_flight:
-                    launch(i + 1)
-                if cuda:
-                    done[i % 2].synchronize()
-                for c in caches:
-                    c.advance(1)
-                yield out[i % 2].tolist()
-            in_flight = False
-        finally:
-            if in_flight and cuda:  # nothing may touch the caches or the slots under a running step
-                done[(i + 1) % 2].synchronize()
-            if in_flight:
-                for sampler, draw in zip(samplers, draws[(i + 1) % 2], strict=True):
-                    if sampler is not None:
-                        sampler.rewind(draw)
+        def drop(i: int) -> None:
+            for sampler, draw in zip(samplers, draws[i % 2], strict=True):
+                if sampler is not None:
+                    sampler.rewind(draw)
+
+        yield from _two_in_flight(launch, limit, done, caches, lambda i: out[i % 2].tolist(), drop)
 
     def batched(self, caches: list[KVCache]) -> bool:
         """Whether `batch` replays captured graphs for these sequences: 2 to `max_batch` of them;
