@@ -36,14 +36,24 @@ if TYPE_CHECKING:
     from ftkit.vocab import ExpertLayout, SlotLayout
 
 
-def format_code(layout: SlotLayout) -> int:
+def format_code(layout: SlotLayout, int8: bool = False) -> int:
     """The format codes of gate, up and down as a call passes them: gate | up << 8 | down << 16
-    (the bias parts are always float32: `_expert_fn`)."""
+    (the bias parts are always float32: `_expert_fn`), with INT8 for the int8 path."""
     if any(f not in FORMAT_CODES for f in layout.formats):
         raise ValueError(f"the CPU kernel does not support expert dtype {layout.dtype}")
-    return sum(FORMAT_CODES[f] << (8 * i) for i, f in enumerate(layout.formats))
+    return sum(FORMAT_CODES[f] << (8 * i) for i, f in enumerate(layout.formats)) | (INT8 if int8 else 0)
+
+
+def int8_activations(dtype: torch.dtype) -> bool:
+    """Whether a run computing in `dtype` takes the kernel's int8 path (int8_dots.h): activations
+    quantized to int8 per 256 values where the part's format has it, as ggml's CPU backend
+    multiplies. Only float32 runs keep exact products: they are the reference every other path
+    is checked against."""
+    return dtype != torch.float32
 
 SOURCE = Path(__file__).with_name("experts.cpp")
+HEADERS = ("int8_dots.h",)  # included by experts.cpp: part of the build's key
+INT8 = 1 << 24  # experts.cpp's `INT8`
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 # experts.cpp's `Dtype` codes: every expert format has a kernel (GGUF blocks decoded as they are multiplied)
 FORMAT_CODES = {name: i for i, name in enumerate((
@@ -83,7 +93,8 @@ def build(cxx: str | None = None, extra: tuple[str, ...] = (), source: Path = SO
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found; set CXX)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(FLAGS + extra).encode() + version.encode() + _cpu_signature().encode()
+        source.read_bytes() + b"".join(source.with_name(h).read_bytes() for h in HEADERS)
+        + " ".join(FLAGS + extra).encode() + version.encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{key}.so"
     if lib.is_file():
@@ -130,25 +141,27 @@ class Kernel:
 
     def experts(self, layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
                 x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
-                out_rows: Indices | None = None) -> None:
+                out_rows: Indices | None = None, int8: bool = False) -> None:
         """For each expert (its uint8 slot) and its flat assignments `a` (token * k + j):
         out[a] = weights[a] * expert(x[a // k]). float32 `x` [T, H], `weights` [T * k] and
         `out` [T * k, H]; rows of `out` no assignment names are left untouched. `out_rows`: the
-        row of `out` for each assignment in order instead (a compact `out` of just these rows)."""
-        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
+        row of `out` for each assignment in order instead (a compact `out` of just these rows).
+        `int8`: the int8 path (`int8_activations`)."""
+        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows, int8)
         if call is not None and self.lib.ftk_experts(*call.args):
             raise ValueError(f"the CPU kernel does not support expert formats {'/'.join(layout.formats)}")
 
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
                       assignments: Sequence[Indices], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                       k: int, threads: int, out_rows: Indices | None = None,
-                      split: np.ndarray | None = None, done: tuple[int, int] | None = None) -> None:
+                      split: np.ndarray | None = None, done: tuple[int, int] | None = None,
+                      int8: bool = False) -> None:
         """As `experts`, on the runner's native thread: returns at once; `runner.wait()` ends it.
         The caller keeps x, out and the slots alive until then. `split` (from `new_split`): the
         call shares its experts with the caller, who takes them from the front (`take_front`)
         while the call takes them from the back; it runs only those it takes. `done`: (address
         of an int32 word, value): the call writes the value there when its rows are written."""
-        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows)
+        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows, int8)
         if call is not None:
             call.args += (None if split is None else split.ctypes.data, *(done or (None, 0)))
             if split is not None:
@@ -184,7 +197,7 @@ class Kernel:
     @staticmethod
     def _call(layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
               x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
-              out_rows: Indices | None) -> _Call | None:
+              out_rows: Indices | None, int8: bool) -> _Call | None:
         """The checked arguments of one call (None: nothing to do). The index arithmetic is numpy:
         the store makes one call per layer, and torch's per-call overhead on arrays of a few
         hundred elements added up to a tenth of a millisecond there."""
@@ -194,7 +207,7 @@ class Kernel:
         for t in (x, out, *slots):
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("the CPU kernel needs contiguous CPU tensors")
-        code = format_code(layout)
+        code = format_code(layout, int8)
         if not slots:
             return None
         sizes = [len(s) for s in assignments]
@@ -216,21 +229,22 @@ class Kernel:
                       out.data_ptr(), threads, None if clamp is None else clamp.ctypes.data), keep)
 
     def start_worker(self, layouts: ExpertLayout, row_ptrs: torch.Tensor, tokens: int, k: int, ctrl: torch.Tensor,
-                     payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int) -> Worker:
+                     payload: torch.Tensor, out: torch.Tensor, busy_ns: torch.Tensor, threads: int,
+                     int8: bool = False) -> Worker:
         """Start the doorbell worker of device-planned layers (see `Worker` in experts.cpp), for
         up to `tokens` tokens of `k` routed items each (n = tokens * k items), each MoE layer in
         its own slot layout. row_ptrs: int64 host address of every expert row; ctrl: int32 control block (bell at
         word 0, done at word 16); payload: float32 [tokens * H + 4n + 1] (`worker_payload`);
         out: float32 [n, H]; busy_ns: int64 [4] (compute time and count of the layers that had
         CPU items: one-token layers, then multi-token ones). All are host tensors that must
-        outlive the worker."""
+        outlive the worker. `int8`: the int8 path (`int8_activations`)."""
         layout = layouts.layers[0]
         inter, hidden = layout.parts[0].shape
         n = tokens * k
         if (payload.numel() != worker_payload(tokens, k, hidden) or out.shape != (n, hidden) or ctrl.numel() < 32
                 or busy_ns.numel() < 4):
             raise ValueError("worker buffers do not match the layout")
-        codes = np.array([format_code(lay) for lay in layouts.layers], dtype=np.int32)  # all copied by the worker
+        codes = np.array([format_code(lay, int8) for lay in layouts.layers], dtype=np.int32)  # all copied by the worker
         offsets = np.concatenate([_expert_fn(lay)[0] for lay in layouts.layers])
         clamp = _expert_fn(layout)[1]
         handle = self.lib.ftk_worker_start(

@@ -20,6 +20,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -820,24 +821,40 @@ void dot_blocks_n(int tb, const uint8_t* const* rows, int n, const float* const*
   dot_blocks<D, R, TB>(rows, n, xs, s);
 }
 
-// What a part's format needs: its row size, its products of one and of two rows, and (blocks)
-// a row decoder for the multi-token path.
+#include "int8_dots.h"
+
+// What a part's format needs: its row size, its products of one and of two rows, (blocks) a row
+// decoder for the multi-token path, and (formats the int8 path has) its products on quantized
+// activations, which take rows of a multiple of `unit` weights.
 using DotFn = void (*)(int, const uint8_t* const*, int, const float* const*, float (*)[TBMAX]);
 struct Format {
   int block, bytes;  // weights per block and its bytes (a plain dtype: 1 and its size)
   DotFn dot1, dot2;
   void (*decode)(const uint8_t*, int, float*);  // null: read in place whatever the token count
+  QDotFn qdot1 = nullptr, qdot2 = nullptr;
+  int unit = 0;
   size_t row_bytes(int n) const { return size_t(n / block) * bytes; }
+  bool int8(int n) const { return qdot1 && n % unit == 0; }
 };
 template <class L>
 constexpr Format plain(int block, int bytes) { return {block, bytes, dot_n<L, 1>, dot_n<L, 2>, nullptr}; }
 template <class D>
 constexpr Format blocks() { return {D::BLOCK, D::BYTES, dot_blocks_n<D, 1>, dot_blocks_n<D, 2>, decode_row<D>}; }
+// `f` with the int8 products of Q (where this build has the int8 path)
+template <class Q>
+constexpr Format with_int8(Format f) {
+#if INT8_PATH
+  f.qdot1 = qdot_n<Q, 1>, f.qdot2 = qdot_n<Q, 2>, f.unit = Q::UNIT;
+#endif
+  return f;
+}
 const Format FORMATS[N_FORMATS] = {
-    plain<LoadF32>(1, 4), plain<LoadF16>(1, 2), plain<LoadBF16>(1, 2), plain<LoadQ8>(32, 34),
-    blocks<BQ4_0>(), blocks<BQ4_1>(), blocks<BQ5_0>(), blocks<BQ5_1>(), blocks<BQ2_K>(), blocks<BQ3_K>(),
-    blocks<BQ45_K<false>>(), blocks<BQ45_K<true>>(), blocks<BQ6_K>(), blocks<BIQ4_NL>(), blocks<BIQ4_XS>(),
-    blocks<BMXFP4>(),
+    plain<LoadF32>(1, 4), plain<LoadF16>(1, 2), plain<LoadBF16>(1, 2),
+    with_int8<I32Blocks<S8_0>>(plain<LoadQ8>(32, 34)),
+    with_int8<I32Blocks<S4_0>>(blocks<BQ4_0>()), blocks<BQ4_1>(), blocks<BQ5_0>(), blocks<BQ5_1>(), blocks<BQ2_K>(),
+    blocks<BQ3_K>(), with_int8<IQ4_K>(blocks<BQ45_K<false>>()), blocks<BQ45_K<true>>(),
+    with_int8<IQ6_K>(blocks<BQ6_K>()), with_int8<I32Blocks<SIQ4_NL>>(blocks<BIQ4_NL>()), blocks<BIQ4_XS>(),
+    with_int8<I32Blocks<SMXFP4>>(blocks<BMXFP4>()),
 };
 
 struct Call {
@@ -858,6 +875,12 @@ struct Call {
   Team* team = nullptr;    // the threads to run on (the graph-decode worker's); null: OpenMP's
   const float* clamp = nullptr;  // null: silu(g) * u; else {alpha, limit} of gpt-oss's clamped SwiGLU
   const Format* fmt[3] = {};  // each part's format (set by `dispatch`)
+  // The int8 path (set by `dispatch`; null: the float path): each token's row of x quantized
+  // (q8_bytes(H) apart) where gate and up take it; room for each assignment's h quantized
+  // (q8_bytes(I) apart) where down does, with its state (0 to do, 1 under way, 2 done)
+  const uint8_t* xq = nullptr;
+  uint8_t* hq = nullptr;
+  std::atomic<int>* hq_state = nullptr;
 };
 
 // Part `p` of a slot as float32 biases, or null where the layout has none.
@@ -918,6 +941,30 @@ float* tile(size_t floats) {
   return buf.data();
 }
 
+// s[q][t] for r (1 or 2) rows of format f and tb tokens: on the quantized rows xq where given,
+// else on the float32 rows xs
+inline void dot_rows(const Format* f, int r, int tb, const uint8_t* const* rows, int n, const float* const* xs,
+                     const uint8_t* const* xq, float (*s)[TBMAX]) {
+  if (xq) (r == 2 ? f->qdot2 : f->qdot1)(tb, rows, n, xq, s);
+  else (r == 2 ? f->dot2 : f->dot1)(tb, rows, n, xs, s);
+}
+
+#if INT8_PATH
+// Assignment a's row of h quantized, by the first thread that needs it (the others wait the
+// ~0.2 us it takes): every down item of the expert reads it, and its gate/up items are done.
+const uint8_t* hq_row(const Call& c, int64_t a, const float* h) {
+  uint8_t* p = c.hq + size_t(a) * q8_bytes(c.I);
+  std::atomic<int>& state = c.hq_state[a];
+  int v = state.load(std::memory_order_acquire);
+  if (v == 0 && state.compare_exchange_strong(v, 1, std::memory_order_acq_rel)) {
+    quantize_q8(h + size_t(a) * c.I, c.I, p);
+    state.store(2, std::memory_order_release);
+  }
+  while (state.load(std::memory_order_acquire) != 2) pause();
+  return p;
+}
+#endif
+
 // Rows i0..i1-1 of a part (`n` weights each, stored in `f`) as float32 rows for `dot`: the decoded
 // tile when the expert has more tokens than one pass and the format has blocks, else the part
 // itself. Returns the format to read them in.
@@ -937,7 +984,8 @@ const Format* rows_for(const Format* f, const uint8_t* part, int n, int i0, int 
 // formats).
 void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const int H = c.H, I = c.I;
-  const bool many = c.start[e + 1] - c.start[e] > TBMAX;
+  const bool q8 = c.xq != nullptr;  // the int8 path reads the blocks in place whatever the tokens
+  const bool many = !q8 && c.start[e + 1] - c.start[e] > TBMAX;
   float* tl = many ? tile(2 * size_t(i1 - i0) * H) : nullptr;
   const uint8_t *gate, *up;
   const Format* fg = rows_for(c.fmt[0], c.slots[e] + c.part_off[0], H, i0, i1, many, &gate, tl);
@@ -947,15 +995,19 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const float *gbias = bias(c, e, 3), *ubias = bias(c, e, 4);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* xs[TBMAX];
-    for (int t = 0; t < tb; ++t) xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
+    const uint8_t* xq[TBMAX];
+    for (int t = 0; t < tb; ++t) {
+      xs[t] = c.x + size_t(c.tok[a0 + t]) * H;
+      if (q8) xq[t] = c.xq + size_t(c.tok[a0 + t]) * q8_bytes(H);
+    }
     for (int i = i0; i < i1; ++i) {
       const uint8_t* rows[2] = {gate + (i - i0) * gb, up + (i - i0) * ub};
       float s[2][TBMAX];
       if (fg == fu) {
-        fg->dot2(tb, rows, H, xs, s);
+        dot_rows(fg, 2, tb, rows, H, xs, q8 ? xq : nullptr, s);
       } else {  // gate and up in different formats: one row each (a row's sums do not change)
-        fg->dot1(tb, rows, H, xs, s);
-        fu->dot1(tb, rows + 1, H, xs, s + 1);
+        dot_rows(fg, 1, tb, rows, H, xs, q8 ? xq : nullptr, s);
+        dot_rows(fu, 1, tb, rows + 1, H, xs, q8 ? xq : nullptr, s + 1);
       }
       if (gbias)
         for (int t = 0; t < tb; ++t) s[0][t] += gbias[i], s[1][t] += ubias[i];
@@ -967,7 +1019,7 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
 // out[out_row[a]][j0..j1-1] = weight[a] * (down h[a] + down_bias) for expert e's assignments a.
 void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   const int H = c.H, I = c.I;
-  const bool many = c.start[e + 1] - c.start[e] > TBMAX;
+  const bool q8 = c.hq != nullptr, many = !q8 && c.start[e + 1] - c.start[e] > TBMAX;
   const uint8_t* down;
   const Format* f = rows_for(c.fmt[2], c.slots[e] + c.part_off[2], I, j0, j1, many, &down,
                              many ? tile(size_t(j1 - j0) * I) : nullptr);
@@ -975,13 +1027,18 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   const float* db = bias(c, e, 5);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* hs[TBMAX];
-    for (int t = 0; t < tb; ++t) hs[t] = h + size_t(a0 + t) * I;
+    const uint8_t* hq[TBMAX];
+    for (int t = 0; t < tb; ++t) {
+      hs[t] = h + size_t(a0 + t) * I;
+#if INT8_PATH
+      if (q8) hq[t] = hq_row(c, a0 + t, h);
+#endif
+    }
     for (int j = j0; j < j1; j += 2) {
       const uint8_t* rows[2] = {down + (j - j0) * rb, down + (j + 1 - j0) * rb};
       float s[2][TBMAX];
       const int r = j + 1 < j1 ? 2 : 1;
-      if (r == 2) f->dot2(tb, rows, I, hs, s);
-      else f->dot1(tb, rows, I, hs, s);
+      dot_rows(f, r, tb, rows, I, hs, q8 ? hq : nullptr, s);
       for (int t = 0; t < tb; ++t) {
         float* o = c.out + size_t(c.out_row[a0 + t]) * H;
         for (int q = 0; q < r; ++q) o[j + q] = c.weight[a0 + t] * (db ? s[q][t] + db[j + q] : s[q][t]);
@@ -1067,8 +1124,16 @@ void run_shared(const Call& c, float* h) {
   }
 }
 
-// `dtype`: the parts' format codes, gate | up << 8 | down << 16. -1 for an unknown code or a row
-// length that does not split into its format's blocks.
+// 64-byte aligned room for `bytes`, kept in `buf`
+uint8_t* aligned(std::vector<uint8_t>& buf, size_t bytes) {
+  buf.resize(bytes + 64);
+  return buf.data() + (64 - uintptr_t(buf.data()) % 64) % 64;
+}
+
+// `dtype`: the parts' format codes, gate | up << 8 | down << 16, and INT8 where the run computes in
+// bf16 or fp16 (the parts whose formats have it take the int8 path). -1 for an unknown code or a
+// row length that does not split into its format's blocks.
+constexpr int INT8 = 1 << 24;
 int dispatch(int dtype, const Call& call) {
   Call c = call;
   const int n[3] = {c.H, c.H, c.I};
@@ -1078,7 +1143,32 @@ int dispatch(int dtype, const Call& call) {
     c.fmt[p] = &FORMATS[code];
   }
   if (c.n <= 0) return 0;
-  std::vector<float> h(size_t(c.start[c.n]) * c.I);  // silu(gate x) * (up x), one row per assignment
+  const int64_t m = c.start[c.n];
+  std::vector<float> h(size_t(m) * c.I);  // silu(gate x) * (up x), one row per assignment
+  std::vector<uint8_t> xq_buf, hq_buf;
+  std::unique_ptr<std::atomic<int>[]> hq_state;
+#if INT8_PATH
+  if (dtype & INT8) {
+    if (c.fmt[0]->int8(c.H) && c.fmt[1]->int8(c.H)) {
+      const int64_t rows = *std::max_element(c.tok, c.tok + m) + 1;
+      const size_t b = q8_bytes(c.H);
+      uint8_t* xq = aligned(xq_buf, size_t(rows) * b);
+      if (c.team || rows < 16) {  // decode: a few rows (the worker's own team may not use OpenMP)
+        for (int64_t r = 0; r < rows; ++r) quantize_q8(c.x + size_t(r) * c.H, c.H, xq + size_t(r) * b);
+      } else {
+#pragma omp parallel for num_threads(c.threads)
+        for (int64_t r = 0; r < rows; ++r) quantize_q8(c.x + size_t(r) * c.H, c.H, xq + size_t(r) * b);
+      }
+      c.xq = xq;
+    }
+    if (c.fmt[2]->int8(c.I)) {
+      c.hq = aligned(hq_buf, size_t(m) * q8_bytes(c.I));
+      hq_state.reset(new std::atomic<int>[size_t(m)]);
+      for (int64_t a = 0; a < m; ++a) hq_state[a].store(0, std::memory_order_relaxed);
+      c.hq_state = hq_state.get();
+    }
+  }
+#endif
   if (c.claim) run_shared(c, h.data());
   else run_all(c, h.data());
   return 0;

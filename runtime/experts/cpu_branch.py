@@ -98,7 +98,8 @@ class CPUBranch:
             signal = signal and host is not None
             out_rows = np.arange(out.shape[0]) if rows is None else np.concatenate(rows)
             self.kernel.start_experts(self.runner, layout, slots, idxs, x.contiguous(), w, out, k,
-                                      self.executor.threads, out_rows, split, self._done_word() if signal else None)
+                                      self.executor.threads, out_rows, split, self._done_word() if signal else None,
+                                      self.kernels.int8)
             if signal:
                 self.signalled = len(slots) * self.pool.layout.slot_bytes
                 return lambda: None, host

@@ -56,8 +56,9 @@ class _FillFraction:
 
 class DevicePlanner:
     def __init__(self, spec: ModelSpec, pool: HostPool, cache: SlotCache, strategy: str, fill_fraction: float | None,
-                 kernel, threads: int, stats: ExpertStats):
-        """`kernel`: the loaded CPU kernel (its doorbell worker runs the CPU set)."""
+                 kernel, threads: int, stats: ExpertStats, int8: bool = False):
+        """`kernel`: the loaded CPU kernel (its doorbell worker runs the CPU set, on the int8
+        path where `int8`)."""
         if strategy not in (FUSED, OFFLOAD, CPU, HYBRID):
             raise ValueError(f"device planning needs a resolved strategy, not {strategy}")
         k, cap = spec.top_k, cache.capacity
@@ -101,7 +102,7 @@ class DevicePlanner:
             self.d_payload, self.d_out = view(self.payload), view(self.out)
             self.d_gpu_ns = (view(self.gpu_ns), view(self.gpu_ns, 2))
             self.worker = kernel.start_worker(pool.layout, host_addr, MAX_TOKENS, k, self.ctrl, self.payload,
-                                              self.out, self.busy_ns, threads)
+                                              self.out, self.busy_ns, threads, int8)
 
     # ---- host <-> device state ---------------------------------------------------------------
     @torch.inference_mode()

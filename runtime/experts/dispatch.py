@@ -21,10 +21,13 @@ GEMV_MAX_ITEMS = 64  # routed (token, expert) items up to which decode uses the 
 
 
 class ExpertKernels:
-    def __init__(self, layout: ExpertLayout, device: torch.device, cpu_kernel, threads: int, grouped):
+    def __init__(self, layout: ExpertLayout, device: torch.device, cpu_kernel, threads: int, grouped,
+                 int8: bool = False):
         """`cpu_kernel`: the compiled CPU kernel (ftkit.kernels.cpu) or None; `grouped`: the
-        grouped Triton kernels' module, where the device is a GPU, or None."""
+        grouped Triton kernels' module, where the device is a GPU, or None; `int8`: every call
+        of the CPU kernel takes its int8 path (`int8_activations` of the run's dtype)."""
         self.layouts, self.device, self.kernel, self.threads, self.grouped = layout, device, cpu_kernel, threads, grouped
+        self.int8 = int8
 
     def resident(self, cache: SlotCache, resident: list[tuple[int, int]], groups: dict[int, np.ndarray],
                  x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
@@ -101,10 +104,10 @@ class ExpertKernels:
             return
         row = np.concatenate(rows)
         if x.dtype == torch.float32 and y.dtype == torch.float32:
-            self.kernel.experts(layout, slots, idxs, x.contiguous(), w, y, k, self.threads, row)
+            self.kernel.experts(layout, slots, idxs, x.contiguous(), w, y, k, self.threads, row, self.int8)
             return
         out = torch.zeros(y.shape, dtype=torch.float32)
-        self.kernel.experts(layout, slots, idxs, x.float(), w, out, k, self.threads, row)
+        self.kernel.experts(layout, slots, idxs, x.float(), w, out, k, self.threads, row, self.int8)
         row_t = torch.from_numpy(row)
         y[row_t] = out[row_t].to(y.dtype)
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ftkit.kernels.cpu import int8_activations
 from ftkit.kernels.cpu import load as load_cpu_kernel
 from ftkit.kernels.triton import optional
 from ftkit.vocab import CPU, FUSED, HYBRID, OFFLOAD
@@ -77,7 +78,8 @@ class ExpertStore:
         self.stats = ExpertStats()
         kernel = load_cpu_kernel()
         grouped = optional("experts") if self.device.type == "cuda" else None
-        self.kernels = ExpertKernels(pool.layout, self.device, kernel, threads or CPUExecutor.default_threads(), grouped)
+        self.kernels = ExpertKernels(pool.layout, self.device, kernel, threads or CPUExecutor.default_threads(), grouped,
+                                     int8_activations(dtype))
         # hybrid's prefill-sized batches fill every miss; so do the cpu strategy's where it has
         # device slots (resolve.prefill_staging): long prompts stream through them
         self.fills_prefill = self.strategy == HYBRID or (self.strategy == CPU and capacity > 0)
@@ -359,7 +361,7 @@ class ExpertStore:
             # also when an extend under inference mode creates it
             with torch.inference_mode(False):
                 self.device_planner = DevicePlanner(self.spec, self.pool, self.cache, self.strategy, self.planner.rate_fraction,
-                                              self.kernels.kernel, self.cpu.threads, self.stats)
+                                              self.kernels.kernel, self.cpu.threads, self.stats, self.kernels.int8)
             self.stats.pull = self.device_planner.flush_stats
         return self.device_planner
 

@@ -52,6 +52,8 @@ def main() -> None:
                     help="also the runner's shared-split schedule (hybrid's: one expert at a time)")
     ap.add_argument("--overlap", action="store_true",
                     help="also each kernel figure while pinned host-to-device copies run (needs CUDA)")
+    ap.add_argument("--int8", action="store_true",
+                    help="the kernel's int8 path (activations quantized, as a run in bf16 computes)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     console = Console()
@@ -61,7 +63,7 @@ def main() -> None:
     hidden, inter = (int(v) for v in args.shape.split(","))
     layout = layout_for(hidden, inter, MIXES.get(args.dtype, args.dtype))
     slots = working_set((layout,), int(args.gib * 2**30))
-    cycle = ExpertCycle((layout,), slots, args.tokens, args.experts_per_call)
+    cycle = ExpertCycle((layout,), slots, args.tokens, args.experts_per_call, int8=args.int8)
     runner = kernel.runner() if args.shared else None
     copier = _copier(args.overlap, args.gib)
     rows = []
@@ -85,13 +87,14 @@ def main() -> None:
     if runner is not None:
         runner.close()
     result = {
-        "cpu": cpu_model(), "host": platform.node(), "isa": kernel.isa, "dtype": args.dtype,
+        "cpu": cpu_model(), "host": platform.node(), "isa": kernel.isa, "dtype": args.dtype, "int8": args.int8,
         "formats": list(layout.formats), "gflop_per_gb": flop_per_byte,
         "shape": [hidden, inter], "expert_bytes": layout.data_bytes, "working_set_bytes": slots.nbytes,
         "tokens": args.tokens, "experts_per_call": cycle.per_call, "rows": rows,
     }
     table = Table(title=f"CPU experts {args.dtype} H={hidden} I={inter}, {args.tokens} token(s), "
-                        f"{cycle.per_call} per call, {slots.nbytes / 2**30:.1f} GiB working set, {kernel.isa}")
+                        f"{cycle.per_call} per call, {slots.nbytes / 2**30:.1f} GiB working set, {kernel.isa}"
+                        f"{', int8 path' if args.int8 else ''}")
     extra = [c for c in ("shared_gbps", "ftkit_overlapped_gbps", "pcie_with_ftkit_gbps", "shared_overlapped_gbps",
                          "pcie_with_shared_gbps") if c in rows[0]]
     for col in ("threads", "ftkit GB/s", "ftkit GFLOP/s", "torch GB/s", "DRAM read GB/s", "ftkit / DRAM",

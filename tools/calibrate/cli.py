@@ -108,7 +108,9 @@ def calibrate(
         warnings = [w for w in [measure.load_warning(os.getloadavg()[0], os.cpu_count() or 1)] if w]
         gpu_info, kernel = gpu_identity(), load_cpu_kernel()
         slots = measure.working_set(layouts, parse_bytes(working_set, "--working-set"), pin=gpu_info is not None)
-        cycle = measure.ExpertCycle(layouts, slots, tokens=1, per_call=8, bytes_per_expert=layout.slot_bytes)
+        # with a GPU, B_H is what a GPU run's CPU side does: it computes in bf16, on the int8 path
+        cycle = measure.ExpertCycle(layouts, slots, tokens=1, per_call=8, bytes_per_expert=layout.slot_bytes,
+                                    int8=gpu_info is not None)
         copier = measure.Copier(slots) if gpu_info else None
         steps = (copier is not None) + len(counts) * (1 + 2 * (kernel is not None) * (copier is not None)
                                                       + (kernel is not None))

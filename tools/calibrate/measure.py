@@ -106,10 +106,11 @@ class ExpertCycle:
     them out."""
 
     def __init__(self, layouts: tuple[SlotLayout, ...], slots: torch.Tensor, tokens: int, per_call: int,
-                 bytes_per_expert: int | None = None):
+                 bytes_per_expert: int | None = None, int8: bool = False):
         """`bytes_per_expert`: what one expert counts for (default: the bytes the kernel reads;
-        ft-calibrate counts whole slots, the unit fills move)."""
-        self.layouts, self.slots, self.tokens = layouts, slots, tokens
+        ft-calibrate counts whole slots, the unit fills move); `int8`: the kernel's int8 path
+        (what a run in bf16 takes)."""
+        self.layouts, self.slots, self.tokens, self.int8 = layouts, slots, tokens, int8
         self.per_call = min(per_call, len(slots) // len(layouts))
         self.at = 0  # the layout of the call `take` gave last
         hidden = layouts[0].parts[0].shape[1]
@@ -139,7 +140,8 @@ class ExpertCycle:
     def kernel_step(self, kernel: Kernel, threads: int) -> Callable[[], int]:
         def step() -> int:
             slots = self.take()
-            kernel.experts(self.layout, slots, self.groups, self.x, self.w, self.out, self.per_call, threads)
+            kernel.experts(self.layout, slots, self.groups, self.x, self.w, self.out, self.per_call, threads,
+                           int8=self.int8)
             return self.bytes_per_call[self.at]
         return step
 
@@ -149,7 +151,7 @@ class ExpertCycle:
         def step() -> int:
             slots = self.take()
             kernel.start_experts(runner, self.layout, slots, self.groups, self.x, self.w, self.out,
-                                 self.per_call, threads, split=kernel.new_split(self.per_call))
+                                 self.per_call, threads, split=kernel.new_split(self.per_call), int8=self.int8)
             runner.wait()
             return self.bytes_per_call[self.at]
         return step
