@@ -1,4 +1,6 @@
-"""Tokenizer from `tokenizer.json` and the chat template from `tokenizer_config.json`.
+"""Tokenizer from `tokenizer.json` and the chat template from `chat_template.jinja` (where
+transformers saves it now: gpt-oss and other recent checkpoints ship it so, and it wins over the
+config's, as in transformers) or `tokenizer_config.json`.
 
 Both files come with the model, so they are read as untrusted input: a file the tokenizers
 library cannot read, a config whose special tokens or templates have the wrong type, a template
@@ -9,6 +11,7 @@ that does not compile: each is a TokenizerError naming the file, raised when the
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from ftkit.errors import InputError, panic_quiet, refused
 from ..checkpoint.jsonfile import read_object, type_name
 
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
 MAX_TOKENIZER_BYTES = 512 << 20  # a 256k-token vocabulary with its merges is about 30 MB
 MAX_TEMPLATE = 1 << 20  # chat templates are a few KB, the longest about 100 KB
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -38,12 +42,18 @@ def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def _strftime_now(format: str) -> str:
+    """transformers' template global: gpt-oss's template writes "Current date: " with it."""
+    return datetime.now().strftime(format)
+
+
 def compile_template(source: str, where: str) -> Template:
     """A chat template compiled as the runtime renders it; TokenizerError when it cannot be."""
     if len(source) > MAX_TEMPLATE:
         raise TokenizerError(f"{where}: chat template of {len(source)} characters (at most {MAX_TEMPLATE})")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
     try:
         return env.from_string(source)
@@ -62,6 +72,18 @@ def default_template(config: dict[str, Any], where: str) -> str | None:
     if template is not None and not isinstance(template, str):
         raise TokenizerError(f"{where}: chat_template is {type_name(template)}, not a string")
     return template
+
+
+def _template_file(path: Path) -> str:
+    """A chat_template.jinja's text; TokenizerError when it is too long or not UTF-8."""
+    try:
+        if path.stat().st_size > 4 * MAX_TEMPLATE:
+            raise TokenizerError(f"{path}: {path.stat().st_size} bytes (a chat template has at most {MAX_TEMPLATE} characters)")
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
 def _check_special(config: dict[str, Any], where: str) -> None:
@@ -101,8 +123,11 @@ class Tokenizer:
         cfg_path = Path(model_dir) / TOKENIZER_CONFIG
         self.config: dict[str, Any] = read_object(cfg_path, TokenizerError) if cfg_path.is_file() else {}
         _check_special(self.config, str(cfg_path))
-        self.template_source = default_template(self.config, str(cfg_path))  # its text picks the tool-call parser
-        self.template = compile_template(self.template_source, str(cfg_path)) if self.template_source else None
+        jinja = Path(model_dir) / TEMPLATE_FILE
+        where = jinja if jinja.is_file() else cfg_path
+        # its text picks the tool-call parser
+        self.template_source = _template_file(jinja) if jinja.is_file() else default_template(self.config, str(cfg_path))
+        self.template = compile_template(self.template_source, str(where)) if self.template_source else None
 
     @property
     def vocab_size(self) -> int:
