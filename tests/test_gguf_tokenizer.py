@@ -186,13 +186,21 @@ def _byte_level_original(
     return tok, hf
 
 
-@pytest.mark.parametrize("pre", ["olmo", "dbrx", "llama-bpe"])
+# gpt-oss's tokenizer.json Split regex (tiktoken's o200k), written out here apart from the module's
+O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@pytest.mark.parametrize("pre", ["olmo", "dbrx", "llama-bpe", "gpt-4o", "glm4"])
 def test_other_byte_level_pre_tokenizers(pre, tmp_path):
     if pre == "olmo":  # GPT-NeoX-20B style: ByteLevel's own regex
         split = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     else:
         split = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_CL100K), behavior="isolated"),
+            pre_tokenizers.Split(Regex(O200K if pre == "gpt-4o" else _CL100K), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])  # fmt: skip
     original, hf = _byte_level_original(
@@ -203,7 +211,7 @@ def test_other_byte_level_pre_tokenizers(pre, tmp_path):
     ))  # fmt: skip
     _rebuild(path, tmp_path / "tok")
     rebuilt = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
-    digits = ["12345678", "x 1234 y", "a 12 b 1234567"]
+    digits = ["12345678", "x 1234 y", "a 12 b 1234567", "HelloWorld CamelCase's ABCdef a/b\n/c"]
     _assert_same(original, rebuilt, [s for s in SAMPLES if "<" not in s] + digits)
 
 

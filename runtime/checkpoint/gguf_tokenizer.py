@@ -68,6 +68,11 @@ _CL100K = (  # tiktoken cl100k (Llama 3, DBRX and its derivatives): digits in ru
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_O200K = (  # tiktoken o200k (gpt-oss's o200k_harmony; GGUF pre "gpt-4o"): case runs, 's after them
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT: applied in turn, each splitting the previous pieces.
 # No HF tokenizer has it; a GGUF saying "default" is tokenized this way by llama.cpp itself.
 _LLAMA_CPP_DEFAULT = (
@@ -94,10 +99,13 @@ _BPE_PRE: dict[str, _BpePre] = {
         ("llama3", "llama-v3", "llama-bpe"), _BpePre((_CL100K,), ignore_merges=True, add_bos=True)
     ),
     **dict.fromkeys(("dbrx", "smaug-bpe"), _BpePre((_CL100K,))),
+    # GLM-4.5/4.6 (llama.cpp's CHATGLM4: the cl100k split, merges as listed, no BOS)
+    **dict.fromkeys(("glm4", "chatglm-bpe"), _BpePre((_CL100K,))),
     # OLMo/OLMoE-0924 and MPT derive from GPT-NeoX-20B's tokenizer: NFC (as GPT-NeoX has; not
     # checked against the OLMoE files) + ByteLevel's GPT-2 regex.
     **dict.fromkeys(("olmo", "mpt"), _BpePre((), nfc=True)),
     "gpt-2": _BpePre(()),
+    "gpt-4o": _BpePre((_O200K,)),  # no normalizer, merges as listed, no BOS (as llama.cpp)
     "default": _BpePre(_LLAMA_CPP_DEFAULT),
 }
 SUPPORTED_PRE = tuple(sorted(_BPE_PRE))
