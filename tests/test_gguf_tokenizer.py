@@ -194,10 +194,24 @@ O200K = (
 )
 
 
-@pytest.mark.parametrize("pre", ["olmo", "dbrx", "llama-bpe", "gpt-4o", "glm4"])
+# DeepSeek-V3's tokenizer.json: three Splits in sequence
+DEEPSEEK_V3 = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
+
+@pytest.mark.parametrize("pre", ["olmo", "dbrx", "llama-bpe", "gpt-4o", "glm4", "deepseek-v3"])
 def test_other_byte_level_pre_tokenizers(pre, tmp_path):
     if pre == "olmo":  # GPT-NeoX-20B style: ByteLevel's own regex
         split = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    elif pre == "deepseek-v3":
+        split = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in DEEPSEEK_V3),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])  # fmt: skip
     else:
         split = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(O200K if pre == "gpt-4o" else _CL100K), behavior="isolated"),
@@ -211,7 +225,7 @@ def test_other_byte_level_pre_tokenizers(pre, tmp_path):
     ))  # fmt: skip
     _rebuild(path, tmp_path / "tok")
     rebuilt = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
-    digits = ["12345678", "x 1234 y", "a 12 b 1234567", "HelloWorld CamelCase's ABCdef a/b\n/c"]
+    digits = ["12345678", "x 1234 y", "a 12 b 1234567", "HelloWorld CamelCase's ABCdef a/b\n/c", "東京タワーへ 123456 ひらがな.Test"]
     _assert_same(original, rebuilt, [s for s in SAMPLES if "<" not in s] + digits)
 
 

@@ -73,6 +73,12 @@ _O200K = (  # tiktoken o200k (gpt-oss's o200k_harmony; GGUF pre "gpt-4o"): case 
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_DEEPSEEK_V3 = (  # DeepSeek-V3/R1 (llama.cpp's DEEPSEEK3_LLM): digit runs of 1-3, CJK and kana, the rest
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT: applied in turn, each splitting the previous pieces.
 # No HF tokenizer has it; a GGUF saying "default" is tokenized this way by llama.cpp itself.
 _LLAMA_CPP_DEFAULT = (
@@ -105,7 +111,8 @@ _BPE_PRE: dict[str, _BpePre] = {
     # checked against the OLMoE files) + ByteLevel's GPT-2 regex.
     **dict.fromkeys(("olmo", "mpt"), _BpePre((), nfc=True)),
     "gpt-2": _BpePre(()),
-    "gpt-4o": _BpePre((_O200K,)),  # no normalizer, merges as listed, no BOS (as llama.cpp)
+    "gpt-4o": _BpePre((_O200K,)),
+    "deepseek-v3": _BpePre(_DEEPSEEK_V3),  # three splits in turn, as the HF file's Sequence  # no normalizer, merges as listed, no BOS (as llama.cpp)
     "default": _BpePre(_LLAMA_CPP_DEFAULT),
 }
 SUPPORTED_PRE = tuple(sorted(_BPE_PRE))
