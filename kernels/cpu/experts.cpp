@@ -598,6 +598,16 @@ inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* m) {
     *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
+// scale_min_k4 for the 8 sub-blocks at once from the 12 scale bytes at s: the 6-bit scales as the
+// 8 bytes of *sc, the mins as those of *m. Bytes 0..3 hold the scales of 0..3 in their low 6 bits,
+// 4..7 the mins; 4..7 take 4 low bits from bytes 8..11 and 2 high ones from bytes 0..7.
+inline void scales_mins_k4(const uint8_t* s, uint64_t* sc, uint64_t* m) {
+  const uint32_t w0 = u32_at(s), w1 = u32_at(s + 4), w2 = u32_at(s + 8);
+  const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+  const uint32_t sc_hi = (w2 & lo4) | (((w0 >> 6) & lo2) << 4), m_hi = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
+  *sc = uint64_t(w0 & lo6) | uint64_t(sc_hi) << 32;
+  *m = uint64_t(w1 & lo6) | uint64_t(m_hi) << 32;
+}
 // Q4_K/Q5_K: 8 sub-blocks of 32; sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes
 // c * 32 .. c * 32 + 31; Q5_K's fifth bit of weight l of sub-block j is bit j of high byte l.
 template <bool FIFTH>
@@ -609,13 +619,10 @@ struct BQ45_K {
   static void scales(const uint8_t* b, Scales& s) {
     const float d = f16_at(b), dmin = f16_at(b + 2);
 #if FUSED_BLOCKS
-    // scale_min_k4 for the 8 sub-blocks at once, as 4 bytes in each u32: 6-bit scales of 0..3 in
-    // word 0, mins in word 1; 4..7 take 4 low bits from word 2 and 2 high ones from words 0 and 1
-    const uint32_t w0 = u32_at(b + 4), w1 = u32_at(b + 8), w2 = u32_at(b + 12);
-    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
-    const uint32_t sc_hi = (w2 & lo4) | (((w0 >> 6) & lo2) << 4), m_hi = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
-    scaled8(uint64_t(w0 & lo6) | uint64_t(sc_hi) << 32, d, s.d);
-    scaled8(uint64_t(w1 & lo6) | uint64_t(m_hi) << 32, dmin, s.dm);
+    uint64_t sc, m;
+    scales_mins_k4(b + 4, &sc, &m);
+    scaled8(sc, d, s.d);
+    scaled8(m, dmin, s.dm);
 #else
     for (int j = 0; j < 8; ++j) {
       int sc, m;

@@ -85,12 +85,10 @@ struct IQ4_K {
   };
   static void load(const uint8_t* b, Unit& u) {
     u.d = f16_at(b), u.dmin = f16_at(b + 2);
-    const uint32_t w0 = u32_at(b + 4), w1 = u32_at(b + 8), w2 = u32_at(b + 12);  // see BQ45_K::scales
-    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
-    const uint32_t sc_hi = (w2 & lo4) | (((w0 >> 6) & lo2) << 4), m_hi = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
-    const __m128i sc = _mm_cvtsi64_si128(int64_t(uint64_t(w0 & lo6) | uint64_t(sc_hi) << 32));
-    const __m128i m = _mm_cvtsi64_si128(int64_t(uint64_t(w1 & lo6) | uint64_t(m_hi) << 32));
-    const __m256i sc16 = _mm256_cvtepu8_epi16(sc);
+    uint64_t sc8, m8;
+    scales_mins_k4(b + 4, &sc8, &m8);
+    const __m128i m = _mm_cvtsi64_si128(int64_t(m8));
+    const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc8)));
     u.mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
     for (int c = 0; c < 4; ++c) {
       u.sc[c] = pick16(_mm512_add_epi16(_mm512_set1_epi16(int16_t(2 * c)), HALF_ONES), sc16);

@@ -77,8 +77,9 @@ def default_template(config: dict[str, Any], where: str) -> str | None:
 def _template_file(path: Path) -> str:
     """A chat_template.jinja's text; TokenizerError when it is too long or not UTF-8."""
     try:
-        if path.stat().st_size > 4 * MAX_TEMPLATE:
-            raise TokenizerError(f"{path}: {path.stat().st_size} bytes (a chat template has at most {MAX_TEMPLATE} characters)")
+        size = path.stat().st_size
+        if size > 4 * MAX_TEMPLATE:  # 4 bytes a character at the most in UTF-8
+            raise TokenizerError(f"{path}: {size} bytes (a chat template has at most {MAX_TEMPLATE} characters)")
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise TokenizerError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
