@@ -275,6 +275,12 @@ struct LoadQ8 {
 // 512..2048 were in between). Past a row's end this prefetches the next row, which is read next.
 constexpr size_t PREFETCH = 4096;
 
+// The first PREFETCH bytes of a work item's rows (the loops' prefetch runs that far ahead of
+// their loads, so without this an item's first 4 KB of each part come in as demand misses).
+inline void prefetch_start(const uint8_t* p, size_t bytes) {
+  for (size_t o = 0; o < std::min(bytes, PREFETCH); o += 64) __builtin_prefetch(p + o);
+}
+
 // s[r][t] = dot(rows[r][0:n], xs[t][0:n]) for R weight rows and TB tokens: each weight vector is
 // loaded once and used TB times; R independent rows keep the FMA units busy at TB = 1.
 template <class L, int R, int TB>
@@ -999,6 +1005,8 @@ void gate_up_rows(const Call& c, long e, int i0, int i1, float* h) {
   const Format* fu = rows_for(c.fmt[1], c.slots[e] + c.part_off[1], H, i0, i1, many, &up,
                               tl ? tl + size_t(i1 - i0) * H : nullptr);
   const size_t gb = fg->row_bytes(H), ub = fu->row_bytes(H);
+  prefetch_start(gate, (i1 - i0) * gb);
+  prefetch_start(up, (i1 - i0) * ub);
   const float *gbias = bias(c, e, 3), *ubias = bias(c, e, 4);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* xs[TBMAX];
@@ -1031,6 +1039,7 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   const Format* f = rows_for(c.fmt[2], c.slots[e] + c.part_off[2], I, j0, j1, many, &down,
                              many ? tile(size_t(j1 - j0) * I) : nullptr);
   const size_t rb = f->row_bytes(I);
+  prefetch_start(down, (j1 - j0) * rb);
   const float* db = bias(c, e, 5);
   token_blocks(c, e, [&](int64_t a0, int tb) {
     const float* hs[TBMAX];

@@ -69,6 +69,14 @@ inline Vi dot4(Vi a, Vi b) {
   return _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1));
 #endif
 }
+// acc + the sums of adjacent int16 products of a and b per int32 lane (VNNI's dpwssd: one op)
+inline Vi madd_add(Vi acc, Vi a, Vi b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
 const Vi NIBBLE = _mm512_set1_epi8(15);
 // 16-bit shifts of 0 in the low 256 bits and 4 in the high ones: 32 bytes' low nibbles, then high
 const Vi LOW_THEN_HIGH = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
@@ -99,8 +107,7 @@ struct IQ4_K {
   static inline const Vi HALF_ONES = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
   static void dot(const Unit& u, const Q8& x, int i, __m512& acc, __m256& cor) {
     Vi s = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c)
-      s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u.w[c], load64(x.q + i + 64 * c)), u.sc[c]));
+    for (int c = 0; c < 4; ++c) s = madd_add(s, _mm512_maddubs_epi16(u.w[c], load64(x.q + i + 64 * c)), u.sc[c]);
     const float xd = x.d[i / 32];
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(u.d * xd), acc);
     const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.s + i / 16)), u.mins);
@@ -137,8 +144,7 @@ struct IQ6_K {
       3);
   static void dot(const Unit& u, const Q8& x, int i, __m512& acc, __m256& cor) {
     Vi s = _mm512_setzero_si512();
-    for (int v = 0; v < 4; ++v)
-      s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u.w[v], load64(x.q + i + 64 * v)), u.sc[v]));
+    for (int v = 0; v < 4; ++v) s = madd_add(s, _mm512_maddubs_epi16(u.w[v], load64(x.q + i + 64 * v)), u.sc[v]);
     const float dx = u.d * x.d[i / 32];
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx), acc);
     const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.s + i / 16)), u.sc16);
