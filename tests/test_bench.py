@@ -385,6 +385,16 @@ def test_serve_drives_the_real_server_beside_the_engine(tiny, tmp_path):
     assert set(eng["extend_s"]) == {"8", "40"} and eng["80"]["prefill_s"] > 0 and eng["40"]["decode_tok_s"] > 0
 
 
+def test_serve_refuses_prompts_past_the_context_before_starting(tiny, tmp_path):
+    """A workload whose prompts overrun the model's context is one line naming the option, not a
+    server started and a traceback from the SDK's 400."""
+    r = subprocess.run([*BENCH, "serve", "-m", str(tiny), "--lengths", "40,1000000", "--no-engine",
+                        "--log", str(tmp_path / "serve.log")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--lengths: a 1000000-token prompt" in r.stderr and "context" in r.stderr
+    assert not (tmp_path / "serve.log").exists()
+
+
 def test_sweep_writes_points_and_charts(tiny, tmp_path):
     """ft-bench sweep: a point per strategy and cache fraction (cpu once), one per thread count,
     each beside its bound, and SVG charts that parse, a line per figure and per bound."""

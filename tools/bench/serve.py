@@ -64,6 +64,19 @@ class Workload:
         system prompt and tools), else the shortest."""
         return max((n for n in self.lengths if n <= 4096), default=min(self.lengths))
 
+    def check_fits(self, context: int, engine: bool) -> None:
+        """ValueError naming the option whose prompts (and replies) overrun the model's context,
+        of the scenarios that run (and every length where the engine's figures are measured too)."""
+        sizes = {"--lengths": max(self.lengths) if engine or "single" in self.scenarios else 0,
+                 "--first": self.first if engine or "first" in self.scenarios else 0,
+                 "--shared + --own": self.shared + self.own if engine or "concurrent" in self.scenarios else 0,
+                 "--turns x --suffixes": self.agent_length + (self.turns - 1) * max(self.suffixes)
+                 if "agent" in self.scenarios else 0}
+        for option, prompt in sizes.items():
+            if prompt and prompt + self.tokens > context:
+                raise ValueError(f"{option}: a {prompt}-token prompt and {self.tokens} --tokens overrun this "
+                                 f"model's context of {context} tokens")
+
 
 class Server:
     """`ft-run serve` in its own process on a free loopback port, its output in `log`."""
@@ -119,7 +132,19 @@ class Server:
 
 
 def stream(client, ids: list[int], tokens: int, seed: int) -> dict:
-    """One streamed completion: TTFT, decode tok/s after the first token, cached prompt tokens."""
+    """One streamed completion: TTFT, decode tok/s after the first token, cached prompt tokens.
+    A refused or failed request is a ValueError with the server's answer."""
+    import openai
+
+    try:
+        return _stream(client, ids, tokens, seed)
+    except openai.APIStatusError as e:
+        raise ValueError(f"a {len(ids)}-token request: the server answered {e.status_code}: {e.message}") from e
+    except openai.APIError as e:
+        raise ValueError(f"a {len(ids)}-token request failed: {e}") from e
+
+
+def _stream(client, ids: list[int], tokens: int, seed: int) -> dict:
     t0 = time.perf_counter()
     times, usage = [], None
     # The ids go in extra_body: the SDK's `prompt` parameter walks a token list element by element
@@ -250,7 +275,9 @@ def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], work: Work
     """Every scenario through the server, then (with `figures`) the engine's figures."""
     from ftkit.runtime.ftw.reader import FTWModel
 
-    vocab = FTWModel(model).spec.vocab_size
+    spec = FTWModel(model).spec
+    work.check_fits(spec.max_position_embeddings, figures is not None)
+    vocab = spec.vocab_size
     server = Server(model, opts, serve_args, log, say)
     try:
         d = Driver(server, vocab)
