@@ -22,12 +22,19 @@ from .sampling import Sampler, SamplingParams
 
 EXTEND = 16  # a short extend (an agent turn after a prefix hit)
 LONG_EXTEND = 96  # past the graph extend's few tokens: the host-planned path
+# Triton compiles a kernel again for each class of an integer argument it specializes on: 1, a
+# multiple of 16, or neither (a token count, or it times 2, 4 or 8, in the launches). So each
+# extend runs once at each of these offsets, and a served turn of any length finds its kernels
+# compiled. Before, the warm-up ran 16 and 96 tokens, and an agent's turn 2 through the server
+# (40 new tokens) took 1.87x the engine's extend where turns 3-4, the same length, took 1.4x (BV,
+# docs/benchmarks.md): the first turn of its class, by this reading.
+CLASSES = (0, 1, 2, 4, 8)
 STEPS = 4  # decode steps of each kind
 
 
 def warm_up(rt: Runtime) -> float | None:
-    """Run a prompt, a short and a longer extend, greedy and sampled graph steps and batched
-    steps; seconds taken (None: nothing to warm, on a CPU)."""
+    """Run a prompt, short and longer extends (one of each token-count class), greedy and
+    sampled graph steps and batched steps; seconds taken (None: nothing to warm, on a CPU)."""
     if rt.device.type != "cuda":
         return None
     t0 = time.perf_counter()
@@ -35,14 +42,19 @@ def warm_up(rt: Runtime) -> float | None:
     # enough tokens that a layer's routing reaches most experts, so the prefill streams layers
     prompt = min(max(512, 8 * spec.num_experts // spec.top_k), spec.max_position_embeddings // 2)
     batches = graphs.max_batch if graphs is not None else 2  # the largest batched step
-    total = prompt + EXTEND + LONG_EXTEND + 2 * STEPS + batches
+    # the sequence stays within what the graphs hold, so its decode steps warm them too
+    room = min(spec.max_position_embeddings, graphs.capacity if graphs is not None else 1 << 62)
+    extends = [n + c for n in (EXTEND, LONG_EXTEND) for c in CLASSES]
+    while extends and prompt + sum(extends) + 2 * STEPS + batches > room:
+        extends.pop()
+    total = prompt + sum(extends) + 2 * STEPS + batches
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (total,), generator=gen).to(rt.device)
     with torch.inference_mode():
         kv, others = rt.new_kv(total), [rt.new_kv(4 + batches) for _ in range(batches - 1)]
         step.forward(ids[:prompt], kv, last_only=True, chunk=rt.prefill_chunk)
         at = prompt
-        for n in (EXTEND, LONG_EXTEND):
+        for n in extends:
             step.forward(ids[at : at + n], kv, last_only=True)
             at += n
         for other in others:
