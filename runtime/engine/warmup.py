@@ -32,6 +32,15 @@ CLASSES = (0, 1, 2, 4, 8)
 STEPS = 4  # decode steps of each kind
 
 
+def extend_lengths(room: int) -> list[int]:
+    """The warm-up's extends, in order: EXTEND and LONG_EXTEND tokens plus each of CLASSES, as
+    many as fit in `room` tokens (the longer ones left out first)."""
+    lengths = [n + c for n in (EXTEND, LONG_EXTEND) for c in CLASSES]
+    while lengths and sum(lengths) > room:
+        lengths.pop()
+    return lengths
+
+
 def warm_up(rt: Runtime) -> float | None:
     """Run a prompt, short and longer extends (one of each token-count class), greedy and
     sampled graph steps and batched steps; seconds taken (None: nothing to warm, on a CPU)."""
@@ -44,9 +53,7 @@ def warm_up(rt: Runtime) -> float | None:
     batches = graphs.max_batch if graphs is not None else 2  # the largest batched step
     # the sequence stays within what the graphs hold, so its decode steps warm them too
     room = min(spec.max_position_embeddings, graphs.capacity if graphs is not None else 1 << 62)
-    extends = [n + c for n in (EXTEND, LONG_EXTEND) for c in CLASSES]
-    while extends and prompt + sum(extends) + 2 * STEPS + batches > room:
-        extends.pop()
+    extends = extend_lengths(room - prompt - 2 * STEPS - batches)
     total = prompt + sum(extends) + 2 * STEPS + batches
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (total,), generator=gen).to(rt.device)
