@@ -313,6 +313,38 @@ def requantize_gguf(src: Path, out: Path, formats: dict[str, str | None], seed: 
     return _rewrite_gguf(src, out, tensor)
 
 
+def fused_gate_up_gguf(src: Path, out: Path) -> Path:
+    """The GGUF `src` as `convert_hf_to_gguf.py --fuse_gate_up_exps` writes it (llama.cpp PR
+    19139): each layer's `ffn_gate_exps` and `ffn_up_exps` (weights, and biases where there are
+    any) one `ffn_gate_up_exps` tensor, gate's rows first, in the gate tensor's place and type."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, field.contents())
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if ".ffn_up_exps." in t.name:
+            continue
+        if ".ffn_gate_exps." not in t.name:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+            continue
+        up = tensors[t.name.replace(".ffn_gate_exps.", ".ffn_up_exps.")]
+        assert up.tensor_type == t.tensor_type, "the converter fuses parts of one type"
+        # rows along the second axis (the data's bytes, or floats, per row last)
+        fused = np.concatenate([np.array(t.data), np.array(up.data)], axis=1)
+        writer.add_tensor(t.name.replace(".ffn_gate_exps.", ".ffn_gate_up_exps."), fused, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def dequantized_gguf(src: Path, out: Path) -> Path:
     """The GGUF `src` with every tensor float32, dequantized by the gguf package: the same model
     as the quantized file, in the form ftkit has always read."""

@@ -614,6 +614,28 @@ def test_gguf_loads_to_the_same_model(hf_dir, ftw, reference, tmp_path):
     assert max(_rel_err(a, b[0]) for a, b in zip(logits, gen.logits, strict=True)) <= 1e-4
 
 
+def test_gguf_fused_gate_up_converts_as_apart(hf_dir, tmp_path):
+    """`--fuse_gate_up_exps` (llama.cpp): gate and up, and their biases, one tensor each, gate's
+    rows first (the converter has split HF's interleaved pairs before): the same slots as the
+    file with them apart, MXFP4 blocks and float32 biases alike."""
+    f32 = tmp_path / "f32.gguf"
+    write_gpt_oss_gguf(hf_dir, f32)
+    names = [t.name for t in gguf.GGUFReader(f32).tensors if t.name.endswith("_exps.weight")]
+    apart = gfx.requantize_gguf(f32, tmp_path / "q.gguf", {n: "mxfp4" for n in names})
+    fused = gfx.fused_gate_up_gguf(apart, tmp_path / "fused.gguf")
+    assert {"blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_gate_up_exps.bias"} <= {t.name for t in gguf.GGUFReader(fused).tensors}
+    r = diagnose(fused)
+    assert (r["verdict"], r["problems"], r["unexpected"]) == ("PASS", [], []), r
+    convert(prepare(apart), tmp_path / "a.ftw")
+    convert(prepare(fused), tmp_path / "f.ftw")
+    a, f = FTWModel(tmp_path / "a.ftw"), FTWModel(tmp_path / "f.ftw")
+    assert a.layout == f.layout and f.layout.dtype == "mxfp4" and f.layout.biased
+    want, got = a.read_banks(pin=False), f.read_banks(pin=False)
+    for row in range(a.spec.num_expert_rows):
+        w, g = want.parts(row), got.parts(row)
+        assert w.keys() == g.keys() and all(torch.equal(w[n], g[n]) for n in w)
+
+
 def test_gguf_mxfp4_experts_stay_blocks(hf_dir, tmp_path):
     """The experts as MXFP4 blocks (what the converter writes from the released checkpoints): FTW
     keeps a GGUF's blocks as stored, beside their float32 biases; diagnose passes and prices them;

@@ -97,7 +97,8 @@ GGUF_RULES = rules(
     (r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight", "layers.{1}.shared.{2}.weight"),
     (r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight", "layers.{1}.shared_gate.weight"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", "layers.{1}.mlp.{2}.weight"),
-    (r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", "stacked:{1}:{2}"),
+    # gate_up: `convert_hf_to_gguf.py --fuse_gate_up_exps` (llama.cpp, 2026-01): gate's rows, then up's
+    (r"blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight", "stacked:{1}:{2}"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight", "expert:{1}:{3}:{2}"),  # older per-expert files
 )
 

@@ -46,7 +46,7 @@ GGUF_GPT_OSS_RULES = rules(
     (r"blk\.(\d+)\.attn_sinks\.weight", "layers.{1}.attn.sinks"),
     (r"blk\.(\d+)\.post_attention_norm\.weight", "layers.{1}.mlp_norm.weight"),
     (r"blk\.(\d+)\.ffn_gate_inp\.bias", "layers.{1}.router.bias"),
-    (r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias", "stacked:{1}:{2}_bias"),
+    (r"blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.bias", "stacked:{1}:{2}_bias"),
 ) + GGUF_RULES
 HF_GPT_OSS_RULES = rules(
     (r"model\.layers\.(\d+)\.self_attn\.sinks", "layers.{1}.attn.sinks"),
@@ -129,9 +129,10 @@ class GptOss(Family):
         return Mapped(layer=layer, part=part, transposed=suffix is None)  # MXFP4 blocks are [out, in]
 
     def sanitize(self, mapped: Mapped, tensor: torch.Tensor, spec: ModelSpec, gguf: bool) -> torch.Tensor:
-        """gate/up interleaved (gate first of each pair) -> every gate row, then every up row; on
-        raw MXFP4 rows too (rows are whole blocks)."""
-        if mapped.part not in ("gate_up", "gate_up_bias"):
+        """HF's gate/up interleaved (gate first of each pair) -> every gate row, then every up
+        row; on raw MXFP4 rows too (rows are whole blocks). A GGUF's fused gate_up is already in
+        that order (the converter splits the pairs before it fuses)."""
+        if gguf or mapped.part not in ("gate_up", "gate_up_bias"):
             return tensor
         dim = -1 if mapped.transposed or mapped.part == "gate_up_bias" else -2
         n = tensor.shape[dim]
