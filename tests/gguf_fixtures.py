@@ -260,11 +260,13 @@ def random_blocks(fmt: str, shape: tuple[int, ...], rng: np.random.Generator, sc
 
 
 
-def _rewrite_gguf(src: Path, out: Path, tensor: Callable[[Any], tuple[np.ndarray, QT | None]]) -> Path:
+def _rewrite_gguf(src: Path, out: Path, tensor: Callable[[Any], tuple[np.ndarray, QT | None]],
+                  **writer_args: Any) -> Path:
     """A copy of the GGUF `src` (same metadata, same tensor order) whose tensors are what
-    `tensor(reader_tensor)` makes of each: (data, raw ggml type or None for a float array)."""
+    `tensor(reader_tensor)` makes of each: (data, raw ggml type or None for a float array);
+    `writer_args`: more GGUFWriter arguments."""
     reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents(), **writer_args)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -343,6 +345,14 @@ def fused_gate_up_gguf(src: Path, out: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def split_gguf(src: Path, out: Path, max_tensors: int) -> list[Path]:
+    """The GGUF `src` split as `llama-gguf-split --split-max-tensors` and the converter's
+    `--split-max-tensors` write it (the gguf package's writer): OUT-00001-of-0000n.gguf and on,
+    the model's metadata in the first, `split.*` in each; the files, in order."""
+    _rewrite_gguf(src, out, lambda t: (np.array(t.data), t.tensor_type), split_max_tensors=max_tensors)
+    return sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
 
 
 def dequantized_gguf(src: Path, out: Path) -> Path:

@@ -10,11 +10,17 @@ Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count,
 the KV pairs, the tensor infos, padding to `general.alignment`, then the data section. Tensor
 offsets are relative to the data section; dims are ggml `ne` order (fastest first), so the
 torch shape is the reverse.
+
+A model split by llama.cpp's `llama-gguf-split` (large models on the hub come so, each file under
+the hub's 50 GB) is opened from its first file: its metadata says `split.count`, its siblings
+are named PREFIX-0000k-of-0000n.gguf, and each holds some of the tensors; the model's metadata
+is the first file's.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -33,6 +39,8 @@ if TYPE_CHECKING:
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+# llama-gguf-split's file names (llama.cpp's llama_split_path): PREFIX-00001-of-00003.gguf
+SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
 READ_CHUNK = 64 * 1024  # header read size: bounds how far past the header end we ever read
 
 # Caps against corrupt headers; far above anything a real model writes.
@@ -78,6 +86,7 @@ _UINT, _STR, _BOOL = "an unsigned integer", "a string", "a boolean"
 _STRS, _INTS, _FLOATS = "an array of strings", "an array of integers", "an array of numbers"
 _KEY_TYPES: dict[str, str] = {
     "general.architecture": _STR, "general.alignment": _UINT,
+    "split.no": _UINT, "split.count": _UINT, "split.tensors.count": _UINT,
     "tokenizer.ggml.model": _STR, "tokenizer.ggml.pre": _STR, "tokenizer.chat_template": _STR,
     "tokenizer.ggml.tokens": _STRS, "tokenizer.ggml.merges": _STRS,
     "tokenizer.ggml.token_type": _INTS, "tokenizer.ggml.scores": _FLOATS,
@@ -196,8 +205,10 @@ class GGUFSource:
     kind = "gguf"
 
     def __init__(
-        self, path: str | os.PathLike[str], allow_stub: bool = True, strict_types: bool = True
+        self, path: str | os.PathLike[str], allow_stub: bool = True, strict_types: bool = True,
+        shard: bool = False,
     ):
+        """`shard`: a later file of a split model, opened by the first (`_join_splits`)."""
         self.path = Path(path)
         self.config: dict[str, Any] = {}
         self.metadata: dict[str, Any] = {}
@@ -225,6 +236,43 @@ class GGUFSource:
         if self.header_only and not allow_stub:
             raise CheckpointError(f"{name}: header-only GGUF stub: no tensor data")
         self._index(infos, file_size, strict_types)
+        if not shard:
+            self._join_splits(allow_stub, strict_types)
+
+    def _join_splits(self, allow_stub: bool, strict_types: bool) -> None:
+        """The tensors of a split model's other files (see the module's doc), each file checked
+        as this one was; CheckpointError for a file that is not the first, a missing or foreign
+        sibling, a tensor in two files or a count that does not add up."""
+        count, no, name = self.metadata.get("split.count", 0), self.metadata.get("split.no", 0), self.path.name
+        if count <= 1:
+            return
+        m = SPLIT_NAME.fullmatch(name)
+        if m is None or int(m[3]) != count or int(m[2]) != no + 1:
+            raise CheckpointError(f"{name}: file {no + 1} of a model split in {count} (split.no, split.count), "
+                                  f"but not named as llama-gguf-split names them: PREFIX-{no + 1:05d}-of-{count:05d}.gguf")
+        if no != 0:
+            raise CheckpointError(f"{name}: file {no + 1} of a model split in {count}: open the first, "
+                                  f"{m[1]}-00001-of-{m[3]}.gguf")
+        for k in range(2, count + 1):
+            path = self.path.with_name(f"{m[1]}-{k:05d}-of-{m[3]}.gguf")
+            if not path.is_file():
+                raise CheckpointError(f"{name}: file {k} of this split model is missing: {path.name}")
+            part = GGUFSource(path, allow_stub, strict_types, shard=True)
+            if (part.metadata.get("split.count"), part.metadata.get("split.no")) != (count, k - 1):
+                raise CheckpointError(f"{path.name}: split.no {shown(part.metadata.get('split.no'))} of "
+                                      f"{shown(part.metadata.get('split.count'))}, expected {k - 1} of {count}")
+            for tname in (*part.tensors, *part.unsupported):
+                if tname in self.tensors or tname in self.unsupported:
+                    raise CheckpointError(f"{path.name}: tensor {tname} is in two files of this split model")
+            self.tensors.update(part.tensors)
+            self.unsupported.update(part.unsupported)
+            self.unsupported_shapes.update(part.unsupported_shapes)
+            self.header_only = self.header_only or part.header_only
+            self.bytes_read_max += part.bytes_read_max
+        total = self.metadata.get("split.tensors.count")
+        if total is not None and total != len(self.tensors) + len(self.unsupported):
+            raise CheckpointError(f"{name}: split.tensors.count is {total}, but the {count} files hold "
+                                  f"{len(self.tensors) + len(self.unsupported)} tensors")
 
     def _parse_header(self, r: _HeaderReader) -> list[tuple[str, list[int], int, int]]:
         magic = bytes(r.take(4, "magic")) if r.remaining() >= 4 else b""
