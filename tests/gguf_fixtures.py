@@ -260,13 +260,8 @@ def random_blocks(fmt: str, shape: tuple[int, ...], rng: np.random.Generator, sc
 
 
 
-def _rewrite_gguf(src: Path, out: Path, tensor: Callable[[Any], tuple[np.ndarray, QT | None]],
-                  **writer_args: Any) -> Path:
-    """A copy of the GGUF `src` (same metadata, same tensor order) whose tensors are what
-    `tensor(reader_tensor)` makes of each: (data, raw ggml type or None for a float array);
-    `writer_args`: more GGUFWriter arguments."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents(), **writer_args)
+def _copy_metadata(reader: Any, writer: Any) -> None:
+    """Every metadata key of the GGUF `reader` but the architecture (the writer's own) into `writer`."""
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
@@ -274,6 +269,16 @@ def _rewrite_gguf(src: Path, out: Path, tensor: Callable[[Any], tuple[np.ndarray
             writer.add_array(key, field.contents())
         else:
             writer.add_key_value(key, field.contents(), field.types[0])
+
+
+def _rewrite_gguf(src: Path, out: Path, tensor: Callable[[Any], tuple[np.ndarray, QT | None]],
+                  **writer_args: Any) -> Path:
+    """A copy of the GGUF `src` (same metadata, same tensor order) whose tensors are what
+    `tensor(reader_tensor)` makes of each: (data, raw ggml type or None for a float array);
+    `writer_args`: more GGUFWriter arguments."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents(), **writer_args)
+    _copy_metadata(reader, writer)
     for t in reader.tensors:
         data, raw_dtype = tensor(t)
         writer.add_tensor(t.name, data, raw_dtype=raw_dtype)
@@ -321,13 +326,7 @@ def fused_gate_up_gguf(src: Path, out: Path) -> Path:
     any) one `ffn_gate_up_exps` tensor, gate's rows first, in the gate tensor's place and type."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, field.contents())
-        else:
-            writer.add_key_value(key, field.contents(), field.types[0])
+    _copy_metadata(reader, writer)
     tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         if ".ffn_up_exps." in t.name:
