@@ -199,6 +199,55 @@ class _HeaderReader:
         return [self.value(etype, what, depth + 1) for _ in range(count)]
 
 
+_Info = tuple[str, list[int], int, int]  # a tensor's name, ggml dims, type id, data-relative offset
+
+
+def _parse_header(r: _HeaderReader) -> tuple[int, dict[str, Any], list[_Info]]:
+    """The version, metadata and tensor infos, read in order from the magic on."""
+    magic = bytes(r.take(4, "magic")) if r.remaining() >= 4 else b""
+    if magic != GGUF_MAGIC:
+        raise r.fail(f"not a GGUF file (bad magic {shown(magic)}, expected {shown(GGUF_MAGIC)})")
+    version = r.u32("version")
+    if version not in SUPPORTED_VERSIONS:
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        hint = " (big-endian GGUF?)" if swapped in SUPPORTED_VERSIONS else ""
+        raise r.fail(f"unsupported GGUF version {version}{hint}")
+    n_tensors = r.u64("tensor count")
+    n_kv = r.u64("metadata count")
+    # Smallest encodings: KV = key length + value type + 1-byte value; tensor info = name
+    # length + n_dims + type + offset. A count the file cannot hold is corruption.
+    if n_kv * 13 > r.remaining() or n_tensors * 24 > r.remaining():
+        raise r.fail(
+            f"truncated or corrupt header: {n_kv} metadata entries and {n_tensors} tensors "
+            f"cannot fit in the {r.remaining()} bytes left in the file"
+        )
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = r.string(f"metadata key #{i}", MAX_KEY_LEN)
+        if key in metadata:
+            raise r.fail(f"duplicate metadata key {shown(key)}")
+        metadata[key] = r.value(r.u32(f"type of {key}"), key)
+    check_metadata(metadata, r.name)
+    infos = []
+    for i in range(n_tensors):
+        tname = r.string(f"tensor name #{i}", MAX_KEY_LEN)
+        n_dims = r.u32(f"n_dims of {tname}")
+        if n_dims > MAX_DIMS:
+            raise r.fail(f"tensor {tname}: {n_dims} dimensions, at most {MAX_DIMS} allowed")
+        ne = [r.u64(f"dims of {tname}") for _ in range(n_dims)]
+        infos.append((tname, ne, r.u32(f"type of {tname}"), r.u64(f"offset of {tname}")))
+    return version, metadata, infos
+
+
+def header_length(f: BinaryIO, file_size: int, name: str) -> int:
+    """Where the header of the GGUF file `f` (`file_size` bytes) ends: its magic through its last
+    tensor info, what a header-only stub keeps; read in order, as far as the header goes.
+    CheckpointError for a corrupt or truncated header."""
+    r = _HeaderReader(f, file_size, name)
+    _parse_header(r)
+    return r.pos
+
+
 class GGUFSource:
     """A GGUF file's metadata and tensor index, read from its header; see the `Source` protocol."""
 
@@ -224,7 +273,7 @@ class GGUFSource:
             raise CheckpointError(f"{name}: cannot open: {e.strerror or e}") from None
         with f:
             r = _HeaderReader(f, file_size, name)
-            infos = self._parse_header(r)
+            self.version, self.metadata, infos = _parse_header(r)
         self.header_size = r.pos  # header end, before padding to the data section
         self.bytes_read_max = r.bytes_read_max
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
@@ -274,42 +323,8 @@ class GGUFSource:
             raise CheckpointError(f"{name}: split.tensors.count is {total}, but the {count} files hold "
                                   f"{len(self.tensors) + len(self.unsupported)} tensors")
 
-    def _parse_header(self, r: _HeaderReader) -> list[tuple[str, list[int], int, int]]:
-        magic = bytes(r.take(4, "magic")) if r.remaining() >= 4 else b""
-        if magic != GGUF_MAGIC:
-            raise r.fail(f"not a GGUF file (bad magic {shown(magic)}, expected {shown(GGUF_MAGIC)})")
-        self.version = r.u32("version")
-        if self.version not in SUPPORTED_VERSIONS:
-            swapped = int.from_bytes(self.version.to_bytes(4, "little"), "big")
-            hint = " (big-endian GGUF?)" if swapped in SUPPORTED_VERSIONS else ""
-            raise r.fail(f"unsupported GGUF version {self.version}{hint}")
-        n_tensors = r.u64("tensor count")
-        n_kv = r.u64("metadata count")
-        # Smallest encodings: KV = key length + value type + 1-byte value; tensor info = name
-        # length + n_dims + type + offset. A count the file cannot hold is corruption.
-        if n_kv * 13 > r.remaining() or n_tensors * 24 > r.remaining():
-            raise r.fail(
-                f"truncated or corrupt header: {n_kv} metadata entries and {n_tensors} tensors "
-                f"cannot fit in the {r.remaining()} bytes left in the file"
-            )
-        for i in range(n_kv):
-            key = r.string(f"metadata key #{i}", MAX_KEY_LEN)
-            if key in self.metadata:
-                raise r.fail(f"duplicate metadata key {shown(key)}")
-            self.metadata[key] = r.value(r.u32(f"type of {key}"), key)
-        check_metadata(self.metadata, r.name)
-        infos = []
-        for i in range(n_tensors):
-            tname = r.string(f"tensor name #{i}", MAX_KEY_LEN)
-            n_dims = r.u32(f"n_dims of {tname}")
-            if n_dims > MAX_DIMS:
-                raise r.fail(f"tensor {tname}: {n_dims} dimensions, at most {MAX_DIMS} allowed")
-            ne = [r.u64(f"dims of {tname}") for _ in range(n_dims)]
-            infos.append((tname, ne, r.u32(f"type of {tname}"), r.u64(f"offset of {tname}")))
-        return infos
-
     def _index(
-        self, infos: list[tuple[str, list[int], int, int]], file_size: int, strict_types: bool
+        self, infos: list[_Info], file_size: int, strict_types: bool
     ) -> None:
         name = self.path.name
         for tname, ne, type_id, rel in infos:

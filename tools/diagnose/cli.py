@@ -86,10 +86,10 @@ def remote_report(repo: str, quantize: str | None = None) -> dict[str, Any]:
     from .report import diagnose
 
     with tempfile.TemporaryDirectory(prefix="ft-diagnose-") as tmp:
-        fetched = fetch_stub(repo, Path(tmp))
+        fetched, target = fetch_stub(repo, Path(tmp))
         err_console.print(f"fetched {human_bytes(fetched.fetched)} ({fetched.fetched:,} bytes) of headers from "
                           f"{fetched.url('')}", highlight=False, soft_wrap=True)
-        result = diagnose(Path(tmp), quantize)
+        result = diagnose(target, quantize)
     return {**result, "path": repo}
 
 
@@ -98,7 +98,8 @@ def run(
     src: Annotated[str, typer.Argument(
         metavar="SRC", show_default=False,
         help="HF model directory, GGUF file, FTW directory, or a header-only stub of one; or a Hugging Face id "
-             "(org/name) in the local hub cache (a path that exists wins); with --remote, a repository on the Hub"
+             "(org/name) in the local hub cache (a path that exists wins); with --remote, a repository on the Hub "
+             "(org/name; a GGUF one as org/name:TAG or org/name/FILE.gguf)"
     )],
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object (schema: docs/diagnose.md)")] = False,
     remote: Annotated[bool, typer.Option("--remote", help="SRC is a Hugging Face repository: fetch only its "
