@@ -114,6 +114,17 @@ def test_a_missing_shard_is_named(hub, tmp_path: Path) -> None:
     assert code == 1 and any(shard.name in p and "missing shard" in p for p in r["problems"])
 
 
+def test_a_shard_shorter_than_its_header_length_fails_as_locally(hub, tmp_path: Path) -> None:
+    shard = next(hub.root.glob("model-00002-*.safetensors"))
+    hub.handler.root = tmp_path
+    for f in hub.root.iterdir():
+        if f != shard:
+            (tmp_path / f.name).symlink_to(f)
+    (tmp_path / shard.name).write_bytes(b"\x05\x00\x00")
+    code, r = run(REPO)
+    assert code == 1 and r["problems"] == diagnose(tmp_path)["problems"] and shard.name in r["problems"][0], r
+
+
 def test_a_gated_repository_asks_for_a_token(hub, monkeypatch: pytest.MonkeyPatch) -> None:
     hub.handler.token = "secret"
     code, r = run(REPO)
