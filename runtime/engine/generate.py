@@ -240,8 +240,14 @@ def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
     """Yield (token, text delta, generation so far) per generated token. `keep_special`: special
     token ids whose text stays in the output (see StreamDecoder)."""
     d = Decoding(rt, prompt_ids, params, should_stop, keep_special)
-    if d.done:
-        return
+    if not d.done:
+        yield from run(d)
+
+
+def run(d: Decoding) -> Iterator[tuple[int, str, Generation]]:
+    """Prefill `d`, then `emit` each token until done: in bursts where the graphs pipeline them,
+    else a forward a token."""
+    rt = d.rt
     d.prefill()
     while True:
         yield d.emit()

@@ -8,7 +8,8 @@ took 5.15 s to its first token and decoded at 9.5 tok/s, the next of its size 0.
 cache, and leaves the counters and the hybrid split as it found them. The batched step is
 captured for every batch size up to the graphs' `max_batch`: a capture inside a served pass
 would count against the batched mode's measured rate (engine/decode_mode.py), which is
-measured again only every PROBE passes.
+measured again only every PROBE passes. Last, two requests take the request path itself
+(`request_path`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from .generate import Decoding, run
 from .loader import Runtime
 from .sampling import Sampler, SamplingParams
 
@@ -30,6 +32,7 @@ LONG_EXTEND = 96  # past the graph extend's few tokens: the host-planned path
 # docs/benchmarks.md): the first turn of its class, by this reading.
 CLASSES = (0, 1, 2, 4, 8)
 STEPS = 4  # decode steps of each kind
+HIT = 40  # new tokens of the request_path's prefix hit
 
 
 def extend_lengths(room: int) -> list[int]:
@@ -78,9 +81,30 @@ def warm_up(rt: Runtime) -> float | None:
                 graphs.batch(ids[at : at + n], caches)
                 if not captured:  # the eager batch: one size compiles its kernels
                     break
+        more = torch.randint(0, spec.vocab_size, (max(0, min(HIT, spec.max_position_embeddings - prompt - 2 * STEPS)),),
+                             generator=gen).tolist()
+        request_path(rt, ids[:prompt].tolist(), more)
         torch.cuda.synchronize(rt.device)
     plan = rt.store.device_planner
     if plan is not None:
         plan.restart()  # compile time is no measure of the hybrid split
     rt.store.stats.reset()
     return time.perf_counter() - t0
+
+
+def request_path(rt: Runtime, prompt: list[int], more: list[int]) -> None:
+    """`prompt` and then `prompt + more` (a prefix hit) as a server runs requests (`Decoding`:
+    resume, prefill, the first token sampled on the host, a burst, remember), greedy then
+    sampled; then the prefix cache forgets them. The forwards alone left the first request 34 ms
+    slower than the next (1024 tokens: 131.6 against 97.9 ms; CUDA loads a kernel at its first
+    launch, and the request path launches some no forward does: gone with
+    CUDA_MODULE_LOADING=EAGER) and an agent's first prefix hit 23 ms slower (51.0 against 27.9
+    ms; not module loading); with these two requests 7 ms each (105.6 / 98.7, 33.2 / 26.1 ms,
+    H100 host, the server's request path in-process, q4km)."""
+    for ids, temperature in ((prompt, 0.0), (prompt + more, 1.0)):
+        d = Decoding(rt, ids, SamplingParams(max_tokens=STEPS, temperature=temperature, seed=0, ignore_eos=True))
+        for _ in run(d):
+            pass
+        d.remember()
+    if rt.prefix_cache is not None:
+        rt.prefix_cache.clear()

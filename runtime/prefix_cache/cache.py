@@ -93,6 +93,12 @@ class PrefixCache:
         self.insert(tokens, cuts, kv, snaps, dict.fromkeys(snaps, TAIL))
         return True
 
+    def clear(self) -> None:
+        """Forget every prefix and anchor (the warm-up's requests), the budgets kept."""
+        self.tree = RadixTree(self.tree.max_tokens, self.tree.layers)
+        self.pool = AnchorPool(self.pool.slots)
+        self.stats = PrefixStats()
+
     def info(self) -> dict:
         s = self.stats
         return {"tokens": self.tree.tokens, "max_tokens": self.tree.max_tokens, "anchors": len(self.pool.live),
