@@ -86,9 +86,10 @@ def warm_up(rt: Runtime) -> float | None:
     if plan is not None:
         plan.restart()  # compile time is no measure of the hybrid split
     # after the restart: the requests' outcomes steer the split, as a first request's would
-    limit = spec.max_position_embeddings - HIT - 2 * STEPS
-    long = torch.randint(0, spec.vocab_size, (min(2 * prompt, limit),), generator=gen).tolist()
-    request_path(rt, long, torch.randint(0, spec.vocab_size, (HIT,), generator=gen).tolist())
+    n = min(2 * prompt, spec.max_position_embeddings - HIT - 2 * STEPS)
+    if n > 0:
+        long = torch.randint(0, spec.vocab_size, (n,), generator=gen).tolist()
+        request_path(rt, long, torch.randint(0, spec.vocab_size, (HIT,), generator=gen).tolist())
     torch.cuda.synchronize(rt.device)
     rt.store.stats.reset()
     return time.perf_counter() - t0
