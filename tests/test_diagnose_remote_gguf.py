@@ -45,6 +45,8 @@ class RepoHub(Hub):
     GET /api/models/ORG/NAME/revision/main -> {"siblings": [{"rfilename": PATH}, ...]} of every
     file under the repository, recursively; counts the body bytes sent."""
 
+    gone: frozenset[str] = frozenset()  # files the listing names that resolve does not serve
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self.requests.append(self.path)
         path = urllib.parse.unquote(self.path)
@@ -55,7 +57,7 @@ class RepoHub(Hub):
             return self._reply(200, json.dumps(listing(repo)).encode(), {"content-type": "application/json"})
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/main/(.+)", path)
         file = (self.root / m[1] / m[2]).resolve() if m else None
-        if file is None or not file.is_relative_to(self.root.resolve()) or not file.is_file():
+        if file is None or not file.is_relative_to(self.root.resolve()) or not file.is_file() or m[2] in self.gone:
             return self._reply(404, b"Entry not found")
         size = file.stat().st_size
         r = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("range", ""))
@@ -254,3 +256,10 @@ def test_pick_gguf_names_an_ambiguous_tag() -> None:
         pick_gguf("o/n", names, None)
     with pytest.raises(RemoteError, match="no GGUF file"):
         pick_gguf("o/n", ["README.md", "mmproj-F16.gguf"], None)
+
+
+def test_a_listed_file_the_hub_does_not_serve_is_one_line(repos, hub) -> None:
+    hub.gone = frozenset({f"big/{repos.parts[1].name}"})
+    code, r, _ = run(f"{MANY}:Q6_K")
+    assert (code, r["verdict"], len(r["problems"])) == (2, "FAIL", 1)
+    assert "not found (HTTP 404)" in r["problems"][0] and repos.parts[1].name in r["problems"][0], r["problems"]

@@ -252,7 +252,10 @@ def _fetch_gguf(f: Fetcher, file: str | None, tag: str | None, out: Path, names:
     else:
         raise RemoteError(f"{f.url(file)}: not in the repository")
     for name in files:
-        path = _gguf_stub(f, name, out)
+        try:
+            path = _gguf_stub(f, name, out)
+        except _Missing:
+            raise RemoteError(f"{f.url(name)}: not found (HTTP 404), though the repository lists it") from None
         if name == file:
             target = path
     return target
