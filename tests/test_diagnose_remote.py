@@ -104,22 +104,24 @@ def test_a_server_that_ignores_ranges(hub) -> None:
     assert (code, r["verdict"], r["header_only"]) == (0, "PASS", True)
 
 
-def test_a_missing_shard_is_named(hub, tmp_path: Path) -> None:
+def _without_shard_2(hub, tmp_path: Path) -> Path:
+    """Serve the repository from `tmp_path`, all but its second shard linked there; that shard."""
     shard = next(hub.root.glob("model-00002-*.safetensors"))
     hub.handler.root = tmp_path
     for f in hub.root.iterdir():
         if f != shard:
             (tmp_path / f.name).symlink_to(f)
+    return shard
+
+
+def test_a_missing_shard_is_named(hub, tmp_path: Path) -> None:
+    shard = _without_shard_2(hub, tmp_path)
     code, r = run(REPO)
     assert code == 1 and any(shard.name in p and "missing shard" in p for p in r["problems"])
 
 
 def test_a_shard_shorter_than_its_header_length_fails_as_locally(hub, tmp_path: Path) -> None:
-    shard = next(hub.root.glob("model-00002-*.safetensors"))
-    hub.handler.root = tmp_path
-    for f in hub.root.iterdir():
-        if f != shard:
-            (tmp_path / f.name).symlink_to(f)
+    shard = _without_shard_2(hub, tmp_path)
     (tmp_path / shard.name).write_bytes(b"\x05\x00\x00")
     code, r = run(REPO)
     assert code == 1 and r["problems"] == diagnose(tmp_path)["problems"] and shard.name in r["problems"][0], r
