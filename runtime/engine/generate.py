@@ -241,10 +241,10 @@ def stream(rt: Runtime, prompt_ids: list[int], params: SamplingParams,
     token ids whose text stays in the output (see StreamDecoder)."""
     d = Decoding(rt, prompt_ids, params, should_stop, keep_special)
     if not d.done:
-        yield from run(d)
+        yield from drive(d)
 
 
-def run(d: Decoding) -> Iterator[tuple[int, str, Generation]]:
+def drive(d: Decoding) -> Iterator[tuple[int, str, Generation]]:
     """Prefill `d`, then `emit` each token until done: in bursts where the graphs pipeline them,
     else a forward a token."""
     rt = d.rt

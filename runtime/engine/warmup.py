@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .generate import Decoding, run
+from .generate import Decoding, drive
 from .loader import Runtime
 from .sampling import Sampler, SamplingParams
 
@@ -111,7 +111,7 @@ def request_path(rt: Runtime, prompt: list[int], more: list[int]) -> None:
     Hence these, after the restart, the prompt twice the forwards'. Not yet measured as written."""
     for ids in (prompt, prompt + more):
         d = Decoding(rt, ids, SamplingParams(max_tokens=STEPS, temperature=1.0, seed=0, ignore_eos=True))
-        for _ in run(d):
+        for _ in drive(d):
             pass
         d.remember()
     if rt.prefix_cache is not None:
