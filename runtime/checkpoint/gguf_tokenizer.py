@@ -73,6 +73,14 @@ _O200K = (  # tiktoken o200k (gpt-oss's o200k_harmony; GGUF pre "gpt-4o"): case 
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_KIMI_K2 = (  # Kimi-K2 (tokenization_kimi.py's pat_str, a tiktoken vocabulary): o200k with Han runs apart
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEEPSEEK_V3 = (  # DeepSeek-V3/R1 (llama.cpp's DEEPSEEK3_LLM): digit runs of 1-3, CJK and kana, the rest
     r"\p{N}{1,3}",
     r"[一-龥぀-ゟ゠-ヿ]+",
@@ -112,6 +120,7 @@ _BPE_PRE: dict[str, _BpePre] = {
     **dict.fromkeys(("olmo", "mpt"), _BpePre((), nfc=True)),
     "gpt-2": _BpePre(()),
     "gpt-4o": _BpePre((_O200K,)),
+    "kimi-k2": _BpePre((_KIMI_K2,), ignore_merges=True),  # tiktoken: a piece in the vocab is one token
     "deepseek-v3": _BpePre(_DEEPSEEK_V3),  # three splits in turn, as the HF file's Sequence  # no normalizer, merges as listed, no BOS (as llama.cpp)
     "default": _BpePre(_LLAMA_CPP_DEFAULT),
 }
