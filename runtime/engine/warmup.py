@@ -4,8 +4,9 @@ On a GPU the first prefill, extend, graph step, sampled step and batched step ea
 Triton kernels (kept in Triton's disk cache, so a restart only loads them), choose cuBLAS
 kernels and capture the decode graphs: on the GPU machine the first request through the server
 took 5.15 s to its first token and decoded at 9.5 tok/s, the next of its size 0.23 s
-(docs/benchmarks.md). The warm-up pays that at start-up, on random tokens, outside the prefix
-cache, and leaves the counters and the hybrid split as it found them. The batched step is
+(docs/benchmarks.md). The warm-up pays that at start-up, on random tokens, and leaves the
+counters and the prefix cache as it found them; the hybrid split restarts before its last two
+requests, whose outcomes steer it as a first request's would. The batched step is
 captured for every batch size up to the graphs' `max_batch`: a capture inside a served pass
 would count against the batched mode's measured rate (engine/decode_mode.py), which is
 measured again only every PROBE passes. Last, two requests take the request path itself
@@ -102,11 +103,11 @@ def request_path(rt: Runtime, prompt: list[int], more: list[int]) -> None:
 
     Measured in-process on an H100 host (q4km, the server's request path, first of a shape
     against the next): after the forwards alone, a first 1024-token request took 131.6 ms
-    against 97.9 (CUDA loads a kernel at its first launch, and a prompt of over 512 tokens
-    launches some the warm-up's 512 did not: gone with CUDA_MODULE_LOADING=EAGER), and an agent's
-    first prefix hit 51.0 against 27.9 ms (not module loading; the likeliest cause, not traced: the
-    hybrid split of few-token layers, which starts again at the restart). Three sampled requests after the restart (600 tokens, a 40-token
-    hit on it, 520) brought both to 7 ms over the next (105.6 / 98.7, 33.2 / 26.1 ms); the same two
+    against 97.9 (CUDA loads a kernel at its first launch: gone with CUDA_MODULE_LOADING=EAGER;
+    which kernels, not traced), and an agent's first prefix hit 51.0 against 27.9 ms (not module
+    loading; the likeliest cause, not traced: the hybrid split of few-token layers, which starts
+    again at the restart). Three sampled requests after the restart (600 tokens, a 40-token hit
+    on it, 520) brought both to 7 ms over the next (105.6 / 98.7, 33.2 / 26.1 ms); the same two
     requests run before the restart, the prompt 512 tokens, did not (128.1 / 92.2, 73.2 / 24.6).
     Hence these, after the restart, the prompt twice the forwards'. Not yet measured as written."""
     for ids in (prompt, prompt + more):
