@@ -28,9 +28,8 @@ LONG_EXTEND = 96  # past the graph extend's few tokens: the host-planned path
 # Triton compiles a kernel again for each class of an integer argument it specializes on: 1, a
 # multiple of 16, or neither (a token count, or it times 2, 4 or 8, in the launches). So each
 # extend runs once at each of these offsets, and a served turn of any length finds its kernels
-# compiled. Before, the warm-up ran 16 and 96 tokens, and an agent's turn 2 through the server
-# (40 new tokens) took 1.87x the engine's extend where turns 3-4, the same length, took 1.4x (BV,
-# docs/benchmarks.md): the first turn of its class, by this reading.
+# compiled (after this warm-up no request compiled one, CA). These were added for an agent's slow
+# turn 2 through the server; its cause proved to be another (`request_path`).
 CLASSES = (0, 1, 2, 4, 8)
 STEPS = 4  # decode steps of each kind
 HIT = 40  # new tokens of the request_path's prefix hit
