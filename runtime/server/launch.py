@@ -4,6 +4,7 @@ advice if it cannot fit, load, run uvicorn on the port taken."""
 from __future__ import annotations
 
 import errno
+import gc
 import ipaddress
 import socket
 from collections.abc import Callable
@@ -90,6 +91,11 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
         if rt.device.type == "cuda":
             say("warming up: compiling the GPU kernels (kept in Triton's disk cache) and capturing the decode graphs")
         warm = warm_up(rt)
+        # Every object so far (torch's, the tokenizer's, the app's modules) lives as long as the
+        # server: frozen, the collector never walks them again. Unfrozen, a full collection on
+        # the dev box's tiny model took 161 ms, inside the first request's prefill.
+        gc.collect()
+        gc.freeze()
         scheduler = Scheduler(rt, plan, max_running)
         try:
             state = ServerState(rt, scheduler, served_name or Path(model).name, api_key, max_body)
