@@ -7,12 +7,13 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from . import anthropic, control, openai, responses
 from .core import ServerState
-from .errors import ApiError, body_for
+from .errors import ApiError, body_for, send_error
 from .limits import BodyLimit
 from .openapi_doc import document
 
@@ -21,11 +22,31 @@ from .openapi_doc import document
 OPEN_PATHS = {"/health"}
 
 
-def _key_of(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
+def _key_of(headers: Headers) -> str | None:
+    auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
-    return request.headers.get("x-api-key")
+    return headers.get("x-api-key")
+
+
+class KeyCheck:
+    """ASGI middleware: a request to a path outside OPEN_PATHS without the server's key gets a
+    401 in the called API's shape, before its body is read. Plain ASGI, as BodyLimit: Starlette's
+    `@app.middleware("http")` runs the route in another task and passes every streamed chunk
+    through a memory stream between the two."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            key = _key_of(Headers(scope=scope))
+            if key is None or not secrets.compare_digest(key.encode(), self.key):
+                what = "missing" if key is None else "invalid"
+                await send_error(scope, send, ApiError(401, f"{what} API key (send 'Authorization: Bearer KEY' or "
+                                                            f"'x-api-key: KEY')", code="invalid_api_key"))
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -47,16 +68,8 @@ def create_app(state: ServerState) -> FastAPI:
     # Inside the key check (added first, so it runs second): a client without the key never has
     # its body read.
     app.add_middleware(BodyLimit, max_bytes=state.max_body)
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if state.api_key and request.url.path not in OPEN_PATHS:
-            key = _key_of(request)
-            if key is None or not secrets.compare_digest(key.encode(), state.api_key.encode()):
-                what = "missing" if key is None else "invalid"
-                return error(request, ApiError(401, f"{what} API key (send 'Authorization: Bearer KEY' or "
-                                                    f"'x-api-key: KEY')", code="invalid_api_key"))
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(KeyCheck, key=state.api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

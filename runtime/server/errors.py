@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # HTTP status -> Anthropic error type (OpenAI uses the `type` field more loosely)
@@ -35,3 +36,11 @@ def is_anthropic(path: str) -> bool:
 def body_for(path: str, e: ApiError) -> dict[str, Any]:
     """The error shape the API at `path` uses."""
     return anthropic_body(e) if is_anthropic(path) else openai_body(e)
+
+
+async def send_error(scope: dict, send: Any, e: ApiError) -> None:
+    """Answer `e` from ASGI middleware, before any route: in the shape of the API at the path."""
+    payload = json.dumps(body_for(scope["path"], e)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -4,14 +4,13 @@ of the raw bytes, so no parser ever recurses into a hostile body)."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
 
 from ftkit.vocab import human_bytes
 
-from .errors import ApiError, body_for
+from .errors import ApiError, send_error
 
 # Coding agents resend their whole history each turn: a 200k-token context of code and tool
 # output is about 1 MB of text, a few MiB as JSON with its tool schemas; 32 MiB leaves room.
@@ -93,9 +92,6 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope, send) -> None:
-        e = ApiError(413, f"the request body is over this server's limit of {human_bytes(self.max_bytes)} "
-                          f"(ft-run serve --max-body)", code="request_too_large")
-        payload = json.dumps(body_for(scope["path"], e)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await send_error(scope, send, ApiError(
+            413, f"the request body is over this server's limit of {human_bytes(self.max_bytes)} "
+                 f"(ft-run serve --max-body)", code="request_too_large"))
