@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx2 as httpx
 import pytest
@@ -16,6 +17,7 @@ from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.prefix_cache.anchors import TAIL
+from ftkit.runtime.prefix_cache.radix import RadixTree
 from ftkit.runtime.server.quirks import normalise
 from ftkit.tools.bench import agent_trace as trace
 from ftkit.tools.bench.agent_trace import HARNESSES, session
@@ -237,3 +239,21 @@ def test_agent_trace_bench_meets_its_targets(tmp_path):
     assert trace.summary(rows)["anchors"]["recomputed_over_changed_max"] <= 1.2
     assert all(r.recomputed == r.prompt for r in rows if r.mode == "no-prefix-cache")
     assert "| openclaw | 3 |" in trace.table(rows)
+
+
+def test_a_long_session_restores_every_row_from_many_nodes():
+    """An agent's session is a chain of nodes (a prompt's suffix, then its reply, each turn): the
+    restore concatenates them a layer at a time, up to a point inside the last node."""
+    layers = (0, 2)
+    tree = RadixTree(10**6, layers)
+    ids = torch.randint(0, 500, (300,)).tolist()
+    src = SimpleNamespace(k={i: torch.randn(300, 2, 4) for i in layers}, v={i: torch.randn(300, 2, 4) for i in layers})
+    for end in range(20, 301, 20):
+        tree.insert(ids[:end], end, src, [])
+    path, matched = tree.match(ids)
+    assert len(path) == 15 and matched == 300
+    dst = SimpleNamespace(k={i: torch.zeros(300, 2, 4) for i in layers}, v={i: torch.zeros(300, 2, 4) for i in layers})
+    tree.copy_into(path, 287, dst)
+    for i in layers:
+        assert torch.equal(dst.k[i][:287], src.k[i][:287]) and torch.equal(dst.v[i][:287], src.v[i][:287])
+        assert not dst.k[i][287:].any() and not dst.v[i][287:].any()

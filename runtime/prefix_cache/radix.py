@@ -62,15 +62,25 @@ class RadixTree:
         return path, pos
 
     def copy_into(self, path: list[Node], upto: int, kv: KVCache) -> None:
-        """Write the rows 0..upto of `path` into an empty cache (its length is left at 0)."""
+        """Write the rows 0..upto of `path` into an empty cache (its length is left at 0): one
+        concatenation a layer, K and V, however many nodes. (A copy a node and layer cost the
+        GPU machine ~0.3 ms of host time a node: an agent's session adds two nodes a turn, so
+        its restore grew from 1.0 ms at turn 1 to 4.0 ms at turn 6.)"""
+        pieces: list[tuple[Node, int]] = []
         for node in path:
             start = node.depth - len(node.tokens)
             if start >= upto:
                 break
-            n = min(len(node.tokens), upto - start)
-            for layer in self.layers:
-                kv.k[layer][start : start + n] = node.k[layer][:n]
-                kv.v[layer][start : start + n] = node.v[layer][:n]
+            pieces.append((node, min(len(node.tokens), upto - start)))
+        if not pieces:
+            return
+        for layer in self.layers:
+            for rows, kind in ((kv.k[layer], "k"), (kv.v[layer], "v")):
+                parts = [getattr(node, kind)[layer] for node, _ in pieces]
+                node, n = pieces[-1]
+                if n < len(node.tokens):
+                    parts[-1] = parts[-1][:n]
+                torch.cat(parts, out=rows[:upto])
 
     def insert(self, tokens: list[int], end: int, kv: KVCache, stops: list[int]) -> dict[int, Node]:
         """Hold rows 0..end of `kv` (computed for `tokens`); every position in `stops` ends a
