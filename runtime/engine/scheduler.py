@@ -78,7 +78,7 @@ class Scheduler:
         self.rt, self.plan, self.max_running = rt, plan, max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.rebuilds: deque[tuple[int | None, int | None, Future]] = deque()
+        self.at_safe_point: deque[Callable[[], None]] = deque()  # rebuilds, forget: run between passes
         # Finished prompt + reply token lists to prefill into the prefix cache when idle: the
         # next agent turn resends them, and decoded K/V rows are not the ones a prefill computes.
         self.replies: deque[list[int]] = deque(maxlen=REPLIES_KEPT)
@@ -117,10 +117,33 @@ class Scheduler:
         """Ask for a new expert cache / KV budget at the next safe point; the future gives the
         new plan or raises RebuildError (the old split stays)."""
         fut: Future = Future()
-        with self.cond:
-            self.rebuilds.append((expert_slots, kv_tokens, fut))
-            self.cond.notify()
+        self._at_safe_point(lambda: self._apply_rebuild(expert_slots, kv_tokens, fut))
         return fut
+
+    def forget(self) -> Future:
+        """Drop, at the next safe point, what the requests so far left behind: the counters and
+        timings, the replies waiting to be cached and the prefix cache (the start-up's own
+        requests: server/warm.py); the future is done then."""
+        fut: Future = Future()
+
+        def forget() -> None:
+            self.counts = dict.fromkeys(self.counts, 0)
+            self.counts["decode_batch_seconds"] = 0.0
+            self.recent.clear()
+            self.replies.clear()
+            self.busy_seconds = 0.0
+            self.rt.store.stats.reset()
+            if self.rt.prefix_cache is not None:
+                self.rt.prefix_cache.clear()
+            fut.set_result(None)
+
+        self._at_safe_point(forget)
+        return fut
+
+    def _at_safe_point(self, action: Callable[[], None]) -> None:
+        with self.cond:
+            self.at_safe_point.append(action)
+            self.cond.notify()
 
     def stats(self) -> dict:
         with self.cond:
@@ -142,17 +165,17 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not (self.waiting or self.running or self.rebuilds or self.closed or self.replies):
+                while not (self.waiting or self.running or self.at_safe_point or self.closed or self.replies):
                     self.cond.wait()
                 if self.closed:
                     break
-                while self.rebuilds:
-                    self._apply_rebuild(*self.rebuilds.popleft())
+                while self.at_safe_point:
+                    self.at_safe_point.popleft()()
                 self._admit()
                 batch = list(self.running)
                 idle_reply = None
                 if not batch and not self.waiting and self.replies:
-                    if self.cond.wait_for(lambda: self.waiting or self.rebuilds or self.closed, REPLY_GRACE_S):
+                    if self.cond.wait_for(lambda: self.waiting or self.at_safe_point or self.closed, REPLY_GRACE_S):
                         continue  # a request came: it goes first
                     idle_reply = self.replies.popleft()
             if idle_reply is not None:
@@ -246,7 +269,7 @@ class Scheduler:
             step = self._step(live)
             made += step
             if (not step or any(r.decoding.done or r.cancelled.is_set() for r in live)
-                    or self.rebuilds or self._admissible()):
+                    or self.at_safe_point or self._admissible()):
                 break
         return made
 
@@ -257,7 +280,7 @@ class Scheduler:
         made = 0
 
         def interrupt() -> bool:
-            return any(r.cancelled.is_set() for r in live) or bool(self.rebuilds) or self._admissible()
+            return any(r.cancelled.is_set() for r in live) or bool(self.at_safe_point) or self._admissible()
 
         def run() -> None:
             nonlocal made
@@ -305,7 +328,7 @@ class Scheduler:
         made = 0
 
         def interrupt() -> bool:
-            return (req.cancelled.is_set() or bool(self.rebuilds) or self._admissible()
+            return (req.cancelled.is_set() or bool(self.at_safe_point) or self._admissible()
                     or (limit is not None and made >= limit))
 
         def run() -> None:

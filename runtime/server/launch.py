@@ -74,6 +74,7 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
     from ..engine.scheduler import Scheduler
     from .app import create_app
     from .core import ServerState
+    from .warm import warm_http
 
     if max_body < 1:
         raise ValueError("--max-body must be at least 1 byte")
@@ -91,17 +92,19 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
         if rt.device.type == "cuda":
             say("warming up: compiling the GPU kernels (kept in Triton's disk cache) and capturing the decode graphs")
         warm = warm_up(rt)
-        # Every object so far (torch's, the tokenizer's, the app's modules) lives as long as the
-        # server: frozen, the collector never walks them again. Unfrozen, a full collection on
-        # the dev box's tiny model took 161 ms, inside the first request's prefill.
-        gc.collect()
-        gc.freeze()
         scheduler = Scheduler(rt, plan, max_running)
         try:
             state = ServerState(rt, scheduler, served_name or Path(model).name, api_key, max_body)
+            app = create_app(state)
+            warm_http(app, state)
+            # Every object so far (torch's, the tokenizer's, the app's) lives as long as the
+            # server: frozen, the collector never walks them again. Unfrozen, a full collection
+            # on the dev box's tiny model took 161 ms, inside the first request's prefill.
+            gc.collect()
+            gc.freeze()
             say(f"serving {state.model_name} on http://{host}:{port} (OpenAI /v1/chat/completions, Anthropic "
                 f"/v1/messages, control /v1/stats)" + (f"; warm-up took {warm:.1f} s" if warm is not None else ""))
-            uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning")).run(sockets=[sock])
+            uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
         finally:
             scheduler.close()
             rt.close()
