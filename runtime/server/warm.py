@@ -1,9 +1,11 @@
 """The HTTP path's first-request costs, paid at start-up: one streamed completion through the
 app itself (no socket) before the port is served, then the scheduler forgets it.
 
-On the GPU machine the engine's warm-up (engine/warmup.py) left the first request through the
-server waiting 33 ms in the scheduler's queue that no later one waited (q4km, 512 tokens, an H100
-host): the first use of the route, the streaming response and what they load on demand."""
+On an H100 host the first request through a server whose API-key check had become plain ASGI
+middleware waited 33-35 ms in the scheduler's queue (CE, q4km, 512 tokens; the tree before it
+1.0-1.4 ms): the likeliest reading, not traced, is the first use of the route and the streaming
+response and what they load on demand, now after the request was submitted. With this request
+at start-up: 0.9 ms of queue, and the first request 1.15x the next (CF, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
