@@ -383,6 +383,8 @@ def test_serve_drives_the_real_server_beside_the_engine(tiny, tmp_path):
     assert "overlap_tok_s" in c and not any("times" in s for s in [c["alone"], *c["streams"], *res["single"]])
     eng = res["engine"]
     assert set(eng["extend_s"]) == {"8", "40"} and eng["80"]["prefill_s"] > 0 and eng["40"]["decode_tok_s"] > 0
+    for suffix, turns in res["agent"].items():  # the engine's extend: what the server's turn 2 computed
+        assert eng["extend_tokens"][suffix] == turns[1]["prompt"] - turns[1]["cached"] >= int(suffix)
 
 
 def test_serve_refuses_prompts_past_the_context_before_starting(tiny, tmp_path):

@@ -251,14 +251,27 @@ def _server_side(recent: dict) -> dict:
     return {k: recent.get(k) for k in keys}
 
 
-def engine(model: Path, opts: RuntimeOptions, work: Workload, figures: Callable[[Runtime], run.Figures]) -> dict:
+def uncached(result: dict, work: Workload) -> dict[int, int]:
+    """Per suffix, the tokens the agent's turns after a hit computed, as the server counted them:
+    the suffix and the part of the last prompt past the prefix cache's last page boundary (3000
+    + 32: 2992 cached, 40 computed). Where several, the median; the suffix where none ran."""
+    out = {}
+    for s in work.suffixes:
+        counts = [t["prompt"] - t["cached"] for t in result.get("agent", {}).get(s, [])[1:]]
+        out[s] = statistics.median_low(counts) if counts else s
+    return out
+
+
+def engine(model: Path, opts: RuntimeOptions, work: Workload, figures: Callable[[Runtime], run.Figures],
+           extends: dict[int, int] | None = None) -> dict:
     """The engine's own figures for the same work: each prompt length's warm prefill (as ft-run
-    runs it) with the suffix's extend behind it, and batch-1 decode at that context."""
+    runs it), an extend behind the agent's prompt for each suffix (of `extends[suffix]` tokens:
+    what the server's turns computed, `uncached`), and batch-1 decode at that context."""
     longest = max(work.lengths) + work.turns * max(work.suffixes) + 2 * work.tokens + 64
     rt = Runtime(model, replace(opts, kv_tokens=max(opts.kv_tokens, longest)))
     try:
         figs = figures(rt)
-        out: dict = {"extend_s": {}}
+        out: dict = {"extend_s": {}, "extend_tokens": {}}
         for n in sorted({*work.lengths, work.shared + work.own, work.first}):
             pre = run.prefill(rt, n, figs, repeat=3)
             dec = run.decode(rt, work.tokens, n, None, figs)
@@ -267,7 +280,9 @@ def engine(model: Path, opts: RuntimeOptions, work: Workload, figures: Callable[
         if "concurrent" in work.scenarios:  # the streams' decode as one batched step each token
             out["batch"] = run.decode_batch(rt, work.tokens, work.shared + work.own, work.concurrent, figs)
         for s in work.suffixes:  # behind the agent's first prompt
-            out["extend_s"][s] = run.prefill(rt, work.agent_length, figs, extend=s, answer=32, repeat=3)["extend_seconds"]
+            n = (extends or {}).get(s, s)
+            out["extend_s"][s] = run.prefill(rt, work.agent_length, figs, extend=n, answer=32, repeat=3)["extend_seconds"]
+            out["extend_tokens"][s] = n
         return out
     finally:
         rt.close()
@@ -299,7 +314,7 @@ def measure(model: Path, opts: RuntimeOptions, serve_args: list[str], work: Work
         server.stop()
     if figures is not None:
         say("engine figures (the same work in this process)")
-        out["engine"] = engine(model, opts, work, figures)
+        out["engine"] = engine(model, opts, work, figures, uncached(out, work))
     return out
 
 
@@ -329,7 +344,9 @@ def rows(result: dict, work: Workload) -> list[tuple[str, str, str, str]]:
         for k, r in enumerate(session, 1):
             label = f"+{s} turn {k} ({r['cached']}/{r['prompt']} cached)"
             ref = eng.get("extend_s", {}).get(s) if k > 1 else e.get("prefill_s")
-            out.append(pair(label + " TTFT", r["ttft_s"], ref, " s"))
+            n = eng.get("extend_tokens", {}).get(s)
+            out.append(pair(label + " TTFT" + (f" (beside: a {n}-token extend)" if k > 1 and n else ""),
+                            r["ttft_s"], ref, " s"))
             out.append(pair(label + " decode", r["decode_tok_s"], e.get("decode_tok_s"), " tok/s", "{:.1f}"))
     if "concurrent" not in result:
         return out
