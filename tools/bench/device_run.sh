@@ -3,7 +3,8 @@
 # Every result goes under $OUT (default ./device-out). ftkit is installed editable from this tree
 # without build isolation or deps; the CPU kernel is built with a plain g++ call.
 #   OUT=/tmp/out PARTS="kernels calibrate gpu read decode" bash tools/bench/device_run.sh
-# Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile), wrong
+# Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile; CAL_MODEL=q12 or
+# q4km: of that model's slot formats), wrong
 # (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files), zerocopy
 # (decode fills vs DMA), read (FTW read + pin), decode (qwen3-30b-a3b shape cut to 12 layers:
 # decode per strategy, graphs off and on, beside the bounds; DECODE_FLAGS: more ft-bench flags
@@ -28,7 +29,8 @@
 # extend; REPEAT turns), nextdecode (qwen3-next-80b-a3b cut to 4 layers: decode per strategy,
 # graphs off and on), nextprefill (the same model: a LONG_CHUNK-token prompt without and with
 # an anchor every ANCHORS tokens; REPEAT turns), serve (ft-run serve driven through the openai SDK,
-# beside the engine's own figures: ft-bench serve; SERVE_FLAGS, SERVE_TAG names the outputs).
+# beside the engine's own figures: ft-bench serve on SERVE_MODEL, q12 or q4km; SERVE_CACHE, SERVE_FLAGS,
+# SERVE_TAG names the outputs).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -61,8 +63,19 @@ if has kernels; then
   $PY tests/test_cpu_kernels.py 2>&1 | tee -a "$OUT/kernel.txt"
   $PY -m ftkit.tools.bench.cpu_experts --threads 1,2,4,8,16 --gib 4 --json "$OUT/cpu_experts.json" 2>&1 | tee "$OUT/cpu_experts.txt"
 fi
-if has calibrate; then
-  $PY -m ftkit.tools.calibrate.cli --threads 4,8,15 --working-set 4G --out "$OUT/profile.json" --json 2> "$OUT/calibrate.txt" > /dev/null
+q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
+  [ -f "$W/q12.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1; sync; }
+}  # sync: the kernel's write-back of 14.5 GB would otherwise compete with the CPU branch
+qn4() {  # a hybrid-attention model: qwen3-next-80b-a3b cut to 4 layers (12.9 GB of experts)
+  [ -f "$W/qn4.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-next-80b-a3b --layers 4 --out "$W/qn4.ftw" 2>&1 | tail -1; sync; }
+}
+q4km() {  # q12 in llama-quantize's Q4_K_M mix, 4 distinct experts a layer repeated (a quick write)
+  [ -f "$W/q4km.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --quant q4_k_m \
+      --distinct-experts 4 --out "$W/q4km.ftw" 2>&1 | tail -1; sync; }
+}
+if has calibrate; then  # CAL_MODEL (q12, q4km): B_H of that model's slot formats (ft-calibrate --model)
+  cal=(); [ -n "${CAL_MODEL:-}" ] && { $CAL_MODEL; cal=(--model "$W/$CAL_MODEL.ftw"); }
+  $PY -m ftkit.tools.calibrate.cli "${cal[@]}" --threads 4,8,15 --working-set 4G --out "$OUT/profile.json" --json 2> "$OUT/calibrate.txt" > /dev/null
   cat "$OUT/calibrate.txt"; PROFILE="$OUT/profile.json"
 fi
 if has wrong; then
@@ -88,12 +101,6 @@ fi
 if has read; then
   $PY -m ftkit.tools.bench.ftw_read "$W" --gib 4 --threads 16 --pin 2>&1 | tee "$OUT/ftw_read.txt"
 fi
-q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
-  [ -f "$W/q12.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1; sync; }
-}  # sync: the kernel's write-back of 14.5 GB would otherwise compete with the CPU branch
-qn4() {  # a hybrid-attention model: qwen3-next-80b-a3b cut to 4 layers (12.9 GB of experts)
-  [ -f "$W/qn4.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-next-80b-a3b --layers 4 --out "$W/qn4.ftw" 2>&1 | tail -1; sync; }
-}
 if has hostmem; then  # the loaded pool's read rate per GiB and its pages, in HOSTMEM_RUNS fresh processes,
   m=${HOSTMEM_MODEL:-q12}; $m  # of HOSTMEM_MODEL (q12 or qn4)
   for i in $(seq ${HOSTMEM_RUNS:-1}); do $PY -m ftkit.tools.bench.hostmem -m "$W/$m.ftw" 2>&1 | tee -a "$OUT/hostmem.txt"; done
@@ -132,9 +139,9 @@ extend() {  # the agent turn of the extend part; $1: strategies, $2: turns, then
       --tokens 32 --chunks 8192 --answer 32 --extend 32 --strategies "$1" --routing reuse:0.9 --repeat "$2" \
       --graphs ${GRAPHS:-on} "${@:3}"
 }
-if has serve; then  # ft-run serve through the openai SDK beside the engine (SERVE_FLAGS: more ft-bench serve flags)
-  q12
-  $PY -m ftkit.tools.bench.cli serve -m "$W/q12.ftw" --device cuda --strategy ${SERVE_STRATEGY:-hybrid} \
+if has serve; then  # ft-run serve through the openai SDK beside the engine (SERVE_MODEL: q12 or q4km; SERVE_FLAGS: more ft-bench serve flags)
+  m=${SERVE_MODEL:-q12}; $m
+  $PY -m ftkit.tools.bench.cli serve -m "$W/$m.ftw" --device cuda --strategy ${SERVE_STRATEGY:-hybrid} \
       --profile "$(realpath "$PROFILE")" --cache-bytes ${SERVE_CACHE:-4.8G} --threads 15 ${SERVE_FLAGS:-} \
       --log "$OUT/serve${SERVE_TAG:-}.log" $J "$OUT/serve${SERVE_TAG:-}.json" 2>&1 | tee "$OUT/serve${SERVE_TAG:-}.txt"
 fi
