@@ -104,8 +104,9 @@ class Boundaries:
     def scan(self, tokens: list[int]) -> dict[int, str]:
         """Cut position (1..len) -> kind, in increasing order. A cut at p splits p-1 | p."""
         n, found = len(tokens), {}  # position -> [(kind, after)]
-        for i, t in enumerate(tokens):
-            for m in self.by_first.get(t, ()):
+        firsts = self.by_first
+        for i in [i for i, t in enumerate(tokens) if t in firsts]:  # most prompts: a few markers
+            for m in firsts[tokens[i]]:
                 end = i + len(m.ids)
                 if end <= n and tuple(tokens[i:end]) == m.ids:
                     p = end if m.after else i
@@ -113,7 +114,9 @@ class Boundaries:
                         found.setdefault(p, []).append((m.kind, m.after))
         cuts: dict[int, str] = {}
         inside, last_anchor = False, 0
-        for p in range(1, n + 1):
+        # only the pages' ends and the markers' cuts can be cuts (each turn's restore scans its
+        # whole prompt: visiting every position took 0.62 ms of 3200 tokens on the dev box, this 0.28)
+        for p in sorted(found.keys() | range(self.page, n + 1, self.page)):
             kind = None
             for mkind, after in found.get(p, ()):
                 if mkind == "think":  # "<think>" opens (cut before), "</think>" closes (cut after)
