@@ -443,6 +443,12 @@ def test_serve_refuses_a_plan_that_cannot_fit(server):
     assert "memory plan" in r.stdout and "does not fit" in r.stderr and "--cache-experts" in r.stderr
 
 
+def test_serve_refuses_a_key_no_header_can_carry(server):
+    r = subprocess.run([sys.executable, "-m", "ftkit.runtime.cli", "serve", "-m", str(server.model),
+                        "--api-key", "clé secrète", "--port", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "--api-key must be printable ASCII" in r.stderr
+
+
 def test_store_rebuild_rolls_back(server, monkeypatch):
     from ftkit.runtime.experts import store as store_mod
 

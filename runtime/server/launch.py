@@ -78,6 +78,8 @@ def serve(model: Path, opts: RuntimeOptions, *, host: str = DEFAULT_HOST, port: 
 
     if max_body < 1:
         raise ValueError("--max-body must be at least 1 byte")
+    if api_key and not (api_key.isascii() and api_key.isprintable()):  # HTTP headers carry no other
+        raise ValueError("--api-key must be printable ASCII: clients send it in an HTTP header")
     with listen(host, port) as sock:
         ftw = FTWModel(model)
         resolved = resolve_serve(ftw, opts, max_running, kv_tokens, device_memory)
