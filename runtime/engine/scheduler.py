@@ -7,7 +7,7 @@ all, once for the batch: concurrent requests share each layer's expert fills and
 where that measured slower (`decode_mode`), each in turn by a burst of pipelined graph steps. A
 lone request bursts until something needs the loop. Between passes no forward is in flight: that
 is the safe point where waiting requests are admitted, cancelled ones dropped and cache rebuilds
-applied, so a rebuild never loses or disturbs a request.
+applied (and `forget`), so a rebuild never loses or disturbs a request.
 
 Admission is bounded twice: at most `max_running` requests, and their KV reservations
 (prompt + the tokens they may still generate) within the KV budget in tokens.
@@ -126,7 +126,7 @@ class Scheduler:
         requests: server/warm.py); the future is done then."""
         fut: Future = Future()
 
-        def forget() -> None:
+        def drop() -> None:
             self.counts = dict.fromkeys(self.counts, 0)
             self.counts["decode_batch_seconds"] = 0.0
             self.recent.clear()
@@ -137,7 +137,7 @@ class Scheduler:
                 self.rt.prefix_cache.clear()
             fut.set_result(None)
 
-        self._at_safe_point(forget)
+        self._at_safe_point(drop)
         return fut
 
     def _at_safe_point(self, action: Callable[[], None]) -> None:
