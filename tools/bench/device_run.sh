@@ -7,8 +7,8 @@
 # q4km: of that model's slot formats), wrong
 # (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files), zerocopy
 # (decode fills vs DMA), read (FTW read + pin), decode (qwen3-30b-a3b shape cut to 12 layers:
-# decode per strategy, graphs off and on, beside the bounds; DECODE_FLAGS: more ft-bench flags
-# for it and the ab part's decode), prefill (4096- and 8192-token
+# decode per strategy, graphs off and on, beside the bounds; DECODE_MODEL q12 or q4km,
+# CACHE_FRACTION, DECODE_FLAGS: more ft-bench flags, for it and the ab part's decode), prefill (4096- and 8192-token
 # chunks beside the PCIe bound, layer streaming on and off, each followed by a 32-token answer
 # and a 32-token extend), extend (an agent turn with concentrated synthetic routing, reuse 0.9:
 # 32 decode steps, an 8192-token chunk, a 32-token answer, the 32-token extend;
@@ -113,17 +113,17 @@ if has cpubw; then  # the CPU expert kernel alone at the bench's thread count (m
         --experts-per-call ${shape##*,} 2>&1 | tail -5 | sed "s/^/$shape /" | tee -a "$OUT/cpubw.txt"
   done
 fi
-decode() {  # decode on the q12 model (THREADS CPU threads; DECODE_FLAGS: more ft-bench flags, e.g. in an
-  # AB_ENV_<name>="DECODE_FLAGS=--prompt=512"); $1: strategies, $2: graphs, then more flags
-  $PY -m ftkit.tools.bench.cli decode -m "$W/q12.ftw" --cache-fraction 0.35 --threads ${THREADS:-15} \
+decode() {  # decode on DECODE_MODEL (q12 or q4km; THREADS CPU threads, CACHE_FRACTION; DECODE_FLAGS: more
+  # ft-bench flags, e.g. in an AB_ENV_<name>="DECODE_FLAGS=--prompt=512"); $1: strategies, $2: graphs, then more flags
+  $PY -m ftkit.tools.bench.cli decode -m "$W/${DECODE_MODEL:-q12}.ftw" --cache-fraction ${CACHE_FRACTION:-0.35} --threads ${THREADS:-15} \
       --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-32} --strategies "$1" --graphs "$2" ${DECODE_FLAGS:-} "${@:3}"
 }
 if has decode; then
-  q12
+  ${DECODE_MODEL:-q12}
   decode ${STRATEGIES:-offload,cpu,hybrid} ${GRAPHS:-both} $J "$OUT/decode.json" --trace-dir "$OUT" 2>&1 | tee "$OUT/decode.txt"
 fi
 if has sampled; then  # hybrid graph decode with each token sampled on the device (temperature, top-p)
-  q12
+  ${DECODE_MODEL:-q12}
   decode hybrid on --temperature 0.7 --top-p 0.95 $J "$OUT/sampled.json" 2>&1 | tee "$OUT/sampled.txt"
 fi
 if has prefill; then
@@ -188,7 +188,8 @@ if has nextprefill; then  # without anchors and with one every ANCHORS tokens
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
   # (dir=name; ab-old: `git archive REV | tar -x -C ab-old`, untracked, so it travels)
-  case " ${AB_RUN:-extend} " in *" decode "* | *" extend "* | *" bigprompt "*) q12 ;; esac
+  case " ${AB_RUN:-extend} " in *" extend "* | *" bigprompt "*) q12 ;; esac
+  case " ${AB_RUN:-extend} " in *" decode "*) ${DECODE_MODEL:-q12} ;; esac
   case " ${AB_RUN:-extend} " in *" nextdecode "* | *" nextprefill "*) qn4 ;; esac
   for run in ${AB:-}; do  # AB_RUN: one or more of extend (REPEAT turns), decode (graph decode),
     d=${run%%=*} name=${run#*=}  # nextdecode (graph decode of qn4), nextprefill (its prompt, anchors
