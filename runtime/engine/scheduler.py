@@ -71,6 +71,15 @@ class RebuildError(Exception):
     """A rebuild that was refused or rolled back; the old split is in force."""
 
 
+def _new_counts() -> dict:
+    return {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0,
+            "prompt_tokens": 0, "generated_tokens": 0,
+            "decode_forwards": 0, "decode_batched_tokens": 0,  # how much decode was batched
+            "decode_batches": 0, "decode_batch_seconds": 0.0,  # the batched steps and their time
+            "prefill_forwards": 0,  # the forwards that prefilled the requests (several in one where they join)
+            "replies_cached": 0}
+
+
 class Scheduler:
     def __init__(self, rt: Runtime, plan: MemoryPlan, max_running: int = 4):
         if max_running < 1:
@@ -85,12 +94,7 @@ class Scheduler:
         self.recent: deque[dict] = deque(maxlen=RECENT_KEPT)  # the last finished requests' timings
         self.cond = threading.Condition()
         self.closed = False
-        self.counts = {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0,
-                       "prompt_tokens": 0, "generated_tokens": 0,
-                       "decode_forwards": 0, "decode_batched_tokens": 0,  # how much decode was batched
-                       "decode_batches": 0, "decode_batch_seconds": 0.0,  # the batched steps and their time
-                       "prefill_forwards": 0,  # the forwards that prefilled the requests (several in one where they join)
-                       "replies_cached": 0}
+        self.counts = _new_counts()
         self.busy_seconds = 0.0
         self.mode = DecodeMode()  # batched steps or bursts in turn, for several running requests
         self.started = time.time()
@@ -127,8 +131,7 @@ class Scheduler:
         fut: Future = Future()
 
         def drop() -> None:
-            self.counts = dict.fromkeys(self.counts, 0)
-            self.counts["decode_batch_seconds"] = 0.0
+            self.counts = _new_counts()
             self.recent.clear()
             self.replies.clear()
             self.busy_seconds = 0.0

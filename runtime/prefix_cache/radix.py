@@ -74,13 +74,10 @@ class RadixTree:
             pieces.append((node, min(len(node.tokens), upto - start)))
         if not pieces:
             return
+        whole, (last, n) = [node for node, _ in pieces[:-1]], pieces[-1]  # only the last may be cut
         for layer in self.layers:
-            for rows, kind in ((kv.k[layer], "k"), (kv.v[layer], "v")):
-                parts = [getattr(node, kind)[layer] for node, _ in pieces]
-                node, n = pieces[-1]
-                if n < len(node.tokens):
-                    parts[-1] = parts[-1][:n]
-                torch.cat(parts, out=rows[:upto])
+            torch.cat([*(node.k[layer] for node in whole), last.k[layer][:n]], out=kv.k[layer][:upto])
+            torch.cat([*(node.v[layer] for node in whole), last.v[layer][:n]], out=kv.v[layer][:upto])
 
     def insert(self, tokens: list[int], end: int, kv: KVCache, stops: list[int]) -> dict[int, Node]:
         """Hold rows 0..end of `kv` (computed for `tokens`); every position in `stops` ends a
