@@ -219,7 +219,7 @@ void qdot(const uint8_t* const* rows, int n, const uint8_t* const* xq, float (*s
     typename Q::Unit w[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* b = rows[r] + size_t(u) * Q::BYTES;
-      __builtin_prefetch(b + PREFETCH);
+      prefetch_block<Q::BYTES>(b);
       Q::load(b, w[r]);
     }
     for (int t = 0; t < TB; ++t) {
