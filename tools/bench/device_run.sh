@@ -53,7 +53,7 @@ if ! $PY -c "import ftkit.kernels.cpu" 2>/dev/null; then
 fi
 { nproc; lscpu | grep -E 'Model name|^L3|NUMA|Socket|Core|Thread'; grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag}
   grep -E 'MemTotal|MemFree|MemAvailable|^Cached|AnonHuge|HugePages_Total' /proc/meminfo; numactl -H 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv; } > "$OUT/machine.txt" 2>&1
-PROFILE=docs/profiles/h200-16c.json
+PROFILE=${PROFILE:-docs/profiles/h200-16c.json}  # a profile calibrated earlier (the calibrate part replaces it)
 # ft-bench's results file: --out (a tree older than that option took the path as --json; the ab
 # part sets J again for each tree it installs)
 bench_json_flag() { $PY -m ftkit.tools.bench.cli decode --help 2>/dev/null | grep -qE -- '--out +-o' && echo --out || echo --json; }
@@ -219,14 +219,20 @@ if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2
       esac && $PY -c "import json, sys; out = json.load(open(sys.argv[1]))
 if 'runs' not in out:  # the fills bench: fill-through GB/s per kernel and misses
     what = ' '.join(f\"{r['kernel']}x{r['slots']} {r['fill_through_gbps']:.1f}\" for r in out['results'])
-else:
-    d, p = out['runs'][0]['decode'], (out['runs'][0]['prefill'] or [{}])[0]
-    cpu = f\", worker {d['cpu_side_gbps']:.1f} GB/s\" if d.get('cpu_side_gbps') else ''
-    pool = out['runs'][0].get('host_pool')
-    cpu += f\", pool {pool['huge_fraction']:.0%} huge {pool['numa_gib']}\" if pool else ''
-    what = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound{cpu})\"
-    if sys.argv[3] in ('bigprompt', 'nextprefill'):
-        what = f\"{p['chunk']}-token prompt in {p['seconds']:.3f} s ({p['missed_gb']:.1f} GB moved), extend {1e3 * p['extend_seconds']:.1f} ms\"
+else:  # each strategy's run (one line each: the tables stay in the results)
+    what = []
+    for run in out['runs']:
+        d, p = run['decode'], (run['prefill'] or [{}])[0]
+        cpu = f\", worker {d['cpu_side_gbps']:.1f} GB/s\" if d.get('cpu_side_gbps') else ''
+        pool = run.get('host_pool')
+        cpu += f\", pool {pool['huge_fraction']:.0%} huge {pool['numa_gib']}\" if pool else ''
+        one = f\"extend {1e3 * p['extend_seconds']:.1f} ms\" if 'extend_seconds' in p else f\"decode {d['tok_s']:.1f} tok/s ({d['of_bound']:.0%} of bound{cpu})\"
+        if sys.argv[3] in ('bigprompt', 'nextprefill'):
+            one = f\"{p['chunk']}-token prompt in {p['seconds']:.3f} s ({p['missed_gb']:.1f} GB moved), extend {1e3 * p['extend_seconds']:.1f} ms\"
+        elif 'seconds' in p:
+            one += f\", {p['chunk']}-token prompt {p['seconds']:.3f} s\"
+        what.append(f\"{run['strategy']} {one}\")
+    what = '; '.join(what)
 print(f'{sys.argv[2]}: {what}')" "$OUT/ab-$name-$kind.json" "$name ($d) $kind" $kind || echo "$name ($d) $kind: failed, see ab-$name-$kind.txt"
     done
     )
