@@ -3,6 +3,8 @@
 # Every result goes under $OUT (default ./device-out). ftkit is installed editable from this tree
 # without build isolation or deps; the CPU kernel is built with a plain g++ call.
 #   OUT=/tmp/out PARTS="kernels calibrate gpu read decode" bash tools/bench/device_run.sh
+# PROFILE: the profile the parts price bounds with (default the committed H200 one; the calibrate
+# part replaces it with its own, so a later run in the same call can name that file).
 # Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile; CAL_MODEL=q12 or
 # q4km: of that model's slot formats), wrong
 # (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files), zerocopy
@@ -53,7 +55,7 @@ if ! $PY -c "import ftkit.kernels.cpu" 2>/dev/null; then
 fi
 { nproc; lscpu | grep -E 'Model name|^L3|NUMA|Socket|Core|Thread'; grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag}
   grep -E 'MemTotal|MemFree|MemAvailable|^Cached|AnonHuge|HugePages_Total' /proc/meminfo; numactl -H 2>/dev/null; nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv; } > "$OUT/machine.txt" 2>&1
-PROFILE=${PROFILE:-docs/profiles/h200-16c.json}  # a profile calibrated earlier (the calibrate part replaces it)
+PROFILE=${PROFILE:-docs/profiles/h200-16c.json}
 # ft-bench's results file: --out (a tree older than that option took the path as --json; the ab
 # part sets J again for each tree it installs)
 bench_json_flag() { $PY -m ftkit.tools.bench.cli decode --help 2>/dev/null | grep -qE -- '--out +-o' && echo --out || echo --json; }
