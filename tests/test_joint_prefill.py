@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from ftkit.runtime.engine import scheduler as scheduler_mod
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import SamplingParams
@@ -85,6 +86,38 @@ def test_requests_arriving_together_prefill_in_one_forward(model):
     assert all(ends[n].error is None for n in range(len(prompts)))
     assert [ends[n].gen.token_ids for n in range(len(prompts))] == alone
     assert stats["prefill_forwards"] == 1 and stats["completed"] == len(prompts)
+
+
+def test_a_pass_waits_for_requests_on_their_way_and_no_longer(model, monkeypatch):
+    """A request submitted while another is on its way (`arrival`) waits for it and both prefill
+    in one forward; a request with nothing on its way is not held."""
+    monkeypatch.setattr(scheduler_mod, "ARRIVAL_WAIT_S", 600.0)  # only an arrival ends the wait
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    rt = Runtime(model, RuntimeOptions(strategy="cpu", threads=1))
+    sched = Scheduler(rt, rt.resolved.memory, max_running=4)
+    done = [threading.Event() for _ in range(3)]
+    errors = []
+
+    def sink(ev, n):
+        if ev.done:
+            errors.append(ev.error)
+            done[n].set()
+
+    try:
+        sched.submit(Request(PROMPTS[0], params, lambda ev: sink(ev, 0)))  # alone: not held
+        assert done[0].wait(120)
+        arrived = sched.arrival()
+        sched.submit(Request(PROMPTS[1], params, lambda ev: sink(ev, 1)))
+        assert not done[1].wait(0.2) and sched.stats()["prefill_forwards"] == 1  # held for the other
+        sched.submit(Request(PROMPTS[2], params, lambda ev: sink(ev, 2)))
+        arrived()
+        arrived()  # a second call does nothing
+        assert done[1].wait(120) and done[2].wait(120)
+        assert sched.arriving == 0 and errors == [None] * 3
+        assert sched.stats()["prefill_forwards"] == 2  # the first alone, the other two together
+    finally:
+        sched.close()
+        rt.close()
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from ftkit.runtime.engine import generate as generate_mod
+from ftkit.runtime.engine import scheduler as scheduler_mod
 from ftkit.runtime.engine.sampling import Sampler as RealSampler
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.engine.scheduler import Event
@@ -367,6 +368,46 @@ def test_eight_concurrent_streams(server, oai):
     # Running requests decode together: fewer forwards than tokens.
     forwards = after["decode_forwards"] - before["decode_forwards"]
     assert after["decode_batched_tokens"] - before["decode_batched_tokens"] > forwards > 0
+
+
+def until(cond, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_requests_sent_together_share_one_prefill(server, oai, monkeypatch):
+    """Two streams the scheduler holds while a third request is on its way (its first byte read,
+    not yet submitted) prefill in one forward once it arrives: each stream's own arrival ended at
+    its submit, through the app's middleware. Refused requests leave the count too."""
+    sched = server.state.scheduler
+    monkeypatch.setattr(scheduler_mod, "ARRIVAL_WAIT_S", 600.0)  # only arrivals end the wait
+    before = stats(server)["requests"]
+    texts: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        texts[i] = "".join(c.choices[0].text for c in oai.completions.create(
+            model=MODEL, prompt=list(range(20 + i, 60 + i)), max_tokens=3, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices)
+
+    on_its_way = sched.arrival()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        until(lambda: stats(server)["requests"]["submitted"] - before["submitted"] == 2)
+        assert stats(server)["requests"]["prefill_forwards"] == before["prefill_forwards"]  # held
+    finally:
+        on_its_way()
+    for t in threads:
+        t.join(60)
+    assert sorted(texts) == [0, 1]
+    assert stats(server)["requests"]["prefill_forwards"] - before["prefill_forwards"] == 1
+    url, auth = server.url + "/v1/completions", {"authorization": f"Bearer {KEY}"}
+    assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
+    assert httpx.post(url, json={"model": MODEL, "prompt": [1, 2]}).status_code == 401
+    until(lambda: sched.arriving == 0)
 
 
 def test_disconnect_frees_the_slot(server):

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from . import anthropic, control, openai, responses
-from .core import ServerState
+from .core import ARRIVAL, ServerState
 from .errors import ApiError, body_for, send_error
 from .limits import BodyLimit
 from .openapi_doc import document
@@ -49,6 +49,27 @@ class KeyCheck:
         await self.app(scope, receive, send)
 
 
+class Arrivals:
+    """ASGI middleware: a POST is on its way to the scheduler (`Scheduler.arrival`) from its first
+    byte until its Job is submitted (`ARRIVAL`) or it ends, so that requests sent together are
+    prefilled in one forward. Plain ASGI: the route runs in this task and sees `ARRIVAL`."""
+
+    def __init__(self, app, scheduler):
+        self.app, self.scheduler = app, scheduler
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        arrived = self.scheduler.arrival()
+        token = ARRIVAL.set(arrived)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            ARRIVAL.reset(token)
+            arrived()
+
+
 def create_app(state: ServerState) -> FastAPI:
     # No /docs or /redoc: their pages load scripts from a CDN, which a loopback server should not need.
     app = FastAPI(title="ftkit", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
@@ -70,6 +91,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=state.max_body)
     if state.api_key:
         app.add_middleware(KeyCheck, key=state.api_key)
+    app.add_middleware(Arrivals, scheduler=state.scheduler)  # outermost: counted from the first byte
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

@@ -4,8 +4,9 @@ generation job that bridges the scheduler thread to asyncio and cancels on disco
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,9 @@ from .toolcalls import Item, Parser, ToolCall, parser_for, tag_tokens
 
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.5
+# The request's `Scheduler.arrival` release, set for the request's task by the app's `Arrivals`
+# middleware and called once its Job is submitted.
+ARRIVAL: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar("ftkit_arrival", default=None)
 
 
 @dataclass
@@ -137,6 +141,9 @@ class Job:
             state.scheduler.submit(self.req)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        finally:
+            if (arrived := ARRIVAL.get()) is not None:
+                arrived()
 
     async def events(self, http_request: Any = None) -> AsyncIterator[Event]:
         """Token events then the final one; the request is cancelled if the consumer stops
