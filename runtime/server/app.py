@@ -20,6 +20,9 @@ from .openapi_doc import document
 # Answered without a key, for load balancers and `ft-run ctl`. /openapi.json is not among them:
 # it names the served model and is read by tools, which can send the key as clients do.
 OPEN_PATHS = {"/health"}
+# The routes that submit a generation (`Arrivals` counts their requests; /v1/cache/rebuild, say,
+# waits for the scheduler's safe point and must not hold its passes).
+GENERATING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
 
 
 def _key_of(headers: Headers) -> str | None:
@@ -50,15 +53,17 @@ class KeyCheck:
 
 
 class Arrivals:
-    """ASGI middleware: a POST is on its way to the scheduler (`Scheduler.arrival`) from its first
-    byte until its Job is submitted (`ARRIVAL`) or it ends, so that requests sent together are
-    prefilled in one forward. Plain ASGI: the route runs in this task and sees `ARRIVAL`."""
+    """ASGI middleware: a POST to a GENERATING route is on its way to the scheduler
+    (`Scheduler.arrival`) from its first byte until its Job is submitted (`ARRIVAL`) or it ends,
+    so that requests sent together are prefilled in one forward. Plain ASGI: the route runs in
+    this task and sees `ARRIVAL`. A pass waits for it at most ARRIVAL_WAIT_S, so a client that
+    sends its body slowly delays no one by more."""
 
     def __init__(self, app, scheduler):
         self.app, self.scheduler = app, scheduler
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATING:
             await self.app(scope, receive, send)
             return
         arrived = self.scheduler.arrival()
