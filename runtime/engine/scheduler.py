@@ -39,7 +39,7 @@ REPLY_GRACE_S = 0.25
 RECENT_KEPT = 32  # finished requests whose timings /v1/stats shows (ft-bench serve reads them)
 # A pass about to prefill new requests waits at most this long while others are on their way
 # (`arrival`: read, parsed, tokenized), so that prompts sent together share one forward, which
-# reads each layer's experts once. CI (H200 host, q4km): of four 1536-token requests sent at once
+# reads each layer's experts once. Host CI (an H200, q4km): of four 1536-token requests sent at once
 # the first was prefilled alone (TTFT 0.12 s) and the other three waited for it (0.28 s). A lone
 # request never waits: nothing else is on its way.
 ARRIVAL_WAIT_S = 0.01
