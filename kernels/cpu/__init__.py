@@ -147,9 +147,12 @@ class Kernel:
         `out` [T * k, H]; rows of `out` no assignment names are left untouched. `out_rows`: the
         row of `out` for each assignment in order instead (a compact `out` of just these rows).
         `int8`: the int8 path (`int8_activations`)."""
-        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows, int8)
+        self.run(self.prepare(layout, slots, assignments, x, weights, out, k, threads, out_rows, int8))
+
+    def run(self, call: _Call | None) -> None:
+        """One `experts` call from its `prepare`d arguments."""
         if call is not None and self.lib.ftk_experts(*call.args):
-            raise ValueError(f"the CPU kernel does not support expert formats {'/'.join(layout.formats)}")
+            raise ValueError(f"the CPU kernel does not support expert formats {call.formats}")
 
     def start_experts(self, runner: Runner, layout: SlotLayout, slots: Sequence[torch.Tensor],
                       assignments: Sequence[Indices], x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
@@ -161,7 +164,7 @@ class Kernel:
         call shares its experts with the caller, who takes them from the front (`take_front`)
         while the call takes them from the back; it runs only those it takes. `done`: (address
         of an int32 word, value): the call writes the value there when its rows are written."""
-        call = self._call(layout, slots, assignments, x, weights, out, k, threads, out_rows, int8)
+        call = self.prepare(layout, slots, assignments, x, weights, out, k, threads, out_rows, int8)
         if call is not None:
             call.args += (None if split is None else split.ctypes.data, *(done or (None, 0)))
             if split is not None:
@@ -195,12 +198,15 @@ class Kernel:
         return Runner(self.lib)
 
     @staticmethod
-    def _call(layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
-              x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
-              out_rows: Indices | None, int8: bool) -> _Call | None:
-        """The checked arguments of one call (None: nothing to do). The index arithmetic is numpy:
-        the store makes one call per layer, and torch's per-call overhead on arrays of a few
-        hundred elements added up to a tenth of a millisecond there."""
+    def prepare(layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
+                x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, k: int, threads: int,
+                out_rows: Indices | None = None, int8: bool = False) -> _Call | None:
+        """`experts`' checked arguments (None: nothing to do), which `run` may call as often as
+        wanted on the tensors as they are then: a benchmark times the kernel alone, as the
+        graph-decode worker runs it, without these checks (~70 us a call of 8 experts on the dev
+        box). The index arithmetic is numpy: the store makes one call per layer, and torch's
+        per-call overhead on arrays of a few hundred elements added up to a tenth of a
+        millisecond there."""
         inter, hidden = layout.parts[0].shape  # gate [I, H]
         if x.dtype != torch.float32 or out.dtype != torch.float32 or x.shape[-1] != hidden:
             raise ValueError(f"the CPU kernel takes float32 x [T, {hidden}] and out, got {x.dtype} {tuple(x.shape)}")
@@ -224,7 +230,7 @@ class Kernel:
         ptrs = np.array([s.data_ptr() for s in slots], dtype=np.int64)
         offsets, clamp = _expert_fn(layout)
         keep = (rows, starts, tok, w, ptrs, offsets, clamp, x, out, *slots)
-        return _Call((code, hidden, inter, offsets.ctypes.data, len(slots), ptrs.ctypes.data,
+        return _Call("/".join(layout.formats), (code, hidden, inter, offsets.ctypes.data, len(slots), ptrs.ctypes.data,
                       starts.ctypes.data, tok.ctypes.data, w.ctypes.data, rows.ctypes.data, x.data_ptr(),
                       out.data_ptr(), threads, None if clamp is None else clamp.ctypes.data), keep)
 
@@ -275,8 +281,8 @@ def _expert_fn(layout: SlotLayout) -> tuple[np.ndarray, np.ndarray | None]:
 class _Call:
     """ftk_experts' arguments and the tensors they point into (alive while the call runs)."""
 
-    def __init__(self, args: tuple, keep: tuple):
-        self.args, self.keep = args, keep
+    def __init__(self, formats: str, args: tuple, keep: tuple):
+        self.formats, self.args, self.keep = formats, args, keep
 
 
 class Runner:
