@@ -248,6 +248,14 @@ def test_read_sums_the_buffer():
     assert math.isclose(kernel.read(torch.arange(48.0).view(torch.uint8), 1), sum(range(48)))
 
 
+def test_peak_counts_the_operations_it_runs():
+    kernel = _kernel()
+    lanes = {"avx512": 16, "avx2": 8, "scalar": 1}[kernel.isa]
+    assert kernel.lib.ftk_peak(0, 10, 2) == 2 * 10 * 12 * lanes * 2  # threads x rounds x FMAs x lanes x 2
+    assert kernel.lib.ftk_peak(1, 10, 2) in (0, 2 * 10 * 12 * 64 * 2)  # 0: no int8 path here
+    assert kernel.peak_gflops(1, seconds=0.01) > 0
+
+
 def test_torch_fallback_is_chosen_when_asked():
     load.cache_clear()
     os.environ["FTKIT_CPU_KERNEL"] = "torch"

@@ -17,11 +17,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -137,6 +139,8 @@ class Kernel:
         self.lib.ftk_runner_wait.argtypes = [_ptr, ctypes.POINTER(ctypes.c_int64)]
         self.lib.ftk_runner_stop.argtypes = [_ptr]
         self.lib.ftk_read.argtypes = [_ptr, _i64, ctypes.c_int]
+        self.lib.ftk_peak.restype = ctypes.c_double
+        self.lib.ftk_peak.argtypes = [ctypes.c_int, _i64, ctypes.c_int]
         self.isa: str = self.lib.ftk_isa().decode()
 
     def experts(self, layout: SlotLayout, slots: Sequence[torch.Tensor], assignments: Sequence[Indices],
@@ -258,6 +262,21 @@ class Kernel:
             n, tokens, k, ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(),
             busy_ns.data_ptr(), threads, None if clamp is None else clamp.ctypes.data)
         return Worker(self.lib, handle, (row_ptrs, ctrl, payload, out, busy_ns))
+
+    def peak_gflops(self, threads: int, int8: bool = False, seconds: float = 0.3) -> float | None:
+        """The cores' peak in GFLOP/s (2 a multiply-add) from registers only, at `threads`
+        threads: float32 FMAs, or with `int8` the int8 path's byte products (None where that
+        path is not built). What the expert kernel's GFLOP/s are reported against."""
+        iters = 1 << 12
+        while True:  # grow the run until it takes `seconds` (the first rounds also wake the cores up)
+            t0 = time.perf_counter()
+            ops = self.lib.ftk_peak(int(int8), iters, threads)
+            dt = time.perf_counter() - t0
+            if not ops:
+                return None
+            if dt >= seconds:
+                return ops / dt / 1e9
+            iters *= 2 if dt < seconds / 8 else max(2, math.ceil(seconds / max(dt, 1e-6)))
 
     def read(self, buf: torch.Tensor, threads: int) -> float:
         """Read all of `buf` (contiguous, nbytes a multiple of 64) with `threads` threads."""

@@ -1425,6 +1425,55 @@ void ftk_runner_stop(void* handle) {
   delete r;
 }
 
+// The core's peak that the expert kernel's GFLOP/s are reported against (tools/bench/cpu_experts):
+// `iters` rounds per thread of 12 independent multiply-adds on registers only, no memory. `int8`:
+// the int8 path's byte products (VNNI's dpbusd where the CPU has it, else maddubs: 64 a 512-bit
+// instruction), else float32 FMAs (W lanes). Returns the operations done (2 per multiply-add), or
+// 0 for an int8 peak where the int8 path is not built.
+static std::atomic<int64_t> peak_sink{0};  // the loops' results go somewhere, so they are not optimised away
+
+double ftk_peak(int int8, int64_t iters, int threads) {
+  constexpr int ACC = 12;  // enough in flight for two ports at a 4-5 cycle latency
+  double total = 0;
+  if (int8) {
+#if INT8_PATH
+#pragma omp parallel reduction(+ : total) num_threads(std::max(1, threads))
+    {
+      Vi acc[ACC];
+      for (int u = 0; u < ACC; ++u) acc[u] = _mm512_set1_epi32(u);
+      Vi a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+      asm("" : "+v"(a), "+v"(b));
+      for (int64_t i = 0; i < iters; ++i)
+        for (int u = 0; u < ACC; ++u) {
+#if defined(__AVX512VNNI__)
+          acc[u] = _mm512_dpbusd_epi32(acc[u], a, b);
+#else
+          acc[u] = _mm512_add_epi16(acc[u], _mm512_maddubs_epi16(a, b));
+#endif
+        }
+      Vi s = acc[0];
+      for (int u = 1; u < ACC; ++u) s = _mm512_add_epi32(s, acc[u]);
+      peak_sink.fetch_add(_mm512_reduce_add_epi32(s), std::memory_order_relaxed);
+      total += double(iters) * ACC * 64 * 2;
+    }
+#endif
+    return total;
+  }
+#pragma omp parallel reduction(+ : total) num_threads(std::max(1, threads))
+  {
+    V acc[ACC];
+    for (int u = 0; u < ACC; ++u) acc[u] = vset(float(u));
+    V a = pin(vset(1.0f)), b = pin(vset(1e-9f));
+    for (int64_t i = 0; i < iters; ++i)
+      for (int u = 0; u < ACC; ++u) acc[u] = vfma(a, b, acc[u]);
+    V s = acc[0];
+    for (int u = 1; u < ACC; ++u) s = vadd(s, acc[u]);
+    peak_sink.fetch_add(int64_t(vsum(s)), std::memory_order_relaxed);
+    total += double(iters) * ACC * W * 2;
+  }
+  return total;
+}
+
 // A plain parallel read of `nbytes` (a multiple of 64) as floats: the DRAM bandwidth reference
 // the expert kernel is measured against. Returns the sum so the reads cannot be optimised away.
 double ftk_read(const uint8_t* p, int64_t nbytes, int threads) {

@@ -5,7 +5,10 @@ and of a plain parallel read of the same buffer (the DRAM ceiling), per thread c
 set of bf16 qwen3-30b-a3b experts much larger than the caches, cycled so no expert is reused warm.
 `--dtype` takes the GGUF block formats ftkit quantizes too, and `q4_k_m` (llama-quantize's mix
 for most layers: gate and up q4_k, down q6_k): the GB/s are then of the quantized bytes, as the
-kernel reads them, and GFLOP/s count the SwiGLU's 6 H I flops per token and expert.
+kernel reads them, and GFLOP/s count the SwiGLU's 6 H I flops per token and expert, beside the
+cores' peak at that thread count from registers alone (`Kernel.peak_gflops`: float32 FMAs, or
+with `--int8` the int8 path's byte products; parts whose format has no int8 kernel still
+multiply in float32).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def main() -> None:
             status.update(f"{t} thread(s)")
             row = {"threads": t,
                    "dram_read_gbps": dram_read_gbps(kernel, slots, t, args.seconds),
+                   "peak_gflops": kernel.peak_gflops(t, args.int8),
                    "ftkit_gbps": cpu_experts_gbps(kernel, cycle, t, args.seconds),
                    "torch_gbps": None if args.no_torch else torch_experts_gbps(cycle, t, args.seconds)}
             steps = {"ftkit": cycle.kernel_step(kernel, t)}
@@ -97,13 +101,17 @@ def main() -> None:
                         f"{', int8 path' if args.int8 else ''}")
     extra = [c for c in ("shared_gbps", "ftkit_overlapped_gbps", "pcie_with_ftkit_gbps", "shared_overlapped_gbps",
                          "pcie_with_shared_gbps") if c in rows[0]]
-    for col in ("threads", "ftkit GB/s", "ftkit GFLOP/s", "torch GB/s", "DRAM read GB/s", "ftkit / DRAM",
+    for col in ("threads", "ftkit GB/s", "ftkit GFLOP/s", "peak GFLOP/s", "ftkit / peak", "torch GB/s",
+                "DRAM read GB/s", "ftkit / DRAM",
                 *(c.removesuffix("_gbps").replace("_", " ") + " GB/s" for c in extra)):
         table.add_column(col, justify="right")
     for r in rows:
         torch_gbps = "-" if r["torch_gbps"] is None else f"{r['torch_gbps']:.1f}"
-        table.add_row(str(r["threads"]), f"{r['ftkit_gbps']:.1f}", f"{r['ftkit_gbps'] * flop_per_byte:.1f}", torch_gbps, f"{r['dram_read_gbps']:.1f}",
-                      f"{r['ftkit_gbps'] / r['dram_read_gbps']:.0%}", *(f"{r[c]:.1f}" for c in extra))
+        gflops, peak = r["ftkit_gbps"] * flop_per_byte, r["peak_gflops"]
+        table.add_row(str(r["threads"]), f"{r['ftkit_gbps']:.1f}", f"{gflops:.1f}",
+                      "-" if peak is None else f"{peak:.0f}", "-" if peak is None else f"{gflops / peak:.1%}",
+                      torch_gbps, f"{r['dram_read_gbps']:.1f}", f"{r['ftkit_gbps'] / r['dram_read_gbps']:.0%}",
+                      *(f"{r[c]:.1f}" for c in extra))
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
