@@ -177,6 +177,35 @@ def test_planner_protects_this_steps_experts():
     assert cache.table[11] == -1 and cache.table[12] >= 0
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_claiming_many_slots_at_once_claims_as_one_at_a_time(seed):
+    """`claim_many` (one pass over the LRU) leaves the cache as `claim` row by row does, each
+    claimed row protected from the next, whatever the free slots, holds and protected rows."""
+    import copy
+    import random
+
+    rnd = random.Random(seed)
+    a = SlotCache(rnd.randint(1, 40), 1, 120, torch.device("cpu"))
+    for _ in range(rnd.randint(0, 60)):
+        if a.lookup(row := rnd.randrange(120)) is None:
+            a.claim(row, set())
+    if rnd.random() < 0.5:
+        a.hold(rnd.randint(0, a.capacity))
+    b = copy.deepcopy(a)
+    rows = [r for r in rnd.sample(range(120), rnd.randint(0, 30)) if r not in a.lru]
+    protected = set(rnd.sample(list(a.lru), min(len(a.lru), rnd.randint(0, 15))))
+    got = a.claim_many(rows, set(protected))
+    one_by_one = []
+    for row in rows:
+        if (slot := b.claim(row, protected)) is None:
+            break
+        one_by_one.append(slot)
+        protected.add(row)
+    assert got == one_by_one
+    assert list(a.lru.items()) == list(b.lru.items()) and a.free == b.free
+    assert (a._table == b._table).all()  # (a deep copy's `_table` no longer shares `table`'s memory)
+
+
 def test_hybrid_fills_every_miss_of_a_prefill_sized_batch():
     cache = SlotCache(8, 4096, 100, torch.device("cpu"))
     p = Planner("hybrid", fill_fraction=0.25)

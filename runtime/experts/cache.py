@@ -7,6 +7,7 @@ without a GPU.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import torch
@@ -35,17 +36,30 @@ class SlotCache:
 
     def claim(self, row: int, protected: set[int]) -> int | None:
         """A slot for `row`: a free one, else the least recently used row not in `protected`."""
-        if self.free:
-            slot = self.free.pop()
-        else:
-            victim = next((r for r in self.lru if r not in protected and r not in self.kept), None)
-            if victim is None:
-                return None
-            slot = self.lru.pop(victim)
-            self._table[victim] = -1
-        self.lru[row] = slot
-        self._table[row] = slot
-        return slot
+        slots = self.claim_many([row], protected)
+        return slots[0] if slots else None
+
+    def claim_many(self, rows: list[int], protected: set[int]) -> list[int]:
+        """`claim` for each of `rows` (none resident) in turn, each claimed row protected from
+        the next: their slots, in order, up to the first row that finds none. One pass over the
+        LRU finds all the victims (a prefill layer claims ~100 slots at once; a scan from the
+        front for each took 1.5 ms of host time a layer on the dev box)."""
+        need = len(rows) - len(self.free)
+        victims = iter(list(itertools.islice(
+            (r for r in self.lru if r not in protected and r not in self.kept), max(0, need))))
+        slots = []
+        for row in rows:
+            if self.free:
+                slot = self.free.pop()
+            elif (victim := next(victims, None)) is not None:
+                slot = self.lru.pop(victim)
+                self._table[victim] = -1
+            else:
+                break
+            self.lru[row] = slot
+            self._table[row] = slot
+            slots.append(slot)
+        return slots
 
     def unclaim(self, row: int, slot: int) -> None:
         """Give back a slot just claimed for `row` and not filled (`row` was never resident)."""

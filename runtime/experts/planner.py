@@ -127,12 +127,7 @@ class Planner:
             else:
                 plan.hits.append((row, slot))
         q = len(misses) if fill_all else 0 if shared else self.fill_count(len(misses))
-        protected = {r for r, _ in plan.hits}
-        for i, row in enumerate(misses):
-            slot = cache.claim(row, protected) if i < q else None
-            if slot is None:  # not chosen, or no slot left that this step is not using
-                plan.cpu.append(row)
-            else:
-                plan.fills.append((row, slot))
-                protected.add(row)
+        slots = cache.claim_many(misses[:q], {r for r, _ in plan.hits})
+        plan.fills = list(zip(misses[: len(slots)], slots, strict=True))
+        plan.cpu = misses[len(slots):]  # not chosen, or no slot left that this step is not using
         return plan

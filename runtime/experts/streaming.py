@@ -50,19 +50,14 @@ class LayerPrefetcher:
             return
         want = list(self.rows(moe_index))
         protected = set(in_use) | {r for r in want if cache.lookup(r) is not None}
-        filled = []
+        missing = [r for r in want if r not in protected]
+        slots = cache.claim_many(missing, protected)
+        filled = missing[: len(slots)]
         if self.stream is not None:  # the copies must not start before the slots' last readers
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            for row in want:
-                if row in protected:
-                    continue
-                slot = cache.claim(row, protected)
-                if slot is None:
-                    break
+            for row, slot in zip(filled, slots, strict=True):
                 cache.fill(slot, self.pool.slot(row))
-                protected.add(row)
-                filled.append(row)
         event = None
         if self.stream is not None:
             event = torch.cuda.Event()
