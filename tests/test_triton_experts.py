@@ -212,6 +212,20 @@ def test_gemm_skips_tiles_past_the_device_count(fill):
         assert torch.equal(d_slots.cpu()[0], host[0]) and not d_slots.cpu()[1].any()
 
 
+@pytest.mark.parametrize("n", [1, 1023, 1024, 2500])
+def test_pull_reads_a_page_locked_list_into_device_memory(n):
+    """`zero_copy.pull` (prefill's GEMM work list read by the SMs, not a copy engine) copies every
+    value across its blocks' edges and nothing past the end."""
+    from ftkit.kernels.triton import zero_copy
+
+    host = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
+    if CUDA:
+        host = host.pin_memory()
+    out = torch.full((n + 5,), 7, dtype=torch.int32, device=DEV)
+    zero_copy.pull(host, out[:n])
+    assert torch.equal(out.cpu()[:n], host) and (out.cpu()[n:] == 7).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_rms_norm_matches_torch(dtype):
     from ftkit.kernels.triton.norm import rms_norm as triton_rms_norm

@@ -9,9 +9,12 @@ Each (token, k) assignment's weighted output lands in its own row of `y`.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 
+from ftkit.kernels.triton import optional
 from ftkit.vocab import ExpertLayout, SlotLayout
 
 from .cache import SlotCache
@@ -28,6 +31,8 @@ class ExpertKernels:
         of the CPU kernel takes its int8 path (`int8_activations` of the run's dtype)."""
         self.layouts, self.device, self.kernel, self.threads, self.grouped = layout, device, cpu_kernel, threads, grouped
         self.int8 = int8
+        self.zero_copy = optional("zero_copy") if grouped is not None else None
+        self._pulls: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()  # page-locked lists not yet read
 
     def resident(self, cache: SlotCache, resident: list[tuple[int, int]], groups: dict[int, np.ndarray],
                  x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, k: int) -> None:
@@ -66,7 +71,7 @@ class ExpertKernels:
         assignments sorted by expert and uploaded once with the tile list."""
         idx = np.concatenate([groups[r] for r, _ in resident])
         tiles = self.grouped.gemm_tiles([(s, len(groups[r])) for r, s in resident])
-        meta = _upload(np.concatenate([idx // k, idx, tiles]), x.device)
+        meta = self._pull(np.concatenate([idx // k, idx, tiles]), x.device)
         n = len(idx)
         tokens, dst = meta[:n], meta[n : 2 * n]
         layout = self.layouts.for_row(resident[0][0])
@@ -110,6 +115,23 @@ class ExpertKernels:
         self.kernel.experts(layout, slots, idxs, x.float(), w, out, k, self.threads, row, self.int8)
         row_t = torch.from_numpy(row)
         y[row_t] = out[row_t].to(y.dtype)
+
+
+    def _pull(self, values: np.ndarray, device: torch.device) -> torch.Tensor:
+        """`_upload` for prefill-sized work lists: read from page-locked memory by the SMs
+        (`zero_copy.pull`), not by a copy engine, which layer streaming keeps busy with the next
+        layer's experts. The page-locked list is kept until the stream has read it."""
+        if self.zero_copy is None or device.type != "cuda":
+            return _upload(values, device)
+        while self._pulls and self._pulls[0][1].query():
+            self._pulls.popleft()
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).pin_memory()
+        out = torch.empty(host.shape, dtype=torch.int32, device=device)
+        self.zero_copy.pull(host, out)
+        read = torch.cuda.Event()
+        read.record()
+        self._pulls.append((host, read))
+        return out
 
 
 def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
