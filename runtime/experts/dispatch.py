@@ -116,7 +116,6 @@ class ExpertKernels:
         row_t = torch.from_numpy(row)
         y[row_t] = out[row_t].to(y.dtype)
 
-
     def _pull(self, values: np.ndarray, device: torch.device) -> torch.Tensor:
         """`_upload` for prefill-sized work lists: read from page-locked memory by the SMs
         (`zero_copy.pull`), not by a copy engine, which layer streaming keeps busy with the next
