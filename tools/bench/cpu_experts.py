@@ -79,11 +79,12 @@ def main() -> None:
                    "peak_gflops": kernel.peak_gflops(t, args.int8),
                    "ftkit_gbps": cpu_experts_gbps(kernel, cycle, t, args.seconds),
                    "torch_gbps": None if args.no_torch else torch_experts_gbps(cycle, t, args.seconds)}
-            steps = {"ftkit": cycle.kernel_step(kernel, t)}
             if runner is not None:
-                steps["shared"] = cycle.shared_step(kernel, runner, t)
                 row["shared_gbps"] = shared_experts_gbps(kernel, runner, cycle, t, args.seconds)
-            if copier is not None:
+            if copier is not None:  # each step again, beside the copies (a kernel step prepares its calls)
+                steps = {"ftkit": cycle.kernel_step(kernel, t)}
+                if runner is not None:
+                    steps["shared"] = cycle.shared_step(kernel, runner, t)
                 for name, step in steps.items():
                     pcie, cpu = overlapped_gbps(copier, kernel, cycle, t, args.seconds, step)
                     row[f"{name}_overlapped_gbps"], row[f"pcie_with_{name}_gbps"] = cpu, pcie

@@ -152,7 +152,7 @@ class ExpertCycle:
             slots = self.take()
             calls.append((kernel.prepare(self.layout, slots, self.groups, self.x, self.w, self.out, self.per_call,
                                          threads, int8=self.int8), self.bytes_per_call[self.at]))
-        at = iter(itertools.cycle(calls))
+        at = itertools.cycle(calls)
 
         def step() -> int:
             call, moved = next(at)
