@@ -1,6 +1,6 @@
 """The scheduler's choice between batched steps and bursts in turn follows measured rates."""
 
-from ftkit.runtime.engine.decode_mode import BATCH, PROBE, TURNS, DecodeMode
+from ftkit.runtime.engine.decode_mode import BATCH, PROBE, SLICE, TURNS, DecodeMode
 
 
 def test_without_graphs_only_a_batch_steps_several_requests():
@@ -26,4 +26,16 @@ def test_a_slower_turn_moves_the_choice_back_to_batching():
     assert mode.pick(True) == BATCH
     for _ in range(10):
         mode.observe(BATCH, 4, 0.08)  # the load changed: 50 tok/s
+    assert mode.pick(True) == TURNS
+
+
+def test_a_lone_requests_burst_is_the_rate_of_turns_so_none_is_run_to_measure_it():
+    mode = DecodeMode()
+    mode.observe_alone(SLICE - 1, 0.05)  # cut short by an arrival: says little, not kept
+    assert mode.rate[TURNS] is None
+    mode.observe_alone(255, 0.67)  # a lone reply of 256 tokens: 380 tok/s
+    assert mode.pick(True) == BATCH  # the one mode not yet measured
+    mode.observe(BATCH, 128, 0.226)  # four streams' batched steps: 566 tok/s
+    picks = [mode.pick(True) for _ in range(PROBE - 2)]
+    assert picks == [BATCH] * (PROBE - 2)  # no pass in turns until the periodic probe
     assert mode.pick(True) == TURNS

@@ -353,23 +353,28 @@ class Scheduler:
     def _burst(self, req: Request, limit: int | None = None) -> int:
         """Decode `req` with the next step always queued (Decoding.burst) until it ends, has
         made `limit` tokens (its turn among several), or a waiting request that can be admitted,
-        a cancel or a rebuild needs the loop's safe point; the tokens it made."""
-        made = 0
+        a cancel or a rebuild needs the loop's safe point; the tokens it made. A lone request's
+        burst is also the rate of turns (`DecodeMode.observe_alone`)."""
+        made, first_at, last_at = 0, 0.0, 0.0
 
         def interrupt() -> bool:
             return (req.cancelled.is_set() or bool(self.at_safe_point) or self._admissible()
                     or (limit is not None and made >= limit))
 
         def run() -> None:
-            nonlocal made
+            nonlocal made, first_at, last_at
             for out in req.decoding.burst(interrupt):
                 made += 1
                 self.counts["decode_forwards"] += 1
                 self.counts["decode_batched_tokens"] += 1
                 self._send(req, out)
+                last_at = time.perf_counter()
+                first_at = first_at or last_at
 
         if self._run([req], run) and req.decoding.done:
             self._finish(req, "completed")
+        if limit is None:  # alone: the rate of turns
+            self.mode.observe_alone(made - 1, last_at - first_at)
         return made
 
     def _admissible(self) -> bool:
