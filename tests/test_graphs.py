@@ -924,6 +924,18 @@ def test_a_pipelined_batch_matches_its_batched_steps(model):
         assert all(torch.allclose(kv.k[i][: kv.length], want[i], rtol=1e-4, atol=1e-5) for i in want)
     rt.close()
 
+    fed, outs = [DECODE[:5], DECODE[5:10]], []  # `feed` (ft-bench): the inputs are given, the picks read
+    for pipelined in (False, True):
+        rt, kvs, _ = start()
+        with torch.inference_mode():
+            feed = torch.tensor(fed, device=rt.device).T.contiguous()
+            if pipelined:
+                outs.append(list(rt.step.pipeline_batch(feed[0].tolist(), kvs, 5, [None, None], feed=feed)))
+            else:
+                outs.append([rt.step.graphs.batch(row, kvs).argmax(-1).tolist() for row in feed])
+        rt.close()
+    assert outs[0] == outs[1]
+
 
 def test_sequences_join_and_leave_batches_between_single_steps(model):
     """Three sequences move between batched steps (of 2 and 3, in changing order and

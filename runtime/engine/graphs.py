@@ -410,13 +410,14 @@ class GraphDecode:
         return logits.clone() if self.capture else logits  # the graph's buffer is reused next step
 
     def pipeline_batch(self, firsts: list[int], caches: list[KVCache], limit: int,
-                       samplers: list[Sampler | None]) -> Iterator[list[int]]:
+                       samplers: list[Sampler | None], feed: torch.Tensor | None = None) -> Iterator[list[int]]:
         """`pipeline` for B sequences that `batched` takes: up to `limit` captured batched steps,
         the next always queued on the GPU while the host reads a step's B tokens (each row's
         argmax, or its sampler's pick on the device, is its next input; the positions advance
         on the device), so the GPU does not wait for the host's sampling and replies between
         steps, as it does in `batch`. Stopped early, it waits for the step in flight and drops
-        it (its samplers' draws rewound), as `pipeline` does."""
+        it (its samplers' draws rewound), as `pipeline` does. `feed` (benchmarks, [limit, B]): the
+        inputs after `firsts`, as `pipeline`'s."""
         limit = min(limit, *(c.max_tokens - c.length for c in caches))
         if limit <= 0:
             return
@@ -437,6 +438,8 @@ class GraphDecode:
             out[i % 2].copy_(batch.token, non_blocking=True)
             if cuda:
                 done[i % 2].record()
+            if feed is not None and i + 1 < len(feed):
+                batch.token.copy_(feed[i + 1])
 
         def drop(i: int) -> None:
             for sampler, draw in zip(samplers, draws[i % 2], strict=True):

@@ -70,10 +70,10 @@ class Step:
         return self.graphs is not None and len(caches) > 1 and self.graphs.batched(caches)
 
     def pipeline_batch(self, firsts: list[int], caches: list[KVCache], limit: int,
-                       samplers: list[Sampler | None]) -> Iterator[list[int]]:
+                       samplers: list[Sampler | None], feed: torch.Tensor | None = None) -> Iterator[list[int]]:
         """GraphDecode.pipeline_batch: B sequences' tokens, a step always queued on the GPU."""
         assert self.graphs is not None, "pipeline_batch needs CUDA graphs (check `pipelines_batch` first)"
-        return self.graphs.pipeline_batch(firsts, caches, limit, samplers)
+        return self.graphs.pipeline_batch(firsts, caches, limit, samplers, feed)
 
     def pipelines(self, cache: KVCache) -> bool:
         """Whether `pipeline` can decode this sequence (through CUDA graphs)."""

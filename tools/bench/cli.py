@@ -226,7 +226,8 @@ def decode(
                 r = run.decode(rt, tokens, prompt, override, figs, trace, sampler=sampler)
                 if record:
                     override.save(record)
-                together = run.decode_batch(rt, tokens, prompt, batch, figs) if batch > 1 else None
+                together = run.decode_batch(rt, tokens, prompt, batch, figs, trace.with_name(
+                    f"profile-{rt.store.strategy}-batch{batch}.txt") if trace else None) if batch > 1 else None
                 pre = [run.prefill(rt, int(c), figs, trace_dir / f"prefill-{c}-{rt.store.strategy}.txt"
                                    if trace_dir else None, extend, answer, repeat, anchors_every)
                        for c in chunks.split(",") if c]

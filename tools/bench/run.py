@@ -175,45 +175,57 @@ def decode(rt: Runtime, tokens: int, prompt: int, routing: RoutingOverride | Non
     }
 
 
-def decode_batch(rt: Runtime, tokens: int, prompt: int, size: int, figures: Figures | None = None) -> dict:
+def decode_batch(rt: Runtime, tokens: int, prompt: int, size: int, figures: Figures | None = None,
+                 trace_to: Path | None = None) -> dict:
     """`size` sequences decoding together as the scheduler's batched mode runs them: tok/s over
-    all of them across `tokens` batched steps (`Step.batch`), after each one's `prompt`-token
-    prefill and WARMUP untimed steps (kernel compilation, the batch size's graph capture). Each
-    step feeds seeded random tokens (as `decode`, for the same reason) and reads every row's
-    argmax back to the host, as the scheduler samples there. `graphs`: whether the steps were
-    the captured batched step (GraphDecode.batched) rather than an eager one. With `figures`,
-    the bound as `decode`'s (from the distinct experts the steps touched: a batch shares only
-    the experts its tokens have in common), and `uniform_distinct`: the distinct experts a
-    layer's `size` tokens would touch under uniform routing, E (1 - (1 - k/E)^size), against
-    k for one token."""
+    all of them across `tokens` batched steps, after each one's `prompt`-token prefill and
+    WARMUP untimed steps (kernel compilation, the batch size's graph capture). Where the
+    captured batched step takes them (`graphs`), the steps are pipelined as the scheduler's
+    bursts are (`Step.pipeline_batch`: the next step queued while a step's tokens are read),
+    else one `Step.batch` at a time with every row's argmax read back. Either way each step
+    feeds seeded random tokens (as `decode`, for the same reason). With `figures`, the bound as
+    `decode`'s (from the distinct experts the steps touched: a batch shares only the experts its
+    tokens have in common), and `uniform_distinct`: the distinct experts a layer's `size` tokens
+    would touch under uniform routing, E (1 - (1 - k/E)^size), against k for one token. With
+    `trace_to`, 4 more steps run as the timed ones under the profiler (`decode`'s table)."""
     gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, rt.spec.vocab_size, (prompt + WARMUP + tokens, size), generator=gen).to(rt.device)
+    ids = torch.randint(0, rt.spec.vocab_size, (prompt + WARMUP + tokens + 4, size), generator=gen).to(rt.device)
     caches = [rt.new_kv(decode_length(prompt, tokens)) for _ in range(size)]
 
     def step(i: int) -> None:
         rt.store.stats.new_step()
         rt.step.batch(ids[i], caches).argmax(-1).tolist()
 
+    def steps(first: int, end: int) -> None:
+        if not graphs:
+            for i in range(first, end):
+                step(i)
+            return
+        for _ in rt.step.pipeline_batch(ids[first].tolist(), caches, end - first, [None] * size, feed=ids[first:end]):
+            rt.store.stats.new_step()
+
     with torch.inference_mode():
         for b, kv in enumerate(caches):
             int(prefill_forward(rt, ids[:prompt, b], kv).argmax())
         for i in range(prompt, prompt + WARMUP):
             step(i)
-        graphs = rt.step.graphs is not None and rt.step.graphs.batched(caches)
+        graphs = rt.step.pipelines_batch(caches)
         rt.store.stats.reset()
         sync(rt)
         t0 = time.perf_counter()
-        for i in range(prompt + WARMUP, prompt + WARMUP + tokens):
-            step(i)
+        steps(prompt + WARMUP, prompt + WARMUP + tokens)
         sync(rt)
         seconds = time.perf_counter() - t0
     start = prompt + WARMUP
     keys = size * sum(step_kv_bytes(rt, p) for p in range(start, start + tokens)) / tokens
     bound = _decode_bound(rt, rt.store.stats, tokens, figures, keys) if figures else None
     t, moe = rt.store.stats.totals(), sum(rt.spec.is_moe(i) for i in range(rt.spec.num_layers))
-    e, k = rt.spec.num_experts, rt.spec.top_k
+    e, k, miss = rt.spec.num_experts, rt.spec.top_k, rt.store.stats.miss_rate
+    if trace_to is not None:  # the 4 spare rows of ids past the timed steps (after the stats are read)
+        with torch.inference_mode():
+            _profiled(rt, lambda: steps(start + tokens, len(ids)), trace_to)
     return {"batch": size, "tokens": tokens, "graphs": graphs, "tok_s": size * tokens / seconds,
-            "ms_per_step": 1000 * seconds / tokens, "miss_rate": rt.store.stats.miss_rate,
+            "ms_per_step": 1000 * seconds / tokens, "miss_rate": miss,
             "distinct_per_layer": (t.hits + t.fills + t.cpu) / tokens / max(1, moe),
             "uniform_distinct": e * (1 - (1 - k / e) ** size), "top_k": k,
             "bound_tok_s": size / bound if bound else None,
