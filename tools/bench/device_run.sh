@@ -58,7 +58,10 @@ fi
 PROFILE=${PROFILE:-docs/profiles/h200-16c.json}
 # ft-bench's results file: --out (a tree older than that option took the path as --json; the ab
 # part sets J again for each tree it installs)
-bench_json_flag() { $PY -m ftkit.tools.bench.cli decode --help 2>/dev/null | grep -qE -- '--out +-o' && echo --out || echo --json; }
+# (the help read whole first: under pipefail, `grep -q` closing the pipe early made the check
+# fail at random, and one A/B run was lost to an unknown --json)
+bench_json_flag() { local help; help=$(COLUMNS=200 $PY -m ftkit.tools.bench.cli decode --help 2>/dev/null)
+  grep -qE -- '--out +-o' <<< "$help" && echo --out || echo --json; }
 J=$(bench_json_flag)
 if has kernels; then
   $PY -c "from ftkit.kernels.cpu import load; k = load(); print('kernel:', k.path, k.isa)" 2>&1 | tee "$OUT/kernel.txt"
