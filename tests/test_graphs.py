@@ -884,7 +884,8 @@ def test_a_pipelined_batch_matches_its_batched_steps(model):
     """GraphDecode.pipeline_batch (each batched step queued before the previous one's tokens are
     read, its argmax or a row's sampler pick fed on the device) gives the tokens and K/V rows of
     `batch` stepped one at a time, a greedy row beside a sampled one, also when stopped early
-    (the dropped step's draw rewound) and continued step by step."""
+    (the dropped step's draw rewound) and continued step by step, and with given inputs (`feed`,
+    ft-bench's)."""
     params = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=5)
     prompts = [PROMPT, PROMPT[:4] + MORE]
 
@@ -905,36 +906,30 @@ def test_a_pipelined_batch_matches_its_batched_steps(model):
                 out.append(tokens)
         return out
 
+    feed = [[33, 201], [120, 15]]  # then `feed` (ft-bench): inputs given, each row's argmax read back
     rt, kvs, firsts = start()
     assert rt.step.pipelines_batch(kvs)
-    ref = stepped(rt, kvs, firsts, 5, Sampler(params))
+    ref = stepped(rt, kvs, firsts, 4, Sampler(params))
     ref_k = [{i: kv.k[i][: kv.length].clone() for i in kv.k} for kv in kvs]
+    with torch.inference_mode():
+        ref_fed = [rt.step.graphs.batch(torch.tensor(row, device=rt.device), kvs).argmax(-1).tolist() for row in feed]
     rt.close()
 
     rt, kvs, firsts = start()
     sampler = Sampler(params)
     with torch.inference_mode():
-        steps = rt.step.pipeline_batch(firsts, kvs, 5, [None, sampler])
-        got = [next(steps) for _ in range(3)]
-        steps.close()  # the fourth step was in flight: dropped, its draw rewound
-    assert [kv.length for kv in kvs] == [len(p) + 3 for p in prompts]
+        steps = rt.step.pipeline_batch(firsts, kvs, 4, [None, sampler])
+        got = [next(steps) for _ in range(2)]
+        steps.close()  # the third step was in flight: dropped, its draw rewound
+    assert [kv.length for kv in kvs] == [len(p) + 2 for p in prompts]
     got += stepped(rt, kvs, got[-1], 2, sampler)
     assert got == ref and len({t for step in got for t in step}) > 2
     for kv, want in zip(kvs, ref_k, strict=True):
         assert all(torch.allclose(kv.k[i][: kv.length], want[i], rtol=1e-4, atol=1e-5) for i in want)
+    with torch.inference_mode():
+        fed = rt.step.pipeline_batch(feed[0], kvs, 2, [None, None], feed=torch.tensor(feed, device=rt.device))
+        assert list(fed) == ref_fed
     rt.close()
-
-    fed, outs = [DECODE[:5], DECODE[5:10]], []  # `feed` (ft-bench): the inputs are given, the picks read
-    for pipelined in (False, True):
-        rt, kvs, _ = start()
-        with torch.inference_mode():
-            feed = torch.tensor(fed, device=rt.device).T.contiguous()
-            if pipelined:
-                outs.append(list(rt.step.pipeline_batch(feed[0].tolist(), kvs, 5, [None, None], feed=feed)))
-            else:
-                outs.append([rt.step.graphs.batch(row, kvs).argmax(-1).tolist() for row in feed])
-        rt.close()
-    assert outs[0] == outs[1]
 
 
 def test_sequences_join_and_leave_batches_between_single_steps(model):
