@@ -381,6 +381,10 @@ def test_serve_drives_the_real_server_beside_the_engine(tiny, tmp_path):
     assert len(c["streams"]) == 2 and c["aggregate_tok_s"] > 0 and all(s["tokens"] == 6 for s in c["streams"])
     assert c["alone"]["cached"] > 0  # after the untimed lone stream, its shared prefix is a hit
     assert "overlap_tok_s" in c and not any("times" in s for s in [c["alone"], *c["streams"], *res["single"]])
+    # the server's counters over the streams alone: their prompts in one or two prefill forwards,
+    # the batched steps' tokens among the decoded ones and a rate where they took time
+    assert 1 <= c["prefill_forwards"] <= 2 and 0 <= c["decode_batch_tokens"] <= c["decode_batched_tokens"] <= 12
+    assert (c["batched_tok_s"] is None) == (c["decode_batch_seconds"] == 0)
     eng = res["engine"]
     assert set(eng["extend_s"]) == {"8", "40"} and eng["80"]["prefill_s"] > 0 and eng["40"]["decode_tok_s"] > 0
     for suffix, turns in res["agent"].items():  # the engine's extend: what the server's turn 2 computed

@@ -82,7 +82,8 @@ def _new_counts() -> dict:
     return {"submitted": 0, "completed": 0, "cancelled": 0, "failed": 0,
             "prompt_tokens": 0, "generated_tokens": 0,
             "decode_forwards": 0, "decode_batched_tokens": 0,  # how much decode was batched
-            "decode_batches": 0, "decode_batch_seconds": 0.0,  # the batched steps and their time
+            "decode_batches": 0, "decode_batch_tokens": 0,  # the batched steps (of several), their tokens
+            "decode_batch_seconds": 0.0,  # ... and their time
             "prefill_forwards": 0,  # the forwards that prefilled the requests (several in one where they join)
             "replies_cached": 0}
 
@@ -321,6 +322,7 @@ class Scheduler:
                 self.counts["decode_forwards"] += 1
                 self.counts["decode_batched_tokens"] += len(live)
                 self.counts["decode_batches"] += 1
+                self.counts["decode_batch_tokens"] += len(live)
             self.counts["decode_batch_seconds"] += time.perf_counter() - t0
 
         if self._run(live, run):
@@ -339,8 +341,10 @@ class Scheduler:
                 logits = self.rt.step.batch(tokens, [r.decoding.kv for r in live])
             self.counts["decode_forwards"] += 1
             self.counts["decode_batched_tokens"] += len(live)
-            self.counts["decode_batches"] += len(live) > 1
-            self.counts["decode_batch_seconds"] += time.perf_counter() - t0
+            if len(live) > 1:
+                self.counts["decode_batches"] += 1
+                self.counts["decode_batch_tokens"] += len(live)
+                self.counts["decode_batch_seconds"] += time.perf_counter() - t0
         except Exception as e:  # a failed step fails its requests, not the server
             for req in live:
                 self._finish(req, "failed", error=f"{type(e).__name__}: {e}")

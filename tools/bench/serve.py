@@ -215,6 +215,7 @@ class Driver:
         alone = self.one(prompts[1], work.tokens)
         results: dict[int, dict] = {}
         start = threading.Barrier(work.concurrent)
+        before = self.server.stats()["requests"]
 
         def go(i: int) -> None:
             start.wait()
@@ -238,11 +239,13 @@ class Driver:
         lo, hi = max(s["first_at"] for s in streams), min(s["last_at"] for s in streams)
         times = [t for s in streams for t in s.pop("times")]
         overlap = sum(lo < t <= hi for t in times) / (hi - lo) if hi > lo else None
-        counts = self.server.stats()["requests"]
+        after = self.server.stats()["requests"]  # the streams' own counts: what changed while they ran
+        counts = {k: after[k] - before[k] for k in ("prefill_forwards", "decode_forwards", "decode_batched_tokens",
+                                                    "decode_batches", "decode_batch_tokens", "decode_batch_seconds")}
+        # the batched steps' own rate: without the scheduler's passes in turns (a lone burst each)
+        batched = counts["decode_batch_tokens"] / counts["decode_batch_seconds"] if counts["decode_batch_seconds"] else None
         return {"alone": alone, "streams": streams, "aggregate_tok_s": decoded / (end - begin), "overlap_tok_s": overlap,
-                "ttft_s": [s["ttft_s"] for s in streams],
-                **{k: counts[k] for k in ("prefill_forwards", "decode_forwards", "decode_batched_tokens", "decode_batches",
-                                          "decode_batch_seconds")}}
+                "batched_tok_s": batched, "ttft_s": [s["ttft_s"] for s in streams], **counts}
 
 
 def _server_side(recent: dict) -> dict:
@@ -358,6 +361,8 @@ def rows(result: dict, work: Workload) -> list[tuple[str, str, str, str]]:
                     " tok/s", "{:.1f}"))
     out.append(pair(f"{work.concurrent} streams while all decode (beside: the engine's batched steps)",
                     c.get("overlap_tok_s"), eng.get("batch", {}).get("tok_s"), " tok/s", "{:.1f}"))
+    out.append(pair(f"{work.concurrent} streams' batched steps (beside: alone)", c.get("batched_tok_s"), alone,
+                    " tok/s", "{:.1f}"))
     # what batching can win at this routing: the bound of the engine's batched steps (the
     # distinct experts they touched) over one stream's
     out.append(pair(f"{work.concurrent} streams' bound (beside: one stream's)", eng.get("batch", {}).get("bound_tok_s"),
