@@ -68,8 +68,10 @@ BLOCK_FORMATS = tuple(n for n, f in FORMATS.items() if not f.plain)
 # stores them, which the CPU kernel dequantizes as it multiplies.
 FLOAT_FORMATS = ("float32", "float16", "bfloat16")
 EXPERT_FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS)
-# What FTW stores dense tensors (attention, norms, embeddings, routers) as: the compute dtypes.
+# What FTW stores dense tensors (attention, norms, embeddings, routers) as: the compute dtypes,
+# and from FTW v3 a GGUF's blocks as stored (STORED_DENSE_FORMATS), dequantized when loaded.
 DENSE_FORMATS = ("float32", "float16", "bfloat16")
+STORED_DENSE_FORMATS = (*DENSE_FORMATS, *BLOCK_FORMATS)
 
 
 def format_of(name: str) -> Format:

@@ -35,7 +35,7 @@ def edited(ftw, tmp_path, edit, refingerprint=False):
     edit(m)
     if refingerprint:
         ex = m["experts"]
-        m["fingerprint"] = fingerprint(m["spec"], ex["layout"], ex["banks"])
+        m["fingerprint"] = fingerprint(m["spec"], ex["layout"], ex["banks"], m["version"])
     (out / "manifest.json").write_text(json.dumps(m))
     return out
 
@@ -79,6 +79,27 @@ def test_odirect_and_mmap_agree(ftw, monkeypatch):
 def test_refuses_with_advice(ftw, tmp_path, edit, refp, message):
     with pytest.raises(FTWError, match=message):
         FTWModel(edited(ftw, tmp_path, edit, refp))
+
+
+def _dense_entry(m: dict, **what) -> None:
+    """The manifest's first 2-D dense tensor (an embedding or projection) changed as `what`."""
+    name = next(n for n, t in m["dense"]["tensors"].items() if len(t["shape"]) == 2)
+    m["dense"]["tensors"][name].update(what)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        # blocks listed where the file holds floats: the stored bytes are not that tensor's blocks
+        (lambda m: _dense_entry(m, dtype="q8_0"), r"is bfloat16\[.*\] in dense.safetensors, q8_0\["),
+        (lambda m: _dense_entry(m, dtype="q4_k", shape=[64, 300]), "q4_k needs a last dimension divisible by 256"),
+        # a v2 manifest never held dense blocks
+        (lambda m: (m.update(version=2), _dense_entry(m, dtype="q8_0")), "dtype 'q8_0' is not one of float32"),
+    ],
+)
+def test_dense_blocks_the_manifest_cannot_stand_for_are_refused(ftw, tmp_path, edit, message):
+    with pytest.raises(FTWError, match=message):
+        FTWModel(edited(ftw, tmp_path, edit, refingerprint=True))
 
 
 def test_truncated_bank_and_corrupt_byte(ftw, tmp_path):

@@ -290,18 +290,24 @@ def test_every_format_is_in_the_every_format_model(quant_gguf):
 
 @pytest.mark.parametrize("key", ["qwen3_moe_wide-q4_k_m", "mixtral_wide-every"])
 def test_ftw_convert_keeps_the_expert_blocks(quant_gguf, tmp_path, key):
-    """Without --dtype every expert part keeps its GGUF bytes, layer by layer and part by part;
-    the dense tensors are dequantized to float32, exactly, and one line says so."""
-    path, _ = quant_gguf(key)
+    """Without --dtype every expert part keeps its GGUF bytes, layer by layer and part by part,
+    and so do the dense tensors stored in blocks (FTW v3), one line says so; loaded, those are
+    the gguf package's dequantization of them, bit for bit."""
+    path, ref_path = quant_gguf(key)
     out = tmp_path / "m.ftw"
     r = subprocess.run([sys.executable, "-m", "ftkit.tools.convert", str(path), "-o", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
-    assert text.count("are dequantized to float32 (FTW keeps dense tensors as floats)") == 1
+    assert text.count("stay in those blocks (FTW v3) and are dequantized exactly to float32 when loaded") == 1
     model = FTWModel(out)
     assert [lay.formats for lay in model.layout.layers] == gguf_layer_formats(path)
-    assert all(t.dtype == torch.float32 for t in model.dense_state().values())
+    listed = model.manifest.dense["tensors"]
+    assert {t["dtype"] for t in listed.values()} & set(BLOCK_FORMATS)  # the fixture quantizes dense tensors
+    assert (out / "dense.safetensors").stat().st_size < sum(4 * int(np.prod(t["shape"])) for t in listed.values())
+    dense, ref = model.dense_state(), FTWModel(_converted(ref_path, tmp_path / "r.ftw")).dense_state()
+    assert dense.keys() == ref.keys() and all(torch.equal(dense[n], ref[n]) for n in dense)
+    assert all(t.dtype == torch.float32 for n, t in dense.items() if listed[n]["dtype"] in BLOCK_FORMATS)
     source, spec = GGUFSource(path), model.spec
     banks = model.read_banks(pin=False)
     for moe, layer in enumerate(spec.moe_layers):

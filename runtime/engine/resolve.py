@@ -20,6 +20,7 @@ import torch
 
 from ftkit.vocab import (
     AUTO,
+    BLOCK_FORMATS,
     CPU,
     FUSED,
     HYBRID,
@@ -251,7 +252,8 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
     profile = _profile(opts, machine)
     ratio = profile.bandwidths(threads).ratio if profile is not None else opts.bandwidth_ratio
     dense = ftw.manifest.dense["tensors"]
-    dtype = storage_dtype(opts.dtype or dense["embed.weight"]["dtype"])  # default: the weights' own
+    embed = dense["embed.weight"]["dtype"]  # default: the weights' own (blocks load as float32)
+    dtype = storage_dtype(opts.dtype or ("float32" if embed in BLOCK_FORMATS else embed))
     given = budget is not None
     if budget is None and machine.free_bytes is not None:
         budget = max(0, machine.free_bytes - (rows * slot_bytes if device.type == "cpu" else 0))

@@ -1,6 +1,6 @@
-"""FTW v2: the manifest schema and the fingerprint (spec: docs/ftw.md); the slot layout it
+"""FTW v3: the manifest schema and the fingerprint (spec: docs/ftw.md); the slot layout it
 records is `ftkit.vocab.expert_layout`. Version 1 directories (one format for every part of
-every layer) are still read."""
+every layer) and version 2 ones (dense tensors only floats) are still read."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from ftkit.vocab import (
     BIAS_PARTS,
     DENSE_FORMATS,
     EXPERT_PARTS,
+    STORED_DENSE_FORMATS,
     ExpertLayout,
     FormatError,
     expert_layout,
+    stored_nbytes,
 )
 
 from ..checkpoint.base import inside
@@ -27,8 +29,10 @@ from ..checkpoint.jsonfile import type_name
 from ..spec import ModelSpec, SpecError
 
 FORMAT = "ftw"
-VERSION = 2  # 2: each MoE layer's parts have their own format (GGUF blocks kept as stored)
+VERSION = 3  # 3: dense tensors may be GGUF blocks too, kept as stored (dequantized when loaded)
+DENSE_BLOCKS = 3  # the first version whose dense tensors may be blocks
 OLDEST = 1  # 1: one format for every slot part, `experts.layout` that one slot's parts
+# (2: each MoE layer's parts have their own format, GGUF blocks kept as stored)
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 ROW_ORDER = "moe_layer * num_experts + expert"
@@ -130,7 +134,7 @@ class Manifest:
         m.rows(banks, spec.num_expert_rows)
         if ex.get("rows") != spec.num_expert_rows:
             m.fail(f"experts.rows is {shown(ex.get('rows'))}, the spec has {spec.num_expert_rows} expert rows")
-        dense = m.dense(d.get("dense"))
+        dense = m.dense(d.get("dense"), STORED_DENSE_FORMATS if version >= DENSE_BLOCKS else DENSE_FORMATS)
         files = m.files(d.get("files", {}))
         named = [b.file for b in banks] + [dense["file"], MANIFEST, *files]
         if len(set(named)) != len(named):
@@ -213,18 +217,23 @@ class _Fields:
         if at != rows:
             raise FTWError(f"{self.where}: banks hold {at} expert rows, the model needs {rows}")
 
-    def dense(self, value: Any) -> dict[str, Any]:
-        """{"file", "sha256", "tensors": {name: {"dtype", "shape"}}} with floating dtypes."""
+    def dense(self, value: Any, formats: tuple[str, ...]) -> dict[str, Any]:
+        """{"file", "sha256", "tensors": {name: {"dtype", "shape"}}}, each dtype one of `formats`
+        (the version's: floats, and from v3 GGUF blocks, whose rows must be whole blocks)."""
         dense = self.object(value, "dense")
         self.file(dense.get("file"), "dense file")
         self.sha(dense.get("sha256"), "dense sha256")
         for name, t in self.object(dense.get("tensors"), "dense tensors").items():
             t = self.object(t, f"dense tensor {name}")
-            if t.get("dtype") not in DENSE_FORMATS:
-                self.fail(f"dense tensor {name} dtype {shown(t.get('dtype'))} is not one of {', '.join(DENSE_FORMATS)}")
+            if t.get("dtype") not in formats:
+                self.fail(f"dense tensor {name} dtype {shown(t.get('dtype'))} is not one of {', '.join(formats)}")
             shape = t.get("shape")
             if type(shape) is not list or len(shape) > 8 or not all(type(n) is int and n >= 0 for n in shape):
                 self.fail(f"dense tensor {name} shape {shown(shape)} is not a list of sizes")
+            try:
+                stored_nbytes(t["dtype"], tuple(shape))
+            except FormatError as e:
+                self.fail(f"dense tensor {name}: {e}")
         return dense
 
     def files(self, value: Any) -> dict[str, str]:

@@ -15,13 +15,14 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ftkit.vocab import SLOT_ALIGN, ExpertLayout
+from ftkit.kernels.dequant import dequantize
+from ftkit.vocab import BLOCK_FORMATS, SLOT_ALIGN, ExpertLayout, stored_shape
 
 from ..checkpoint.base import CheckpointError, TensorRef, read_ref
 from ..checkpoint.jsonfile import read_object
@@ -30,6 +31,13 @@ from .manifest import MANIFEST, Bank, FTWError, Manifest
 from .writer import sha256_file
 
 CHUNK = 16 << 20  # bytes per positional read
+
+
+def _dense(ref: TensorRef) -> torch.Tensor:
+    """A dense tensor as the runtime takes it: GGUF blocks (FTW v3 keeps a GGUF's as stored)
+    dequantized exactly to float32, which the loader casts as it would a float32 tensor."""
+    t = read_ref(ref)
+    return dequantize(t, ref.dtype) if ref.dtype in BLOCK_FORMATS else t
 
 
 def probe_odirect(path: Path) -> bool:
@@ -122,9 +130,13 @@ class FTWModel:
         for name in sorted(refs.keys() - listed.keys()):
             raise FTWError(f"{self.path}: tensor {name} of {dense['file']} is not in {MANIFEST}")
         for name, ref in refs.items():
-            if (ref.dtype, list(ref.shape)) != (listed[name]["dtype"], listed[name]["shape"]):
+            dtype, shape = listed[name]["dtype"], tuple(listed[name]["shape"])
+            if dtype in BLOCK_FORMATS:  # stored as its bytes: read back as the blocks they are
+                stored = ("uint8", stored_shape(dtype, shape))
+                ref = refs[name] = replace(ref, dtype=dtype, shape=shape) if (ref.dtype, ref.shape) == stored else ref
+            if (ref.dtype, ref.shape) != (dtype, shape):
                 raise FTWError(f"{self.path}: dense tensor {name} is {ref.dtype}{list(ref.shape)} in "
-                               f"{dense['file']}, {listed[name]['dtype']}{listed[name]['shape']} in the manifest")
+                               f"{dense['file']}, {dtype}{list(shape)} in the manifest")
         return refs, stub
 
     # ---- dense ----------------------------------------------------------------------------
@@ -133,7 +145,7 @@ class FTWModel:
         the same reader that checked it, so what opened loads)."""
         if self.header_only:
             raise FTWError(f"{self.path}: header-only stub: no dense tensor data")
-        return {name: read_ref(ref).to(device) for name, ref in self.dense_refs.items()}
+        return {name: _dense(ref).to(device) for name, ref in self.dense_refs.items()}
 
     # ---- experts --------------------------------------------------------------------------
     def read_banks(

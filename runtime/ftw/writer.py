@@ -16,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from ftkit.vocab import SLOT_ALIGN, ExpertLayout, storage_dtype, stored_nbytes
+from ftkit.vocab import (
+    BLOCK_FORMATS,
+    SLOT_ALIGN,
+    ExpertLayout,
+    storage_dtype,
+    stored_nbytes,
+    stored_shape,
+)
 
 from ..checkpoint.safetensors import ST_DTYPES
 from .manifest import Bank
@@ -57,10 +64,11 @@ class DenseWriter:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         off = 0
         self.expect: list[tuple[str, str, tuple[int, ...], int]] = []
-        for name, dtype, shape in entries:
-            n = stored_nbytes(dtype, shape)
-            header[name] = {"dtype": TO_ST[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
-            self.expect.append((name, dtype, shape, n))
+        for name, dtype, shape in entries:  # GGUF blocks: their bytes, [..., bytes a row] of uint8
+            n, stored = stored_nbytes(dtype, shape), stored_shape(dtype, shape)
+            header[name] = {"dtype": "U8" if dtype in BLOCK_FORMATS else TO_ST[dtype], "shape": list(stored),
+                            "data_offsets": [off, off + n]}
+            self.expect.append((name, dtype, stored, n))
             off += n
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)

@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import islice
 
-from ftkit.vocab import BLOCK_FORMATS, DENSE_FORMATS, EXPERT_FORMATS, EXPERT_PARTS
+from ftkit.vocab import (
+    BLOCK_FORMATS,
+    DENSE_FORMATS,
+    EXPERT_FORMATS,
+    EXPERT_PARTS,
+    STORED_DENSE_FORMATS,
+)
 
 from ..checkpoint.base import CheckpointError, Source
 from ..spec import ModelSpec
@@ -19,8 +25,6 @@ PER_EXPERT, STACKED = "per-expert", "stacked"
 # Stacked tensors that hold two slot parts: gate's rows, then up's (their biases alike).
 FUSED_INTO = {"gate": "gate_up", "up": "gate_up", "gate_bias": "gate_up_bias", "up_bias": "gate_up_bias"}
 FUSED_FROM = {"gate_up": "gate", "gate_up_bias": "gate_bias"}  # a fused tensor's first part
-# Dense tensors convert from these: cast as they are, and GGUF's blocks dequantized exactly.
-GGUF_DENSE_FORMATS = (*DENSE_FORMATS, *BLOCK_FORMATS)
 
 
 @dataclass
@@ -68,7 +72,7 @@ class Inventory:
         """Stored dtypes the runtime cannot take: dense ones it cannot cast from, expert ones it
         cannot put in a slot."""
         tensors = self.source.tensors
-        dense_ok = GGUF_DENSE_FORMATS if self.gguf else DENSE_FORMATS
+        dense_ok = STORED_DENSE_FORMATS if self.gguf else DENSE_FORMATS
         out = [f"wrong dtype: {name} is {tensors[name].dtype}, expected one of {', '.join(dense_ok)}"
                for name, _ in self.dense.values() if tensors[name].dtype not in dense_ok]
         bad = self.expert_dtypes - set(EXPERT_FORMATS)
@@ -87,13 +91,16 @@ class Inventory:
         return tuple(next(iter(self.part_formats[(layer, part)])) for part in EXPERT_PARTS)
 
     def dense_note(self, dtype: str | None = None) -> str | None:
-        """The one line that says the dense tensors stored in GGUF blocks are dequantized (to
-        float32, exactly, or to `dtype`), or None where none are."""
+        """The one line that says what becomes of the dense tensors stored in GGUF blocks: kept
+        in FTW as stored and dequantized exactly to float32 when loaded, or dequantized to
+        `dtype` while converting; None where none are."""
         blocks = sorted({self.source.tensors[name].dtype for name, _ in self.dense.values()} & set(BLOCK_FORMATS))
         if not blocks:
             return None
-        return (f"dense tensors stored as {'/'.join(blocks)} are dequantized to {dtype or 'float32'} "
-                f"(FTW keeps dense tensors as floats)")
+        if dtype:
+            return f"dense tensors stored as {'/'.join(blocks)} are dequantized to {dtype}"
+        return (f"dense tensors stored as {'/'.join(blocks)} stay in those blocks (FTW v3) and are dequantized "
+                f"exactly to float32 when loaded")
 
     def skipped_note(self) -> str | None:
         """The family's line on the tensors it skips by design (models/base.py), or None."""

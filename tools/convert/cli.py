@@ -81,8 +81,7 @@ def main(
             console.print(f"[yellow]note:[/] {note}")
         if quantize:
             console.print(f"[yellow]note:[/] experts quantized by {quantize} as llama-quantize lays it out (no "
-                          f"importance matrix); dense tensors kept {dtype or 'as stored'} (FTW keeps dense "
-                          f"tensors as floats)")
+                          f"importance matrix); dense tensors kept {dtype or 'as stored'}")
         if dry_run:
             console.print("[yellow]dry run: nothing written[/]")
             return

@@ -29,6 +29,7 @@ from ftkit.vocab import (
     expert_layout,
     storage_dtype,
     stored_nbytes,
+    stored_shape,
 )
 
 DEFAULT_BANK_BYTES = 4 << 30
@@ -63,10 +64,13 @@ class Conversion:
         return sum(r.nbytes for r in self.inventory.source.tensors.values())
 
 
-def _out_dtype(src: str, cast: str | None) -> str:
-    if cast:
-        return cast
-    return "float32" if src in BLOCK_FORMATS else src  # GGUF blocks dequantize exactly to float32
+def _out_dtype(src: str, cast: str | None, float_only: bool) -> str:
+    """A dense tensor's FTW dtype: `cast`, else as stored (GGUF blocks too: the reader
+    dequantizes them exactly to float32, as converting did before FTW v3), but float32 for a
+    block tensor the family routes in float32 (`float_only`)."""
+    if float_only and src in BLOCK_FORMATS:
+        return "float32"
+    return cast or src
 
 
 def prepare(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_BYTES,
@@ -88,7 +92,7 @@ def prepare(src: Path, dtype: str | None = None, bank_bytes: int = DEFAULT_BANK_
     for canonical, shape in want.items():
         name, _ = inv.dense[canonical]
         keep = canonical.endswith(inv.family.float32_suffixes)  # the family routes these in float32
-        dense.append((canonical, _out_dtype(source.tensors[name].dtype, None if keep else dtype), shape))
+        dense.append((canonical, _out_dtype(source.tensors[name].dtype, None if keep else dtype, keep), shape))
     if quantize is not None:
         layout = expert_layout(inv.spec, _quantized_formats(inv, quantize))
     else:
@@ -143,7 +147,7 @@ def convert(conv: Conversion, out: Path, force: bool = False, on_bytes: Callable
             name, mapped = inv.dense[canonical]
             ref = source.tensors[name]
             t = inv.family.sanitize(mapped, source.read(name), spec, inv.gguf)
-            dense.write(canonical, _cast(t, ref.dtype, dtype).reshape(shape))
+            dense.write(canonical, _cast(t, ref.dtype, dtype).reshape(stored_shape(dtype, shape)))
             on_bytes(ref.nbytes)
         dense_sha = dense.close()
 
