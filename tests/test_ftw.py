@@ -102,6 +102,15 @@ def test_dense_blocks_the_manifest_cannot_stand_for_are_refused(ftw, tmp_path, e
         FTWModel(edited(ftw, tmp_path, edit, refingerprint=True))
 
 
+def test_a_v2_directory_still_loads(ftw, tmp_path):
+    """FTW v2 is v3 with float dense tensors only: such a manifest (its fingerprint v2's) reads
+    and loads as written."""
+    path = edited(ftw, tmp_path, lambda m: m.update(version=2), refingerprint=True)
+    assert json.loads((path / "manifest.json").read_text())["version"] == 2
+    model, want = FTWModel(path), FTWModel(ftw).dense_state()
+    assert all(torch.equal(t, want[n]) for n, t in model.dense_state().items()) and model.verify() == []
+
+
 def test_truncated_bank_and_corrupt_byte(ftw, tmp_path):
     out = tmp_path / "t.ftw"
     shutil.copytree(ftw, out)
