@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
-from ftkit.runtime.engine.resolve import Machine, resolve
+from ftkit.runtime.engine.resolve import Machine, default_dtype, resolve
 from ftkit.runtime.ftw.manifest import DENSE_FILE, MANIFEST, Bank, Manifest, write_json_atomic
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
@@ -245,3 +245,14 @@ def test_auto_on_a_gpu_runs_block_slots_there(q4):
     assert some.strategy == "hybrid" and 0 < some.cache_slots < q4.spec.num_expert_rows
     # on a CPU every strategy's device tier is host memory, where the CPU kernel reads blocks
     assert resolve(q4, RuntimeOptions(strategy="offload", cache_experts=8), Machine(torch.device("cpu"))).strategy == "offload"
+
+
+def test_gguf_blocks_compute_in_float32_on_the_cpu_and_bfloat16_on_a_gpu():
+    """Without --dtype a float model computes in its own dtype; a model whose dense tensors are
+    GGUF blocks in float32 on the CPU (the exact reference) and bfloat16 on a GPU (float32 there
+    would leave prefill without flash attention and double every dense read)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [default_dtype(f, cpu) for f in ("q4_k", "q8_0", "bfloat16", "float32")] == [
+        "float32", "float32", "bfloat16", "float32"]
+    assert [default_dtype(f, cuda) for f in ("q4_k", "mxfp4", "float16", "float32")] == [
+        "bfloat16", "bfloat16", "float16", "float32"]

@@ -140,6 +140,16 @@ def resolve_strategy(strategy: str, ratio: float | None, ratio_said: str, device
     return OFFLOAD, f"no profile for this GPU (run ft-calibrate) and no --bandwidth-ratio; {room}"
 
 
+def default_dtype(embed: str, device: torch.device) -> str:
+    """The compute dtype without --dtype: the weights' own float; for GGUF blocks, float32 on the
+    CPU (the exact reference: blocks dequantize exactly to float32) and bfloat16 on a GPU, where
+    float32 would double every dense read, leave prefill without flash attention and the CPU
+    branch without its int8 activations (llama.cpp's GPU path rounds activations too)."""
+    if embed not in BLOCK_FORMATS:
+        return embed
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
 def cache_capacity(strategy: str, cache_slots: int | None, rows: int, staging: int = 0) -> int:
     """Device cache slots a resolved strategy uses for a requested size (None: all rows); the
     cpu strategy's are `staging` (`prefill_staging`) whatever the size asked."""
@@ -252,8 +262,7 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
     profile = _profile(opts, machine)
     ratio = profile.bandwidths(threads).ratio if profile is not None else opts.bandwidth_ratio
     dense = ftw.manifest.dense["tensors"]
-    embed = dense["embed.weight"]["dtype"]  # default: the weights' own (blocks load as float32)
-    dtype = storage_dtype(opts.dtype or ("float32" if embed in BLOCK_FORMATS else embed))
+    dtype = storage_dtype(opts.dtype or default_dtype(dense["embed.weight"]["dtype"], device))
     given = budget is not None
     if budget is None and machine.free_bytes is not None:
         budget = max(0, machine.free_bytes - (rows * slot_bytes if device.type == "cpu" else 0))
