@@ -81,7 +81,13 @@ def _bits(b: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _levels(values: tuple[int, ...], index: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=index.device)[index.long()]
+    return _level_table(values, index.device)[index.long()]
+
+
+@functools.cache
+def _level_table(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """One table a device, kept: a lookup captured in a CUDA graph copies nothing from the host."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,6 +63,24 @@ def test_every_block_format_decodes_as_dequant_does(gather):
         _same(out.cpu(), dequantize(raw, fmt))
 
 
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_dense_block_gemv_equals_the_product_with_the_dequantized_weight(fmt):
+    """A dense weight kept in its blocks (an lm_head, an attention projection) times one token:
+    F.linear with the dequantized weight, within float32 rounding; rows past a program's tile
+    masked, a row of several super-blocks, and the bias added."""
+    from ftkit.kernels.triton.gemv import block_gemv
+
+    rng, gen = np.random.default_rng(3), torch.Generator().manual_seed(3)
+    n, k = 37, 512
+    raw = (quantize(torch.randn(n, k, generator=gen), fmt) if fmt in QUANTIZERS
+           else torch.from_numpy(random_blocks(fmt, (n, k), rng, scale=0.01)))
+    x, bias = torch.randn(1, k, generator=gen), torch.randn(n, generator=gen)
+    got = block_gemv(x.to(DEV), raw.to(DEV), fmt, n, k, bias.to(DEV), bn=8)
+    _same(got.cpu(), torch.nn.functional.linear(x, dequantize(raw, fmt), bias), exact=False)
+    with pytest.raises(ValueError, match="uint8"):
+        block_gemv(x.to(DEV), raw[:, 1:].to(DEV), fmt, n, k)
+
+
 def _stack(slots: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(slots).to(DEV)
 

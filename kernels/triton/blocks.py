@@ -248,3 +248,10 @@ def tile(base, n, kb, nmask, ROW, FMT: tl.constexpr, lut_ptr):
     else:
         w = weights(base, rows, k, mask, ROW, FMT, lut_ptr)
     return w
+
+
+@triton.jit
+def x256(x, kb, K):
+    """Activations 256 kb .. 256 kb + 255 of a row of K as float32 [1, 8, 32] (`tile`'s order)."""
+    k = kb * 256 + tl.arange(0, 8)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    return tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)

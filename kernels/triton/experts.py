@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ftkit.kernels.triton import interpreting
-from ftkit.kernels.triton.blocks import CODES, TYPED, lut, tile, weights
+from ftkit.kernels.triton.blocks import CODES, TYPED, lut, tile, weights, x256
 from ftkit.vocab import SlotLayout, stored_nbytes
 
 _TYPED = tl.constexpr(TYPED)  # as the kernels compare it
@@ -105,13 +105,6 @@ def _copy_rows(src, dst, up_off, g_row, u_row, n0, I, BLOCK_N: tl.constexpr, COP
 
 
 @triton.jit
-def _x256(x, kb, K):
-    """Activations 256 kb .. 256 kb + 255 of a row of K as float32 [1, 8, 32] (`tile`'s order)."""
-    k = kb * 256 + tl.arange(0, 8)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    return tl.load(x + k, mask=k < K, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _bias(base, off, idx, mask):
     """Float32 biases at element `off` (of the slot's dtype) from `base`, at indices idx."""
     return tl.load((base + off).to(tl.pointer_type(tl.float32), bitcast=True) + idx, mask=mask, other=0.0)
@@ -165,7 +158,7 @@ def _gate_up(x_ptr, w_ptr, slot_ptr, tok_ptr, count_ptr, fill_ptr, row_ptr, addr
             acc_u += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
     else:  # blocks: 256 weights of a row at a time, [rows, 8, 32]
         for kb in range(0, tl.cdiv(H, 256)):
-            xv = _x256(x_ptr + t * H, kb, H)
+            xv = x256(x_ptr + t * H, kb, H)
             acc_g += tl.sum(tl.sum(tile(rows, n, kb, nmask, H, FMT_G, lut_ptr) * xv, axis=2), axis=1)
             acc_u += tl.sum(tl.sum(tile(rows + up_off, n, kb, nmask, H, FMT_U, lut_ptr) * xv, axis=2), axis=1)
     if BIAS:  # from where the weights came (a fill's biases reach its slot through _copy_down)
@@ -195,7 +188,7 @@ def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, count_ptr, y_ptr, H, I,  # noqa: E741
             acc += tl.sum(d.to(tl.float32) * hv[None, :], axis=1)
     else:
         for kb in range(0, tl.cdiv(I, 256)):
-            hv = _x256(h_ptr + i * I, kb, I)
+            hv = x256(h_ptr + i * I, kb, I)
             acc += tl.sum(tl.sum(tile(src + down_off, m, kb, mmask, I, FMT_D, lut_ptr) * hv, axis=2), axis=1)
     if BIAS:
         acc += _bias(src, db_off, m, mmask)

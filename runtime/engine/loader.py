@@ -13,6 +13,7 @@ from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
+from ..models.block_weight import BlockWeight
 from ..models.kv import KVCache
 from ..models.stored import ftw_family
 from ..prefix_cache.boundaries import Boundaries
@@ -62,9 +63,11 @@ class Runtime:
         self.spec = self.ftw.spec
         self.family = ftw_family(self.ftw)
         self.device, self.dtype = r.device, r.dtype
-        weights = self.ftw.dense_state()
+        weights = self.ftw.dense_state(blocks=r.blocks)
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
-        weights = {k: v.to(self.device, torch.float32 if k.endswith(keep) else self.dtype) for k, v in weights.items()}
+        weights = {k: BlockWeight(v.to(self.device), r.blocks[k], self.ftw.dense_refs[k].shape, self.dtype)
+                   if k in r.blocks else v.to(self.device, torch.float32 if k.endswith(keep) else self.dtype)
+                   for k, v in weights.items()}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
         self.store = ExpertStore(
             self.spec, self.pool, r.strategy, r.cache_slots, self.device, r.threads, r.ratio, self.dtype,

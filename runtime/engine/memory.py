@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ftkit.vocab import human_bytes
+from ftkit.vocab import BLOCK_FORMATS, human_bytes, stored_nbytes
 
 from ..models import FAMILIES
 from ..models.kv_size import DType, KVSize, kv_size, sliding_layers
@@ -154,11 +154,20 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: 
     return (context + 3 * t) * h * b + routes + max(experts, mlp, attention)
 
 
-def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: DType, family: str) -> int:
+def device_blocks(formats: Mapping[str, str], cuda: bool) -> dict[str, str]:
+    """{name: format} of the dense tensors a GPU keeps in their GGUF blocks (models/block_weight.py),
+    given every dense tensor's stored format: the embedding table and lm_head where they are
+    blocks. The rest (attention, norms, routers) are dequantized at load to the compute dtype."""
+    return {n: f for n, f in formats.items() if cuda and n in ("embed.weight", "lm_head.weight") and f in BLOCK_FORMATS}
+
+
+def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: DType, family: str,
+                       blocks: Mapping[str, str] | None = None) -> int:
     """The dense tensors' bytes on the device at `dtype`, the family's float32-kept ones at 4 bytes
-    (as the loader keeps them)."""
-    keep = FAMILIES[family].float32_suffixes
-    return sum(math.prod(shape) * (4 if name.endswith(keep) else dtype.itemsize) for name, shape in shapes.items())
+    (as the loader keeps them), those in `blocks` (`device_blocks`) at their stored bytes."""
+    keep, blocks = FAMILIES[family].float32_suffixes, blocks or {}
+    return sum(stored_nbytes(blocks[name], tuple(shape)) if name in blocks
+               else math.prod(shape) * (4 if name.endswith(keep) else dtype.itemsize) for name, shape in shapes.items())
 
 
 def base_plan(spec: ModelSpec, dense_bytes: int, slot_bytes: int, dtype: DType, kv_tokens: int,

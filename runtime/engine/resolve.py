@@ -36,7 +36,7 @@ from ..models.layers import flash_behind_cache
 from ..models.stored import stored_family
 from ..profile import GPU, Profile, default_path, gpu_identity, load_profile, profiles_dir
 from ..spec import ModelSpec
-from .memory import MemoryPlan, base_plan, dense_device_bytes
+from .memory import MemoryPlan, base_plan, dense_device_bytes, device_blocks
 
 if TYPE_CHECKING:
     from .loader import RuntimeOptions
@@ -90,6 +90,7 @@ class Resolved:
     threads: int  # CPU expert threads (the profile row the ratio was read from)
     dtype: torch.dtype  # compute dtype
     memory: MemoryPlan  # the device memory plan; its expert slots are the cache's size
+    blocks: dict[str, str] = field(default_factory=dict)  # dense tensors kept in GGUF blocks (memory.device_blocks)
 
     @property
     def cache_slots(self) -> int:
@@ -267,7 +268,9 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
     if budget is None and machine.free_bytes is not None:
         budget = max(0, machine.free_bytes - (rows * slot_bytes if device.type == "cpu" else 0))
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
-    plan = base_plan(spec, dense_device_bytes({name: t["shape"] for name, t in dense.items()}, dtype, spec.family),
+    blocks = device_blocks({name: t["dtype"] for name, t in dense.items()}, device.type == "cuda")
+    shapes = {name: t["shape"] for name, t in dense.items()}
+    plan = base_plan(spec, dense_device_bytes(shapes, dtype, spec.family, blocks),
                      slot_bytes, dtype, opts.kv_tokens, budget, prefix, cuda=device.type == "cuda",
                      graphs=opts.graphs and family.graphs_unsupported(spec) is None, chunk=opts.prefill_chunk,
                      flash=flash_behind_cache(dtype, spec.head_dim, "cuda"), sequences=sequences,
@@ -287,4 +290,4 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
         note(f"expert cache {requested} of {rows} slots ({human_bytes(requested * slot_bytes)}): what the GPU holds")
     staging = prefill_staging(spec, plan, budget, opts.stream_prefill) if strategy == CPU and device.type == "cuda" else 0
     memory = plan.with_sizes(expert_slots=cache_capacity(strategy, requested, rows, staging))
-    return Resolved(opts, device, strategy, ratio, profile, threads, dtype, memory)
+    return Resolved(opts, device, strategy, ratio, profile, threads, dtype, memory, blocks)

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -140,12 +140,14 @@ class FTWModel:
         return refs, stub
 
     # ---- dense ----------------------------------------------------------------------------
-    def dense_state(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    def dense_state(self, device: str | torch.device = "cpu", blocks: Collection[str] = ()) -> dict[str, torch.Tensor]:
         """Every dense tensor, read through the index checked at open (the dense file is read by
-        the same reader that checked it, so what opened loads)."""
+        the same reader that checked it, so what opened loads). Those named in `blocks` that are
+        GGUF blocks come as stored (uint8 rows, `dense_refs` gives the format), not dequantized."""
         if self.header_only:
             raise FTWError(f"{self.path}: header-only stub: no dense tensor data")
-        return {name: _dense(ref).to(device) for name, ref in self.dense_refs.items()}
+        return {name: (read_ref(ref) if name in blocks and ref.dtype in BLOCK_FORMATS else _dense(ref)).to(device)
+                for name, ref in self.dense_refs.items()}
 
     # ---- experts --------------------------------------------------------------------------
     def read_banks(

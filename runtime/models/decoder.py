@@ -19,6 +19,7 @@ from ..spec import (
     SLIDING_ATTENTION,
     ModelSpec,
 )
+from .block_weight import embed_rows, head_logits
 from .kv import CacheSnapshot, KVCache
 from .layers import Rope, apply_rope, attention, linear, rms_norm, softmax_topk, swiglu
 
@@ -111,7 +112,7 @@ class MoEDecoder:
             pieces += [(s, a, b) for a, b in _pieces(t, step, ends)]
         batches = _batches([(a, b) for _, a, b in pieces], step)
         # each piece its own tensor: views of one would keep the whole embedding alive next to them
-        xs = [F.embedding(inputs[s][a:b], self.w["embed.weight"]) for s, a, b in pieces]
+        xs = [embed_rows(inputs[s][a:b], self.w["embed.weight"]) for s, a, b in pieces]
         ropes = [self.rope(starts[s] + a, b - a, x.dtype) for (s, a, b), x in zip(pieces, xs, strict=True)]
         start = starts[0]
         snaps = {start + b: CacheSnapshot(start + b) for _, a, b in pieces[:-1] if start + b in snapshot_at}
@@ -158,7 +159,7 @@ class MoEDecoder:
             mine = [x for (q, _, _), x in zip(pieces, xs, strict=True) if q == s]
             outs.append(mine[-1][-1:] if last_only else torch.cat(mine) if len(mine) > 1 else mine[0])
         # each sequence's own product: rows stacked would be summed in another order (not bitwise)
-        return [F.linear(self.norm(x, "final_norm.weight"), self.lm_head) for x in outs]
+        return [head_logits(self.norm(x, "final_norm.weight"), self.lm_head) for x in outs]
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
@@ -167,7 +168,7 @@ class MoEDecoder:
         for the batch, so concurrent requests share each layer's expert work."""
         if len(caches) == 1:
             return self.forward(input_ids, caches[0])
-        x = F.embedding(input_ids, self.w["embed.weight"])
+        x = embed_rows(input_ids, self.w["embed.weight"])
         ropes = [self.rope(c.length, 1, x.dtype) for c in caches]
 
         def mix(i: int, h: torch.Tensor) -> torch.Tensor:
@@ -178,7 +179,7 @@ class MoEDecoder:
             x, h = self.layer(i, x, h, mix)
         for c in caches:
             c.advance(1)
-        return F.linear(h, self.lm_head)
+        return head_logits(h, self.lm_head)
 
     def layer(self, i: int, x: torch.Tensor, h: torch.Tensor, mix: Mixer, add_norm: AddNorm | None = None,
               experts: Experts | None = None) -> tuple[torch.Tensor, torch.Tensor]:

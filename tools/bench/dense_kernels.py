@@ -8,7 +8,8 @@ two launches), at that shape:
 - `noop`: a Triton kernel that stores one word: the floor of any launch;
 - the dense products of one token (Q/K/V, output projection, router, lm_head) through cuBLAS
   (`F.linear`) and through the Triton GEMV (kernels/triton/gemv.py) at several tile shapes,
-  each over enough distinct copies of the weight that nothing is served from the GPU's L2;
+  each over enough distinct copies of the weight that nothing is served from the GPU's L2, and
+  through the block GEMV on the weight in Q4_K, Q6_K and Q8_0 blocks;
 - the router's softmax-top-k, the device planner's `plan` (8 misses, half filled, so 4 victim
   passes: every layer's rows are cycled through a cache that cannot hold them) and the merge,
   at several warp counts;
@@ -33,15 +34,18 @@ import triton.language as tl
 from rich.console import Console
 from rich.table import Table
 
+from ftkit.kernels.dequant import dequantize
+from ftkit.kernels.quantize import quantize
 from ftkit.kernels.triton import attention, zero_copy
 from ftkit.kernels.triton import plan as dplan
-from ftkit.kernels.triton.gemv import gemv, tiles
+from ftkit.kernels.triton.gemv import block_gemv, gemv, tiles
 from ftkit.kernels.triton.norm import add_rms_norm
 from ftkit.kernels.triton.router import softmax_topk
 
 from .presets import PRESETS, preset_spec
 
 COLD_BYTES = 256 << 20  # weights cycled per replay: past the H200's 50 MB L2
+BLOCK_GEMV_FORMATS = ("q4_k", "q6_k", "q8_0")  # a Q4_K_M file's attention and lm_head; Q8_0's
 
 
 @triton.jit
@@ -92,7 +96,23 @@ def _linears(rows: list, shapes: dict[str, tuple[int, int]]) -> None:
             err = (fn(ws[0]).float() - ref).abs().max().item()
             us = _us_per_call([lambda w=w, fn=fn: fn(w) for w in ws])
             rows.append(dict(kernel=name, variant=label, us=us, gbps=nbytes / us / 1e3, max_err=err))
+        _block_linears(rows, name, xk, ws[0])
         del ws
+
+
+def _block_linears(rows: list, name: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    """The same product with the weight kept in GGUF blocks (what a Q4_K_M file stores for
+    attention and lm_head): the block GEMV, its error against the product with the dequantized
+    weight, GB/s of block bytes."""
+    n, k = w.shape
+    for fmt in BLOCK_GEMV_FORMATS:
+        raw = quantize(w.float().cpu(), fmt).cuda()
+        ref = F.linear(x.float(), dequantize(raw, fmt))
+        copies = max(1, min(64, math.ceil(COLD_BYTES / raw.numel())))
+        raws = [raw] + [raw.clone() for _ in range(copies - 1)]
+        err = (block_gemv(x, raw, fmt, n, k).float() - ref).abs().max().item()
+        us = _us_per_call([lambda r=r, fmt=fmt: block_gemv(x, r, fmt, n, k) for r in raws])
+        rows.append(dict(kernel=name, variant=f"block gemv {fmt}", us=us, gbps=raw.numel() / us / 1e3, max_err=err))
 
 
 def _small(rows: list, spec) -> None:

@@ -49,8 +49,8 @@ def step_dense_bytes(rt: Runtime) -> int:
     the embedding table (all of it where lm_head is tied to it and reads it whole)."""
     w, tied = rt.decoder.w, rt.spec.tie_word_embeddings
     table = w["embed.weight"]
-    rest = sum(t.numel() * t.element_size() for name, t in w.items() if name != "embed.weight")
-    return rest + (table.numel() if tied else table.shape[-1]) * table.element_size()
+    rest = sum(t.nbytes for name, t in w.items() if name != "embed.weight")  # tensors and BlockWeights alike
+    return rest + (table.nbytes if tied else table.nbytes // table.shape[0])
 
 
 def step_kv_bytes(rt: Runtime, position: int) -> int:

@@ -11,7 +11,7 @@ The schema of `diagnose`'s result is documented in docs/diagnose.md.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,7 +20,7 @@ from ftkit.errors import InputError, one_line
 from ftkit.runtime.checkpoint import open_source
 from ftkit.runtime.checkpoint.quant_presets import expert_formats
 from ftkit.runtime.checkpoint.safetensors import read_config
-from ftkit.runtime.engine.memory import ANCHOR_SLOTS, base_plan, dense_device_bytes
+from ftkit.runtime.engine.memory import ANCHOR_SLOTS, base_plan, dense_device_bytes, device_blocks
 from ftkit.runtime.engine.tokenizer import TOKENIZER_JSON, Tokenizer, compile_template
 from ftkit.runtime.ftw.manifest import MANIFEST
 from ftkit.runtime.models import Family, family_for_config, located
@@ -60,6 +60,7 @@ class Diagnosis:
     expert_layout: str | None = None
     expert_dtype: str | None = None
     slots: ExpertLayout | None = None  # what the expert slots hold (an FTW's, or what ftw-convert writes)
+    dense_formats: dict[str, str] = field(default_factory=dict)  # canonical dense name -> stored format
     problems: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)  # tensors the family does not use (not a failure)
     notes: list[str] = field(default_factory=list)  # what conversion will do that the user should know
@@ -117,7 +118,8 @@ def diagnose(path: Path, quantize: str | None = None) -> dict[str, Any]:
     else:
         _check_checkpoint(d, quantize)
     if d.family and d.spec:
-        d.memory = d.attempt(lambda: memory_plan(d.family, d.spec, d.slots or expert_layout(d.spec, "bfloat16")))
+        d.memory = d.attempt(lambda: memory_plan(d.family, d.spec, d.slots or expert_layout(d.spec, "bfloat16"),
+                                                 d.dense_formats))
     return d.to_dict()
 
 
@@ -135,14 +137,18 @@ def cuda_flash(spec: ModelSpec) -> bool:
     return flash_behind_cache(torch.bfloat16, spec.head_dim, "cuda")
 
 
-def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout) -> dict[str, Any]:
-    """Host and GPU bytes to serve the model with its experts in `layout`. `min_gpu_bytes` is
+def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout,
+                dense_formats: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Host and GPU bytes to serve the model with its experts in `layout` and the dense tensors
+    stored in `dense_formats` (the GPU keeps the embedding table and lm_head in GGUF blocks where
+    they are: engine/memory.py's `device_blocks`). `min_gpu_bytes` is
     the smallest `--gpu-budget` that `ft-run` accepts on CUDA with `--kv-tokens` KV_TOKENS and
     `--no-prefix-cache`: the runtime's own plan (engine/memory.py) with top_k expert slots, one
     token's experts for the layer being computed. The CUDA context and allocator slack come on
     top; more slots mean fewer expert fetches."""
     slot = layout.slot_bytes
-    dense = dense_device_bytes(family.dense_shapes(spec), PLAN_DTYPE, spec.family)
+    dense = dense_device_bytes(family.dense_shapes(spec), PLAN_DTYPE, spec.family,
+                               device_blocks(dense_formats or {}, cuda=True))
     graphs = family.graphs_unsupported(spec) is None  # the runtime decodes through them
     least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=graphs,
                       flash=cuda_flash(spec)).with_sizes(expert_slots=spec.top_k)
@@ -197,6 +203,7 @@ def _check_checkpoint(d: Diagnosis, quantize: str | None = None) -> None:
     d.expert_layout = inv.expert_layout
     d.expert_dtype = "/".join(sorted(inv.expert_dtypes)) or None
     d.slots = _converted_layout(inv)
+    d.dense_formats = {canon: source.tensors[name].dtype for canon, (name, _) in inv.dense.items()}
     if quantize:
         d.slots = d.attempt(lambda: _quantized_layout(inv, quantize)) or d.slots
     if note := inv.skipped_note():
@@ -274,6 +281,7 @@ def _check_ftw(d: Diagnosis) -> None:
         return
     d.spec, d.header_only, d.expert_dtype = model.spec, model.header_only, model.layout.describe()
     d.slots = model.layout
+    d.dense_formats = {name: t["dtype"] for name, t in model.manifest.dense["tensors"].items()}
     d.files, d.tensors = len(model.manifest.banks) + 1, len(model.dense_refs)
     d.family = d.attempt(lambda: stored_family(model))
     if d.family is None:
