@@ -18,6 +18,7 @@ from ftkit import __version__
 from ftkit.kernels.quantize import quantize
 from ftkit.vocab import BLOCK_FORMATS, expert_layout, storage_dtype
 
+from .checkpoint.quant_presets import preset_formats
 from .ftw.manifest import DENSE_FILE, MANIFEST, Manifest, write_json_atomic
 from .ftw.writer import BankWriter, DenseWriter, atomic_dir, rows_per_bank, sha256_file
 from .models import FAMILIES
@@ -56,10 +57,12 @@ def write_random_ftw(
     distinct_experts: int | None = None,
     on_bytes: Callable[[int], None] = lambda n: None,
     expert_formats: list[tuple[str, str, str]] | None = None,
+    dense_formats: dict[str, str] | None = None,
 ) -> Manifest:
     """Write a random-weight FTW for `spec`; `side_files(dir)` may add a tokenizer and such.
     `expert_formats`: each MoE layer's gate, up and down format (default: all `dtype`); random
     float weights quantized into GGUF blocks where a part is in one (kernels/quantize.py).
+    `dense_formats`: dense tensors stored in another format than `dtype` (GGUF blocks: FTW v3).
 
     `distinct_experts=N` draws only N random experts and cycles them over the rows: speed does
     not depend on expert values (routing depends on the router alone), and drawing tens of GB
@@ -70,10 +73,11 @@ def write_random_ftw(
     shapes = FAMILIES[spec.family].dense_shapes(spec)
     layout = expert_layout(spec, expert_formats or dtype)
     with atomic_dir(out, force) as tmp:
-        entries = [(n, dtype, s) for n, s in shapes.items()]
-        dense = DenseWriter(tmp / DENSE_FILE, entries)
+        formats = {n: (dense_formats or {}).get(n, dtype) for n in shapes}
+        dense = DenseWriter(tmp / DENSE_FILE, [(n, formats[n], s) for n, s in shapes.items()])
         for name, shape in shapes.items():
-            dense.write(name, _random(name, shape, gen).to(tdt))
+            w = _random(name, shape, gen)
+            dense.write(name, w.to(tdt) if formats[name] == dtype else _stored(w, formats[name]))
         dense_sha = dense.close()
         banks = BankWriter(tmp, layout, spec.num_expert_rows, rows_per_bank(layout.slot_bytes, spec.num_experts, 4 << 30))
         cycle: dict[int, list[dict[str, torch.Tensor]]] = {}  # per MoE layer: its layout's
@@ -95,7 +99,7 @@ def write_random_ftw(
         manifest = Manifest(
             spec=spec, layout=layout, banks=banks.close(),
             dense={"file": DENSE_FILE, "sha256": dense_sha,
-                   "tensors": {n: {"dtype": dtype, "shape": list(s)} for n, s in shapes.items()}},
+                   "tensors": {n: {"dtype": formats[n], "shape": list(s)} for n, s in shapes.items()}},
             files=files, writer=f"ftkit {__version__}", source={"kind": "random", "seed": seed},
         )
         write_json_atomic(tmp / MANIFEST, manifest.to_dict())
@@ -127,6 +131,19 @@ def _source_name(name: str, table: list[tuple[str, str]]) -> str:
         if re.fullmatch(pattern, name):
             return re.sub(pattern, template, name)
     raise ValueError(f"no stored name for {name}")
+
+
+def preset_dense_formats(spec: ModelSpec, preset: str) -> dict[str, str]:
+    """The dense tensors `llama-quantize <preset>` stores in GGUF blocks, by canonical name, for
+    the families these writers lay out (their GGUF names decide, as in llama-quant.cpp); {} for
+    the others, whose dense tensors stay floats."""
+    if spec.family not in SOURCE_FAMILIES:
+        return {}
+    shapes = FAMILIES[spec.family].dense_shapes(spec)
+    names = {n: _source_name(n, _GGUF_NAMES) for n in shapes if n != "final_norm.weight"}
+    names = {n: g for n, g in names.items() if not g.endswith("_norm.weight")}
+    formats = preset_formats(preset, {g: shapes[n] for n, g in names.items()}, spec.num_layers, spec.num_experts)
+    return {n: formats[g] for n, g in names.items() if formats[g] in BLOCK_FORMATS}
 
 
 def _weights(spec: ModelSpec, seed: int) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:

@@ -425,8 +425,8 @@ def test_sweep_writes_points_and_charts(tiny, tmp_path):
 
 def test_write_quantized_lays_experts_out_as_llama_quantize(tmp_path):
     """`ft-bench write --quant q4_k_m`: the experts in GGUF blocks as llama-quantize's preset lays
-    them out per layer (ffn_down q6_k on the layers use_more_bits picks), and the model runs on
-    the cpu strategy."""
+    them out per layer (ffn_down q6_k on the layers use_more_bits picks), the dense tensors as it
+    stores them, and the model runs on the cpu strategy."""
     from ftkit.runtime.checkpoint.quant_presets import expert_formats, use_more_bits
     from ftkit.runtime.ftw.reader import FTWModel
 
@@ -440,6 +440,11 @@ def test_write_quantized_lays_experts_out_as_llama_quantize(tmp_path):
     model = FTWModel(out)
     assert [lay.formats for lay in model.layout.layers] == expert_formats(model.spec, "q4_k_m")
     assert "experts " + model.layout.describe() in " ".join(r.stdout.split())
+    # the dense tensors as the preset stores them too: attention, embedding and lm_head in blocks
+    # (128-wide rows: Q4_K's fallback Q5_0, Q6_K's Q8_0), norms and routers as floats
+    dense = {n: t["dtype"] for n, t in model.manifest.dense["tensors"].items()}
+    assert (dense["embed.weight"], dense["lm_head.weight"], dense["layers.0.attn.q.weight"]) == ("q5_0", "q8_0", "q5_0")
+    assert dense["layers.0.router.weight"] == dense["final_norm.weight"] == "bfloat16"
     rt = runtime(out, strategy="cpu")
     assert rt.pool.nbytes == model.spec.num_expert_rows * model.layout.slot_bytes
     from ftkit.runtime.engine.generate import generate

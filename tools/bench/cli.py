@@ -25,7 +25,7 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.ftw.manifest import write_json_atomic
 from ftkit.runtime.profile import cache_dir
-from ftkit.runtime.random_model import write_random_ftw
+from ftkit.runtime.random_model import preset_dense_formats, write_random_ftw
 from ftkit.vocab import expert_layout, human_bytes
 
 from . import agent_trace, hostmem, run, soak
@@ -82,7 +82,8 @@ def write(
     dtype: Annotated[str, typer.Option(help="expert and dense dtype: bfloat16, float16, float32 (q8_0: experts only)")] = "bfloat16",
     distinct_experts: Annotated[int, typer.Option(help="random experts drawn, then cycled")] = 64,
     quant: Annotated[str | None, typer.Option(
-        help=f"experts in GGUF blocks, laid out as llama-quantize's preset lays them: {', '.join(QUANT_PRESETS)}"
+        help=f"experts (and a qwen3_moe's attention, embedding and lm_head) in GGUF blocks, laid out as "
+             f"llama-quantize's preset lays them: {', '.join(QUANT_PRESETS)}"
     )] = None,
     force: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
 ) -> None:
@@ -95,7 +96,8 @@ def write(
         with Progress("writing", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console) as bar:
             task = bar.add_task("", total=spec.num_expert_rows * layout.slot_bytes)
             write_random_ftw(out, spec, dtype, force=force, distinct_experts=distinct_experts,
-                             on_bytes=lambda n: bar.advance(task, n), expert_formats=formats)
+                             on_bytes=lambda n: bar.advance(task, n), expert_formats=formats,
+                             dense_formats=preset_dense_formats(spec, quant) if quant else None)
         console.print(f"wrote {out}: {spec.num_layers} layers x {spec.num_experts} experts ({preset}), "
                       f"experts {layout.describe()}, {human_bytes(spec.num_expert_rows * layout.slot_bytes)}")
 
