@@ -7,7 +7,7 @@
 # part replaces it with its own, so a later run in the same call can name that file).
 # Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile; CAL_MODEL=q12 or
 # q4km: of that model's slot formats), wrong
-# (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files), zerocopy
+# (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files, GPU_K: a -k expression), zerocopy
 # (decode fills vs DMA), read (FTW read + pin), decode (qwen3-30b-a3b shape cut to 12 layers:
 # decode per strategy, graphs off and on, beside the bounds; DECODE_MODEL q12 or q4km,
 # CACHE_FRACTION, DECODE_FLAGS: more ft-bench flags, for it and the ab part's decode), prefill (4096- and 8192-token
@@ -87,7 +87,7 @@ if has wrong; then
   $PY -m ftkit.tools.bench.wrong_profile "$W" --profile "$PROFILE" --layers 4 --threads 15 --json "$OUT/wrong_profile.json" 2>&1 | tee "$OUT/wrong_profile.txt"
 fi
 if has gpu; then
-  $PY -m pytest -q --tb=short ${GPU_TESTS:-tests/test_gpu.py tests/test_triton_experts.py tests/test_triton_decode.py tests/test_triton_attention.py tests/test_graphs.py} > "$OUT/gpu_tests.txt" 2>&1
+  $PY -m pytest -q --tb=short ${GPU_K:+-k "$GPU_K"} ${GPU_TESTS:-tests/test_gpu.py tests/test_triton_experts.py tests/test_triton_decode.py tests/test_triton_attention.py tests/test_graphs.py} > "$OUT/gpu_tests.txt" 2>&1
   tail -15 "$OUT/gpu_tests.txt"
 fi
 if has zerocopy; then
