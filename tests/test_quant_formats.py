@@ -289,11 +289,10 @@ def test_diagnose_passes_and_prices_the_quantized_bytes(quant_gguf, key):
     assert r["memory"]["host_expert_pool_bytes"] == spec.num_expert_rows * layout.slot_bytes
     assert r["memory"]["expert_dtype"] == layout.describe()
     assert not [n for n in r["notes"] if "cpu strategy only" in n]  # the GPU kernels read blocks too
-    # the GPU keeps the embedding table and lm_head in their blocks: priced at those bytes
+    # the GPU keeps the embedding table (not tied to lm_head here) in its blocks: priced at those bytes
     family, tensors = FAMILIES[spec.family], GGUFSource(path).tensors
-    kept = {canon: tensors[name] for canon, name in (("embed.weight", "token_embd.weight"), ("lm_head.weight", "output.weight"))
-            if name in tensors}
-    assert kept and all(t.dtype in BLOCK_FORMATS for t in kept.values())
+    kept = {"embed.weight": tensors["token_embd.weight"]}
+    assert "output.weight" in tensors and kept["embed.weight"].dtype in BLOCK_FORMATS
     as_bf16 = sum(2 * int(np.prod(s)) for n, s in family.dense_shapes(spec).items() if not n.endswith(family.float32_suffixes))
     as_f32 = sum(4 * int(np.prod(s)) for n, s in family.dense_shapes(spec).items() if n.endswith(family.float32_suffixes))
     saved = sum(2 * int(np.prod(t.shape)) - stored_nbytes(t.dtype, tuple(t.shape)) for t in kept.values())
@@ -319,7 +318,7 @@ def test_ftw_convert_keeps_the_expert_blocks(quant_gguf, tmp_path, key):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
-    assert text.count("stay in those blocks (FTW v3): a GPU keeps the embedding table and lm_head in them") == 1
+    assert text.count("stay in those blocks (FTW v3): a GPU keeps the embedding table in them") == 1
     model = FTWModel(out)
     assert [lay.formats for lay in model.layout.layers] == gguf_layer_formats(path)
     listed = model.manifest.dense["tensors"]
@@ -404,71 +403,61 @@ def test_torch_path_runs_the_blocks_dequantized_per_expert(quant_gguf, tmp_path,
 
 
 @pytest.mark.parametrize("key", ["qwen3_moe_wide-q4_k_m", "mixtral_wide-every"])
-def test_a_gpu_keeps_the_embedding_and_lm_head_in_their_blocks(quant_gguf, tmp_path, key):
-    """A GPU's plan keeps the embedding table and lm_head in their GGUF blocks (models/
-    block_weight.py), priced at those bytes; the CPU's dequantizes them at load. Decoded where
-    they are used (here on the CPU), they give the tokens of the same model loaded dequantized."""
+def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key):
+    """A GPU's plan keeps the embedding table in its GGUF blocks (models/block_weight.py), priced
+    at those bytes; lm_head and the rest are dequantized at load, as the CPU's plan does with all.
+    Looked up row by row (here on the CPU), the table gives the tokens of the model loaded
+    dequantized."""
     path, _ = quant_gguf(key)
     ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
     listed = ftw.manifest.dense["tensors"]
-    want = {n: t["dtype"] for n, t in listed.items() if n in ("embed.weight", "lm_head.weight")}
-    assert want and set(want.values()) <= set(BLOCK_FORMATS)  # the fixture quantizes both
+    want = {"embed.weight": listed["embed.weight"]["dtype"]}
+    assert want["embed.weight"] in BLOCK_FORMATS and "lm_head.weight" in listed  # the fixture: untied, quantized
     opts = RuntimeOptions(strategy="offload", cache_experts=8, dtype="bfloat16")
     gpu = resolve(ftw, dataclasses.replace(opts, device="cuda"), Machine(torch.device("cuda"), free_bytes=64 << 30))
     cpu = resolve(ftw, opts, Machine(torch.device("cpu"), free_bytes=64 << 30))
     assert gpu.blocks == want and cpu.blocks == {}
-    saved = sum(2 * int(np.prod(listed[n]["shape"])) - stored_nbytes(f, tuple(listed[n]["shape"])) for n, f in want.items())
-    assert cpu.memory.dense_bytes - gpu.memory.dense_bytes == saved > 0
+    shape = tuple(listed["embed.weight"]["shape"])
+    assert cpu.memory.dense_bytes - gpu.memory.dense_bytes == 2 * int(np.prod(shape)) - stored_nbytes(want["embed.weight"], shape) > 0
     prompt = [3, 17, 5, 42, 8, 11, 29, 2, 40, 7]
     runs = []
     for r in (cpu, dataclasses.replace(cpu, blocks=want)):
         rt = Runtime(ftw, r)
-        assert isinstance(rt.decoder.lm_head, BlockWeight) == bool(r.blocks)
+        assert isinstance(rt.decoder.w["embed.weight"], BlockWeight) == bool(r.blocks)
         runs.append(generate(rt, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)).token_ids)
         rt.close()
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
 
 
-def test_block_weight_rows_and_products_are_the_dequantized_weights():
-    """An embedding row is the dequantized row cast to the compute dtype, bit for bit; a
-    many-token product (dequantized a slice of rows at a time) is F.linear with the dequantized
-    weight, bit for bit, the bias sliced with it."""
+def test_block_weight_rows_are_the_dequantized_rows():
+    """An embedding row looked up in the blocks is the dequantized row cast to the compute dtype,
+    bit for bit, whatever the shape of the ids."""
     gen = torch.Generator().manual_seed(4)
-    for fmt in ("q4_k", "q6_k", "q8_0"):
-        w = torch.randn(300, 512, generator=gen)
-        raw = quantize(w, fmt)
-        full = dequantize(raw, fmt).to(torch.bfloat16)
-        bw = BlockWeight(raw, fmt, (300, 512), torch.bfloat16)
+    for fmt in ("q4_k", "q6_k", "q8_0", "iq4_nl", "mxfp4"):
+        raw = quantize(torch.randn(300, 512, generator=gen), fmt) if fmt in QUANTIZERS else torch.from_numpy(
+            random_blocks(fmt, (300, 512), np.random.default_rng(4), scale=0.01))
+        table = BlockWeight(raw, fmt, (300, 512), torch.bfloat16)
         ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
-        assert torch.equal(bw.rows(ids), torch.nn.functional.embedding(ids, full))
-        x, bias = torch.randn(5, 512, generator=gen).to(torch.bfloat16), torch.randn(300, generator=gen).to(torch.bfloat16)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("ftkit.runtime.models.block_weight.SLICE_WEIGHTS", 512 * 64)  # five slices, the last short
-            got = bw.linear(x, bias)
-        assert torch.equal(got, torch.cat([torch.nn.functional.linear(x, full[a:a + 64], bias[a:a + 64])
-                                           for a in range(0, 300, 64)], dim=-1))
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, full, bias))
-    assert bw.nbytes == raw.numel() and bw.device == raw.device
+        assert torch.equal(table.rows(ids), torch.nn.functional.embedding(ids, dequantize(raw, fmt).to(torch.bfloat16)))
+        assert table.nbytes == raw.numel() and table.device == raw.device
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_on_a_gpu_the_blocks_decode_as_the_dequantized_weights(quant_gguf, tmp_path, graphs):
-    """On CUDA the embedding table and lm_head stay in their blocks (the block GEMV decodes
-    lm_head in graph decode and eager alike): at float32 the greedy tokens and, to float32
-    rounding, the logits of the same model with them dequantized at load."""
+def test_on_a_gpu_the_table_in_blocks_decodes_as_the_dequantized_one(quant_gguf, tmp_path, graphs):
+    """On CUDA the embedding table stays in its blocks (its rows decoded inside the captured
+    step too): the greedy tokens of the same model with it dequantized at load."""
     path, _ = quant_gguf("qwen3_moe_wide-q4_k_m")
     ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
-    opts = RuntimeOptions(device="cuda", strategy="hybrid", cache_experts=8, bandwidth_ratio=1.0, dtype="float32",
-                          graphs=graphs)
+    opts = RuntimeOptions(device="cuda", strategy="hybrid", cache_experts=8, bandwidth_ratio=1.0, graphs=graphs)
     r = resolve(ftw, opts)
-    assert r.blocks.keys() == {"embed.weight", "lm_head.weight"}
+    assert r.blocks.keys() == {"embed.weight"} and r.dtype == torch.bfloat16
     prompt, params = [3, 17, 5, 42, 8, 11, 29, 2, 40, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     runs = []
     for resolved in (r, dataclasses.replace(r, blocks={})):
         rt = Runtime(ftw, resolved)
-        assert isinstance(rt.decoder.lm_head, BlockWeight) == bool(resolved.blocks)
+        assert isinstance(rt.decoder.w["embed.weight"], BlockWeight) == bool(resolved.blocks)
         runs.append(generate(rt, prompt, params).token_ids)
         rt.close()
     assert runs[0] == runs[1] and len(set(runs[0])) > 1

@@ -46,12 +46,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from ftkit.kernels.triton import optional
 
 from ..experts.store import ExpertStore
 from ..models import FAMILIES
-from ..models.block_weight import embed_rows, head_logits
+from ..models.block_weight import embed_rows
 from ..models.decoder import Experts, Mixer, MoEDecoder
 from ..models.kv import KVCache
 from ..models.kv_size import attention_layers, ring_extend, ring_rows, sliding_layers
@@ -370,7 +371,7 @@ class GraphDecode:
         x, h = self._layers(state, layers, mix, self.store.device_planner)
         if layers.stop < s.num_layers:
             return x, h
-        logits = head_logits(h, dec.lm_head)
+        logits = F.linear(h, dec.lm_head)
         # the next step's inputs when decoding greedily (`pipeline`, `pipeline_batch`; `step` and
         # `batch` write both before each step)
         token, pos = (self.token, self.pos) if batch is None else (batch.token, batch.pos)
@@ -535,7 +536,7 @@ class GraphDecode:
         _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), mix, plan if on_device else None)
         for c, n in zip(caches, counts, strict=True):
             c.advance(n)
-        return head_logits(h[-1:] if last_only else h, dec.lm_head)
+        return F.linear(h[-1:] if last_only else h, dec.lm_head)
 
     def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = embed_rows(ids, self.decoder.w["embed.weight"])

@@ -156,9 +156,10 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: 
 
 def device_blocks(formats: Mapping[str, str], cuda: bool) -> dict[str, str]:
     """{name: format} of the dense tensors a GPU keeps in their GGUF blocks (models/block_weight.py),
-    given every dense tensor's stored format: the embedding table and lm_head where they are
-    blocks. The rest (attention, norms, routers) are dequantized at load to the compute dtype."""
-    return {n: f for n, f in formats.items() if cuda and n in ("embed.weight", "lm_head.weight") and f in BLOCK_FORMATS}
+    given every dense tensor's stored format: the embedding table where it is blocks and not
+    also lm_head (which every token reads whole: dequantized, as the rest is, at load)."""
+    tied = "lm_head.weight" not in formats
+    return {n: f for n, f in formats.items() if cuda and n == "embed.weight" and not tied and f in BLOCK_FORMATS}
 
 
 def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: DType, family: str,

@@ -140,8 +140,8 @@ def cuda_flash(spec: ModelSpec) -> bool:
 def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout,
                 dense_formats: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Host and GPU bytes to serve the model with its experts in `layout` and the dense tensors
-    stored in `dense_formats` (the GPU keeps the embedding table and lm_head in GGUF blocks where
-    they are: engine/memory.py's `device_blocks`). `min_gpu_bytes` is
+    stored in `dense_formats` (the GPU keeps an embedding table in GGUF blocks where it is: engine/
+    memory.py's `device_blocks`). `min_gpu_bytes` is
     the smallest `--gpu-budget` that `ft-run` accepts on CUDA with `--kv-tokens` KV_TOKENS and
     `--no-prefix-cache`: the runtime's own plan (engine/memory.py) with top_k expert slots, one
     token's experts for the layer being computed. The CUDA context and allocator slack come on
