@@ -19,7 +19,7 @@ from gguf_fixtures import block_slots, random_blocks
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from ftkit.kernels.triton.blocks import CODES, lut, weights  # noqa: E402 (after the skip)
+from ftkit.kernels.triton.blocks import CODES, lut, tile, weights  # noqa: E402 (after the skip)
 
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
@@ -79,6 +79,28 @@ def test_dense_block_gemv_equals_the_product_with_the_dequantized_weight(fmt):
     _same(got.cpu(), torch.nn.functional.linear(x, dequantize(raw, fmt), bias), exact=False)
     with pytest.raises(ValueError, match="uint8"):
         block_gemv(x.to(DEV), raw[:, 1:].to(DEV), fmt, n, k)
+
+
+@triton.jit
+def _decode_tiles(src, out, N, K, FMT: tl.constexpr, lut_ptr, BN: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    kb = tl.program_id(1)
+    k = kb * 256 + tl.arange(0, 8)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    m = (n[:, None, None] < N) & (k < K)
+    tl.store(out + n[:, None, None] * K + k, tile(src, n, kb, n < N, K, FMT, lut_ptr), mask=m)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0", "iq4_xs"])
+def test_decode_gemv_tiles_equal_dequant(fmt):
+    """`tile` (the decode GEMV's [rows, 8, 32] weights; Q4_K, Q6_K and Q8_0 on their own paths)
+    decodes every weight as kernels/dequant.py does."""
+    rng = np.random.default_rng(5)
+    n, k = 5, 512
+    raw = (quantize(torch.randn(n, k), fmt) if fmt in QUANTIZERS
+           else torch.from_numpy(random_blocks(fmt, (n, k), rng, scale=0.01)))
+    out = torch.zeros(n, k, device=DEV)
+    _decode_tiles[(triton.cdiv(n, 4), k // 256)](raw.to(DEV), out, n, k, CODES[fmt], lut(torch.device(DEV)), BN=4)
+    _same(out.cpu(), dequantize(raw, fmt))
 
 
 def _stack(slots: list[torch.Tensor]) -> torch.Tensor:
