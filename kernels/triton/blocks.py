@@ -219,29 +219,6 @@ def weights(base, n, k, mask, ROW, FMT: tl.constexpr, lut_ptr):
 
 
 @triton.jit
-def _q6_k_tile(b, m):
-    """Q6_K super-blocks at bytes b [BN, 1, 1] (m: which rows) as `tile`'s [BN, 8, 32], each byte loaded once:
-    sub-block g = 4 half + quarter takes its low nibbles from run quarter % 2 of the half's 64
-    bytes (the low halves of a byte for quarters 0-1, the high for 2-3), its top two bits from
-    bits 2 quarter of the half's 32 bytes, its scale (one a 16 weights) from byte 192 + 2 g +
-    lane // 16. Loading each weight's bytes on its own (three gathers a weight) took lm_head's
-    Q6_K product 896 us on an H100, 3.9x Q4_K's."""
-    bn: tl.constexpr = b.shape[0]
-    b4, m4 = b[:, :, :, None], m[:, :, :, None]
-    half = tl.arange(0, 2)[None, :, None, None]
-    lane = tl.arange(0, 32)[None, None, None, :]
-    ql = _u8(b4 + 64 * half + 32 * tl.arange(0, 2)[None, None, :, None] + lane, m4)  # [BN, half, run, lane]
-    low = tl.permute(tl.join(ql & 0xF, ql >> 4), (0, 1, 4, 2, 3))  # [BN, half, nibble, run, lane]
-    qh = _u8(b4 + 128 + 32 * half + lane, m4)  # [BN, half, 1, lane]
-    high = (qh >> (2 * tl.arange(0, 4)[None, None, :, None])) & 3  # [BN, half, quarter, lane]
-    g = tl.arange(0, 8)[None, :, None]
-    scale = _i8(b + 192 + 2 * g + tl.arange(0, 2)[None, None, :], m)  # [BN, 8, 2]
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, :, None], (bn, 8, 2, 16)), (bn, 8, 32)).to(tl.float32)
-    q = tl.reshape(low, (bn, 8, 32)) | (tl.reshape(high, (bn, 8, 32)) << 4)
-    return (_f16(b + 208, m) * scale) * (q - 32).to(tl.float32)
-
-
-@triton.jit
 def tile(base, n, kb, nmask, ROW, FMT: tl.constexpr, lut_ptr):
     """The decode GEMV's weights of rows n [BN] over the kb-th 256 of ROW, as [BN, 8, 32]:
     element (r, g, l) is weight (n[r], 256 kb + 32 g + l). Q4_K, Q6_K and Q8_0 (what people
@@ -259,7 +236,12 @@ def tile(base, n, kb, nmask, ROW, FMT: tl.constexpr, lut_ptr):
         q = (_u8(b + 16 + 32 * (g // 2) + lane, mask) >> (4 * (g % 2))) & 0xF
         w = (_f16(b, one) * sc) * q.to(tl.float32) - _f16(b + 2, one) * mn
     elif FMT == 13:  # q6_k: one super-block, halves of 128 weights (sub-blocks 0-3, 4-7)
-        w = _q6_k_tile(base + rows * (ROW // 256 * 210) + kb * 210, one)
+        b = base + rows * (ROW // 256 * 210) + kb * 210
+        half, quarter = g // 4, g % 4
+        low = (_u8(b + 64 * half + 32 * (quarter % 2) + lane, mask) >> (4 * (quarter // 2))) & 0xF
+        high = (_u8(b + 128 + 32 * half + lane, mask) >> (2 * quarter)) & 3
+        scale = _i8(b + 192 + 2 * g + lane // 16, mask).to(tl.float32)
+        w = (_f16(b + 208, one) * scale) * ((low | (high << 4)) - 32).to(tl.float32)
     elif FMT == 4:  # q8_0: eight blocks of 32
         b = base + rows * (ROW // 32 * 34) + (kb * 8 + g) * 34
         w = _i8(b + 2 + lane, mask).to(tl.float32) * _f16(b, one & (kb * 256 + g * 32 < ROW))
