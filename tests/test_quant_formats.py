@@ -431,14 +431,18 @@ def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key
 
 def test_block_weight_rows_are_the_dequantized_rows():
     """An embedding row looked up in the blocks is the dequantized row cast to the compute dtype,
-    bit for bit, whatever the shape of the ids."""
+    bit for bit, whatever the shape of the ids and however many rows are decoded at once."""
     gen = torch.Generator().manual_seed(4)
     for fmt in ("q4_k", "q6_k", "q8_0", "iq4_nl", "mxfp4"):
         raw = quantize(torch.randn(300, 512, generator=gen), fmt) if fmt in QUANTIZERS else torch.from_numpy(
             random_blocks(fmt, (300, 512), np.random.default_rng(4), scale=0.01))
         table = BlockWeight(raw, fmt, (300, 512), torch.bfloat16)
         ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
-        assert torch.equal(table.rows(ids), torch.nn.functional.embedding(ids, dequantize(raw, fmt).to(torch.bfloat16)))
+        want = torch.nn.functional.embedding(ids, dequantize(raw, fmt).to(torch.bfloat16))
+        assert torch.equal(table.rows(ids), want)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("ftkit.runtime.models.block_weight.ROWS_AT_ONCE", 4)  # two pieces, the last short
+            assert torch.equal(table.rows(ids), want)
         assert table.nbytes == raw.numel() and table.device == raw.device
 
 
