@@ -31,7 +31,7 @@ from ftkit.runtime.engine.resolve import Machine, resolve
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
-from ftkit.runtime.models.block_weight import BlockWeight
+from ftkit.runtime.models.block_table import BlockTable
 from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.cli import app as diagnose_app
 from ftkit.tools.diagnose.report import diagnose
@@ -404,7 +404,7 @@ def test_torch_path_runs_the_blocks_dequantized_per_expert(quant_gguf, tmp_path,
 
 @pytest.mark.parametrize("key", ["qwen3_moe_wide-q4_k_m", "mixtral_wide-every"])
 def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key):
-    """A GPU's plan keeps the embedding table in its GGUF blocks (models/block_weight.py), priced
+    """A GPU's plan keeps the embedding table in its GGUF blocks (models/block_table.py), priced
     at those bytes; lm_head and the rest are dequantized at load, as the CPU's plan does with all.
     Looked up row by row (here on the CPU), the table gives the tokens of the model loaded
     dequantized."""
@@ -423,25 +423,25 @@ def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key
     runs = []
     for r in (cpu, dataclasses.replace(cpu, blocks=want)):
         rt = Runtime(ftw, r)
-        assert isinstance(rt.decoder.w["embed.weight"], BlockWeight) == bool(r.blocks)
+        assert isinstance(rt.decoder.w["embed.weight"], BlockTable) == bool(r.blocks)
         runs.append(generate(rt, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)).token_ids)
         rt.close()
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
 
 
-def test_block_weight_rows_are_the_dequantized_rows():
+def test_block_table_rows_are_the_dequantized_rows():
     """An embedding row looked up in the blocks is the dequantized row cast to the compute dtype,
     bit for bit, whatever the shape of the ids and however many rows are decoded at once."""
     gen = torch.Generator().manual_seed(4)
     for fmt in ("q4_k", "q6_k", "q8_0", "iq4_nl", "mxfp4"):
         raw = quantize(torch.randn(300, 512, generator=gen), fmt) if fmt in QUANTIZERS else torch.from_numpy(
             random_blocks(fmt, (300, 512), np.random.default_rng(4), scale=0.01))
-        table = BlockWeight(raw, fmt, (300, 512), torch.bfloat16)
+        table = BlockTable(raw, fmt, (300, 512), torch.bfloat16)
         ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
         want = torch.nn.functional.embedding(ids, dequantize(raw, fmt).to(torch.bfloat16))
         assert torch.equal(table.rows(ids), want)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("ftkit.runtime.models.block_weight.ROWS_AT_ONCE", 4)  # two pieces, the last short
+            mp.setattr("ftkit.runtime.models.block_table.ROWS_AT_ONCE", 4)  # two pieces, the last short
             assert torch.equal(table.rows(ids), want)
         assert table.nbytes == raw.numel() and table.device == raw.device
 
@@ -461,7 +461,7 @@ def test_on_a_gpu_the_table_in_blocks_decodes_as_the_dequantized_one(quant_gguf,
     runs = []
     for resolved in (r, dataclasses.replace(r, blocks={})):
         rt = Runtime(ftw, resolved)
-        assert isinstance(rt.decoder.w["embed.weight"], BlockWeight) == bool(resolved.blocks)
+        assert isinstance(rt.decoder.w["embed.weight"], BlockTable) == bool(resolved.blocks)
         runs.append(generate(rt, prompt, params).token_ids)
         rt.close()
     assert runs[0] == runs[1] and len(set(runs[0])) > 1

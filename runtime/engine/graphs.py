@@ -52,7 +52,7 @@ from ftkit.kernels.triton import optional
 
 from ..experts.store import ExpertStore
 from ..models import FAMILIES
-from ..models.block_weight import embed_rows
+from ..models.block_table import embed_rows
 from ..models.decoder import Experts, Mixer, MoEDecoder
 from ..models.kv import KVCache
 from ..models.kv_size import attention_layers, ring_extend, ring_rows, sliding_layers

@@ -13,7 +13,7 @@ from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
-from ..models.block_weight import BlockWeight
+from ..models.block_table import BlockTable
 from ..models.kv import KVCache
 from ..models.stored import ftw_family
 from ..prefix_cache.boundaries import Boundaries
@@ -65,7 +65,7 @@ class Runtime:
         self.device, self.dtype = r.device, r.dtype
         weights = self.ftw.dense_state(blocks=r.blocks)
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
-        weights = {k: BlockWeight(v.to(self.device), r.blocks[k], self.ftw.dense_refs[k].shape, self.dtype)
+        weights = {k: BlockTable(v.to(self.device), r.blocks[k], self.ftw.dense_refs[k].shape, self.dtype)
                    if k in r.blocks else v.to(self.device, torch.float32 if k.endswith(keep) else self.dtype)
                    for k, v in weights.items()}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)

@@ -155,7 +155,7 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: 
 
 
 def device_blocks(formats: Mapping[str, str], cuda: bool) -> dict[str, str]:
-    """{name: format} of the dense tensors a GPU keeps in their GGUF blocks (models/block_weight.py),
+    """{name: format} of the dense tensors a GPU keeps in their GGUF blocks (models/block_table.py),
     given every dense tensor's stored format: the embedding table where it is blocks and not
     also lm_head (which every token reads whole: dequantized, as the rest is, at load)."""
     tied = "lm_head.weight" not in formats

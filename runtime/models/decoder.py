@@ -19,7 +19,7 @@ from ..spec import (
     SLIDING_ATTENTION,
     ModelSpec,
 )
-from .block_weight import embed_rows
+from .block_table import embed_rows
 from .kv import CacheSnapshot, KVCache
 from .layers import Rope, apply_rope, attention, linear, rms_norm, softmax_topk, swiglu
 

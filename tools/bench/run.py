@@ -49,7 +49,7 @@ def step_dense_bytes(rt: Runtime) -> int:
     the embedding table (all of it where lm_head is tied to it and reads it whole)."""
     w, tied = rt.decoder.w, rt.spec.tie_word_embeddings
     table = w["embed.weight"]
-    rest = sum(t.nbytes for name, t in w.items() if name != "embed.weight")  # tensors and BlockWeights alike
+    rest = sum(t.nbytes for name, t in w.items() if name != "embed.weight")  # tensors and BlockTables alike
     return rest + (table.nbytes if tied else table.nbytes // table.shape[0])
 
 

@@ -22,7 +22,9 @@ ROWS_AT_ONCE = 1024  # rows decoded together: bounds a long prompt's float32 tem
 
 
 @dataclass(frozen=True)
-class BlockWeight:
+class BlockTable:
+    """An embedding table as its stored GGUF rows; `rows` looks rows up."""
+
     raw: torch.Tensor  # uint8 [rows, bytes a row]: the rows in their blocks, as stored
     fmt: str  # the block format (ftkit.vocab.BLOCK_FORMATS)
     shape: tuple[int, int]  # the logical [rows, columns]
@@ -53,6 +55,6 @@ class BlockWeight:
         return out.reshape(*ids.shape, self.shape[1])
 
 
-def embed_rows(ids: torch.Tensor, table: torch.Tensor | BlockWeight) -> torch.Tensor:
+def embed_rows(ids: torch.Tensor, table: torch.Tensor | BlockTable) -> torch.Tensor:
     """The rows of an embedding table, a float tensor or one kept in blocks."""
-    return table.rows(ids) if isinstance(table, BlockWeight) else F.embedding(ids, table)
+    return table.rows(ids) if isinstance(table, BlockTable) else F.embedding(ids, table)
