@@ -51,6 +51,21 @@ def test_reads_every_slot_and_verifies(ftw):
     assert model.verify() == []
 
 
+def test_dense_tensors_are_read_one_at_a_time(ftw, monkeypatch):
+    """The loader casts each dense tensor as it comes (the host holds one dequantized tensor at a
+    time): `dense_tensors` reads a tensor only when asked for the next one."""
+    reads = []
+    monkeypatch.setattr(reader_mod, "_dense", lambda ref: reads.append(ref) or reader_mod.read_ref(ref))
+    model = FTWModel(ftw)
+    it = model.dense_tensors()
+    assert reads == []
+    name, first = next(it)
+    assert len(reads) == 1 and name == next(iter(model.dense_refs))
+    rest = dict(it)
+    assert len(reads) == len(model.dense_refs) == len(rest) + 1
+    assert torch.equal(first, model.dense_state()[name])
+
+
 def test_odirect_and_mmap_agree(ftw, monkeypatch):
     a = FTWModel(ftw).read_banks(pin=False)
     monkeypatch.setattr(reader_mod, "probe_odirect", lambda path: False)

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -140,14 +140,20 @@ class FTWModel:
         return refs, stub
 
     # ---- dense ----------------------------------------------------------------------------
-    def dense_state(self, device: str | torch.device = "cpu", blocks: Collection[str] = ()) -> dict[str, torch.Tensor]:
-        """Every dense tensor, read through the index checked at open (the dense file is read by
-        the same reader that checked it, so what opened loads). Those named in `blocks` that are
-        GGUF blocks come as stored (uint8 rows, `dense_refs` gives the format), not dequantized."""
+    def dense_tensors(self, blocks: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every dense tensor in turn, read through the index checked at open
+        (the dense file is read by the same reader that checked it, so what opened loads). Those
+        named in `blocks` that are GGUF blocks come as stored (uint8 rows, `dense_refs` gives the
+        format), the others dequantized to float32: one at a time, so a loader casting each as it
+        comes holds one float32 tensor, not all of them."""
         if self.header_only:
             raise FTWError(f"{self.path}: header-only stub: no dense tensor data")
-        return {name: (read_ref(ref) if name in blocks and ref.dtype in BLOCK_FORMATS else _dense(ref)).to(device)
-                for name, ref in self.dense_refs.items()}
+        for name, ref in self.dense_refs.items():
+            yield name, read_ref(ref) if name in blocks and ref.dtype in BLOCK_FORMATS else _dense(ref)
+
+    def dense_state(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Every dense tensor (`dense_tensors`, blocks dequantized) at once on `device`."""
+        return {name: t.to(device) for name, t in self.dense_tensors()}
 
     # ---- experts --------------------------------------------------------------------------
     def read_banks(
