@@ -35,6 +35,19 @@ def dequantize(raw: torch.Tensor, fmt: str) -> torch.Tensor:
     return DEQUANTIZERS[fmt](raw)
 
 
+def dequantize_to(raw: torch.Tensor, fmt: str, dtype: torch.dtype, rows_at_once: int) -> torch.Tensor:
+    """`dequantize(raw, fmt).to(dtype)`, bit for bit, decoding `rows_at_once` rows at a time: the
+    float32 values of a whole table never exist at once."""
+    rows = raw.reshape(-1, raw.shape[-1])
+    if rows.shape[0] <= rows_at_once:
+        return dequantize(raw, fmt).to(dtype)
+    f = FORMATS[fmt]
+    out = torch.empty((rows.shape[0], raw.shape[-1] // f.block_bytes * f.block), dtype=dtype, device=raw.device)
+    for a in range(0, rows.shape[0], rows_at_once):
+        out[a : a + rows_at_once] = dequantize(rows[a : a + rows_at_once], fmt)
+    return out.reshape(*raw.shape[:-1], out.shape[-1])
+
+
 def _rows(fmt: str) -> Callable[[Dequantizer], Dequantizer]:
     """Register a blocks `[n, block_bytes]` -> `[n, block]` function as `fmt`'s row dequantizer."""
     f = FORMATS[fmt]

@@ -55,7 +55,7 @@ def test_dense_tensors_are_read_one_at_a_time(ftw, monkeypatch):
     """The loader casts each dense tensor as it comes (the host holds one dequantized tensor at a
     time): `dense_tensors` reads a tensor only when asked for the next one."""
     reads = []
-    monkeypatch.setattr(reader_mod, "_dense", lambda ref: reads.append(ref) or reader_mod.read_ref(ref))
+    monkeypatch.setattr(reader_mod, "_dense", lambda ref, dtype: reads.append(ref) or reader_mod.read_ref(ref))
     model = FTWModel(ftw)
     it = model.dense_tensors()
     assert reads == []

@@ -429,6 +429,22 @@ def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
 
 
+def test_the_loader_dequantizes_blocks_a_slice_at_a_time(quant_gguf, tmp_path, monkeypatch):
+    """Loaded at bf16, a dense tensor stored in blocks is dequantized into bf16 a few rows at a
+    time (never whole in float32): bit for bit its float32 dequantization cast to bf16; the
+    float32-kept tensors stay float32."""
+    import ftkit.runtime.ftw.reader as reader_mod
+
+    path, _ = quant_gguf("qwen3_moe_wide-q4_k_m")
+    ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
+    monkeypatch.setattr(reader_mod, "DEQUANT_BYTES", 4 * 256 * 3)  # three rows of 256 at once
+    rt = Runtime(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="bfloat16"))
+    full, blocks = ftw.dense_state(), [n for n, r in ftw.dense_refs.items() if r.dtype in BLOCK_FORMATS]
+    assert blocks and all(rt.decoder.w[n].dtype == torch.bfloat16 for n in blocks)
+    assert all(torch.equal(t, full[n].to(t.dtype)) for n, t in rt.decoder.w.items())
+    rt.close()
+
+
 def test_block_table_rows_are_the_dequantized_rows():
     """An embedding row looked up in the blocks is the dequantized row cast to the compute dtype,
     bit for bit, whatever the shape of the ids and however many rows are decoded at once."""

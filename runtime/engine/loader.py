@@ -64,12 +64,16 @@ class Runtime:
         self.family = ftw_family(self.ftw)
         self.device, self.dtype = r.device, r.dtype
         keep = self.family.float32_suffixes  # what the reference computes in float32 whatever the dtype
-        # each tensor cast as it is read: the host holds one dequantized float32 tensor at a time
-        # (q4km cut to two layers, loaded at bf16 on the dev box: peak RSS 4.28 GB with all of them at
-        # once, 2.89-2.92 GB so)
+
+        def dtype(name: str) -> torch.dtype:
+            return torch.float32 if name.endswith(keep) else self.dtype
+
+        # each tensor cast as it is read, blocks dequantized a slice at a time into their dtype: the
+        # host never holds the dense tensors' float32 values at once (q4km cut to two layers, loaded
+        # at bf16 on the dev box: peak RSS 4.28 GB with all of them at once, 2.48 GB so)
         weights = {k: BlockTable(v.to(self.device), r.blocks[k], self.ftw.dense_refs[k].shape, self.dtype)
-                   if k in r.blocks else v.to(self.device, torch.float32 if k.endswith(keep) else self.dtype)
-                   for k, v in self.ftw.dense_tensors(blocks=r.blocks)}
+                   if k in r.blocks else v.to(self.device, dtype(k))
+                   for k, v in self.ftw.dense_tensors(r.blocks, dtype)}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
         self.store = ExpertStore(
             self.spec, self.pool, r.strategy, r.cache_slots, self.device, r.threads, r.ratio, self.dtype,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ftkit.kernels.dequant import dequantize
+from ftkit.kernels.dequant import dequantize_to
 from ftkit.vocab import BLOCK_FORMATS, SLOT_ALIGN, ExpertLayout, stored_shape
 
 from ..checkpoint.base import CheckpointError, TensorRef, read_ref
@@ -31,13 +31,15 @@ from .manifest import MANIFEST, Bank, FTWError, Manifest
 from .writer import sha256_file
 
 CHUNK = 16 << 20  # bytes per positional read
+DEQUANT_BYTES = 64 << 20  # float32 bytes of a block tensor dequantized at once before its cast
 
 
-def _dense(ref: TensorRef) -> torch.Tensor:
+def _dense(ref: TensorRef, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A dense tensor as the runtime takes it: GGUF blocks (FTW v3 keeps a GGUF's as stored)
-    dequantized exactly to float32, which the loader casts as it would a float32 tensor."""
+    dequantized exactly to float32 and cast to `dtype` a slice of rows at a time (what the
+    loader would make of the float32 tensor, without it); other tensors as stored."""
     t = read_ref(ref)
-    return dequantize(t, ref.dtype) if ref.dtype in BLOCK_FORMATS else t
+    return dequantize_to(t, ref.dtype, dtype, max(1, DEQUANT_BYTES // (4 * ref.shape[-1]))) if ref.dtype in BLOCK_FORMATS else t
 
 
 def probe_odirect(path: Path) -> bool:
@@ -140,16 +142,18 @@ class FTWModel:
         return refs, stub
 
     # ---- dense ----------------------------------------------------------------------------
-    def dense_tensors(self, blocks: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    def dense_tensors(self, blocks: Collection[str] = (),
+                      dtype: Callable[[str], torch.dtype] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for every dense tensor in turn, read through the index checked at open
         (the dense file is read by the same reader that checked it, so what opened loads). Those
         named in `blocks` that are GGUF blocks come as stored (uint8 rows, `dense_refs` gives the
-        format), the others dequantized to float32: one at a time, so a loader casting each as it
-        comes holds one float32 tensor, not all of them."""
+        format), the other blocks dequantized to float32, or to `dtype(name)` where given: one at
+        a time, so a loader casting each as it comes holds one tensor's values, not all of them."""
         if self.header_only:
             raise FTWError(f"{self.path}: header-only stub: no dense tensor data")
         for name, ref in self.dense_refs.items():
-            yield name, read_ref(ref) if name in blocks and ref.dtype in BLOCK_FORMATS else _dense(ref)
+            raw = name in blocks and ref.dtype in BLOCK_FORMATS
+            yield name, read_ref(ref) if raw else _dense(ref, dtype(name) if dtype else torch.float32)
 
     def dense_state(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """Every dense tensor (`dense_tensors`, blocks dequantized) at once on `device`."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ftkit.kernels.dequant import dequantize
+from ftkit.kernels.dequant import dequantize_to
 
 ROWS_AT_ONCE = 1024  # rows decoded together: bounds a long prompt's float32 temporaries (~12 MB at 2048 wide)
 
@@ -46,13 +46,7 @@ class BlockTable:
         """F.embedding(ids, the dequantized table): only the rows asked for are decoded, ROWS_AT_ONCE
         at a time (8192 Q4_K rows of 2048 at once, a prefill piece's, grew the CPU's peak by 95 MB
         of float32 and temporaries beside their 34 MB of bf16; the memory plan counts the bf16)."""
-        if ids.numel() <= ROWS_AT_ONCE:  # a decode step's (inside a CUDA graph too)
-            return dequantize(self.raw[ids], self.fmt).to(self.dtype)
-        flat = ids.reshape(-1)
-        out = torch.empty((flat.numel(), self.shape[1]), dtype=self.dtype, device=self.device)
-        for a in range(0, flat.numel(), ROWS_AT_ONCE):
-            out[a : a + ROWS_AT_ONCE] = dequantize(self.raw[flat[a : a + ROWS_AT_ONCE]], self.fmt)
-        return out.reshape(*ids.shape, self.shape[1])
+        return dequantize_to(self.raw[ids], self.fmt, self.dtype, ROWS_AT_ONCE)
 
 
 def embed_rows(ids: torch.Tensor, table: torch.Tensor | BlockTable) -> torch.Tensor:
