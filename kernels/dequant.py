@@ -18,43 +18,35 @@ import torch
 from ftkit.vocab import FORMATS, FormatError
 
 QK_K = 256  # weights per K-quant (and iq4_xs) super-block
-CHUNK_BLOCKS = 1 << 18  # blocks decoded at once: bounds the temporaries of a whole embedding
+# weights decoded at once (64 MB of float32): bounds the temporaries of a whole embedding table,
+# and where another dtype is asked for, its float32 values never exist whole
+CHUNK_WEIGHTS = 1 << 24
 # The 16 levels of a 4-bit non-linear index (IQ4_NL, IQ4_XS) and of an e2m1 value (MXFP4), the
 # latter doubled to integers; ggml pairs it with half the e8m0 scale (GGML_E8M0_TO_FP32_HALF).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 E2M1_LEVELS_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
-Dequantizer = Callable[[torch.Tensor], torch.Tensor]
-DEQUANTIZERS: dict[str, Dequantizer] = {}
+Dequantizer = Callable[[torch.Tensor], torch.Tensor]  # blocks [n, block_bytes] -> float32 [n, block]
+RowDequantizer = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+DEQUANTIZERS: dict[str, RowDequantizer] = {}
 
 
-def dequantize(raw: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Raw `fmt` rows `[..., nblocks * block_bytes]` (uint8) to float32 `[..., nblocks * block]`."""
+def dequantize(raw: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Raw `fmt` rows `[..., nblocks * block_bytes]` (uint8) to float32 `[..., nblocks * block]`,
+    or to its cast to `dtype` (bit for bit `.to(dtype)` of the float32 values), CHUNK_WEIGHTS at
+    a time."""
     if fmt not in DEQUANTIZERS:
         raise FormatError(f"no dequantizer for weight format {fmt!r}")
-    return DEQUANTIZERS[fmt](raw)
+    return DEQUANTIZERS[fmt](raw, dtype)
 
 
-def dequantize_to(raw: torch.Tensor, fmt: str, dtype: torch.dtype, rows_at_once: int) -> torch.Tensor:
-    """`dequantize(raw, fmt).to(dtype)`, bit for bit, decoding `rows_at_once` rows at a time: the
-    float32 values of a whole table never exist at once."""
-    rows = raw.reshape(-1, raw.shape[-1])
-    if rows.shape[0] <= rows_at_once:
-        return dequantize(raw, fmt).to(dtype)
-    f = FORMATS[fmt]
-    out = torch.empty((rows.shape[0], raw.shape[-1] // f.block_bytes * f.block), dtype=dtype, device=raw.device)
-    for a in range(0, rows.shape[0], rows_at_once):
-        out[a : a + rows_at_once] = dequantize(rows[a : a + rows_at_once], fmt)
-    return out.reshape(*raw.shape[:-1], out.shape[-1])
-
-
-def _rows(fmt: str) -> Callable[[Dequantizer], Dequantizer]:
+def _rows(fmt: str) -> Callable[[Dequantizer], RowDequantizer]:
     """Register a blocks `[n, block_bytes]` -> `[n, block]` function as `fmt`'s row dequantizer."""
     f = FORMATS[fmt]
 
-    def register(per_block: Dequantizer) -> Dequantizer:
+    def register(per_block: Dequantizer) -> RowDequantizer:
         @functools.wraps(per_block)
-        def rows(raw: torch.Tensor) -> torch.Tensor:
+        def rows(raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             if raw.dtype != torch.uint8 or raw.ndim == 0 or raw.shape[-1] % f.block_bytes:
                 raise FormatError(
                     f"{fmt} rows must be uint8 with a last dimension divisible by {f.block_bytes}, "
@@ -62,11 +54,12 @@ def _rows(fmt: str) -> Callable[[Dequantizer], Dequantizer]:
                 )
             blocks = raw.reshape(-1, f.block_bytes)
             shape = (*raw.shape[:-1], raw.shape[-1] // f.block_bytes * f.block)
-            if blocks.shape[0] <= CHUNK_BLOCKS:  # a slot's part, on whatever device it is
-                return per_block(blocks).reshape(shape)
-            out = torch.empty(blocks.shape[0], f.block, dtype=torch.float32, device=raw.device)
-            for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
-                out[start : start + CHUNK_BLOCKS] = per_block(blocks[start : start + CHUNK_BLOCKS])
+            chunk = max(1, CHUNK_WEIGHTS // f.block)
+            if blocks.shape[0] <= chunk:  # a slot's part, a looked-up row, on whatever device it is
+                return per_block(blocks).reshape(shape).to(dtype)
+            out = torch.empty(blocks.shape[0], f.block, dtype=dtype, device=raw.device)
+            for start in range(0, blocks.shape[0], chunk):
+                out[start : start + chunk] = per_block(blocks[start : start + chunk])
             return out.reshape(shape)
 
         DEQUANTIZERS[fmt] = rows

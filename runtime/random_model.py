@@ -140,8 +140,7 @@ def preset_dense_formats(spec: ModelSpec, preset: str) -> dict[str, str]:
     if spec.family not in SOURCE_FAMILIES:
         return {}
     shapes = FAMILIES[spec.family].dense_shapes(spec)
-    names = {n: _source_name(n, _GGUF_NAMES) for n in shapes if n != "final_norm.weight"}
-    names = {n: g for n, g in names.items() if not g.endswith("_norm.weight")}
+    names = {n: _source_name(n, _GGUF_NAMES) for n in shapes}  # norms and routers: None (kept)
     formats = preset_formats(preset, {g: shapes[n] for n, g in names.items()}, spec.num_layers, spec.num_experts)
     return {n: formats[g] for n, g in names.items() if formats[g] in BLOCK_FORMATS}
 

@@ -433,11 +433,9 @@ def test_the_loader_dequantizes_blocks_a_slice_at_a_time(quant_gguf, tmp_path, m
     """Loaded at bf16, a dense tensor stored in blocks is dequantized into bf16 a few rows at a
     time (never whole in float32): bit for bit its float32 dequantization cast to bf16; the
     float32-kept tensors stay float32."""
-    import ftkit.runtime.ftw.reader as reader_mod
-
     path, _ = quant_gguf("qwen3_moe_wide-q4_k_m")
     ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
-    monkeypatch.setattr(reader_mod, "DEQUANT_BYTES", 4 * 256 * 3)  # three rows of 256 at once
+    monkeypatch.setattr("ftkit.kernels.dequant.CHUNK_WEIGHTS", 256 * 3)  # three rows of 256 at once
     rt = Runtime(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="bfloat16"))
     full, blocks = ftw.dense_state(), [n for n, r in ftw.dense_refs.items() if r.dtype in BLOCK_FORMATS]
     assert blocks and all(rt.decoder.w[n].dtype == torch.bfloat16 for n in blocks)
@@ -457,7 +455,7 @@ def test_block_table_rows_are_the_dequantized_rows():
         want = torch.nn.functional.embedding(ids, dequantize(raw, fmt).to(torch.bfloat16))
         assert torch.equal(table.rows(ids), want)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("ftkit.runtime.models.block_table.ROWS_AT_ONCE", 4)  # two pieces, the last short
+            mp.setattr("ftkit.kernels.dequant.CHUNK_WEIGHTS", 512 * 4)  # two pieces, the last short
             assert torch.equal(table.rows(ids), want)
         assert table.nbytes == raw.numel() and table.device == raw.device
 

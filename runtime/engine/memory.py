@@ -158,8 +158,8 @@ def device_blocks(formats: Mapping[str, str], cuda: bool) -> dict[str, str]:
     """{name: format} of the dense tensors a GPU keeps in their GGUF blocks (models/block_table.py),
     given every dense tensor's stored format: the embedding table where it is blocks and not
     also lm_head (which every token reads whole: dequantized, as the rest is, at load)."""
-    tied = "lm_head.weight" not in formats
-    return {n: f for n, f in formats.items() if cuda and n == "embed.weight" and not tied and f in BLOCK_FORMATS}
+    embed, tied = formats.get("embed.weight"), "lm_head.weight" not in formats
+    return {"embed.weight": embed} if cuda and not tied and embed in BLOCK_FORMATS else {}
 
 
 def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: DType, family: str,

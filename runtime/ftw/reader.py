@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ftkit.kernels.dequant import dequantize_to
+from ftkit.kernels.dequant import dequantize
 from ftkit.vocab import BLOCK_FORMATS, SLOT_ALIGN, ExpertLayout, stored_shape
 
 from ..checkpoint.base import CheckpointError, TensorRef, read_ref
@@ -31,15 +31,12 @@ from .manifest import MANIFEST, Bank, FTWError, Manifest
 from .writer import sha256_file
 
 CHUNK = 16 << 20  # bytes per positional read
-DEQUANT_BYTES = 64 << 20  # float32 bytes of a block tensor dequantized at once before its cast
-
-
 def _dense(ref: TensorRef, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A dense tensor as the runtime takes it: GGUF blocks (FTW v3 keeps a GGUF's as stored)
-    dequantized exactly to float32 and cast to `dtype` a slice of rows at a time (what the
-    loader would make of the float32 tensor, without it); other tensors as stored."""
+    dequantized exactly to float32 and cast to `dtype` a slice at a time (what the loader would
+    make of the float32 tensor, without it); other tensors as stored."""
     t = read_ref(ref)
-    return dequantize_to(t, ref.dtype, dtype, max(1, DEQUANT_BYTES // (4 * ref.shape[-1]))) if ref.dtype in BLOCK_FORMATS else t
+    return dequantize(t, ref.dtype, dtype) if ref.dtype in BLOCK_FORMATS else t
 
 
 def probe_odirect(path: Path) -> bool:

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ftkit.kernels.dequant import dequantize_to
-
-ROWS_AT_ONCE = 1024  # rows decoded together: bounds a long prompt's float32 temporaries (~12 MB at 2048 wide)
+from ftkit.kernels.dequant import dequantize
 
 
 @dataclass(frozen=True)
@@ -30,10 +28,6 @@ class BlockTable:
     shape: tuple[int, int]  # the logical [rows, columns]
     dtype: torch.dtype  # what rows come out as: the compute dtype
 
-    def __post_init__(self) -> None:
-        self.rows(torch.zeros(1, dtype=torch.long, device=self.device))  # what a decoder keeps a device
-        # (IQ4's and e2m1's level tables) exists before a CUDA graph captures a lookup
-
     @property
     def device(self) -> torch.device:
         return self.raw.device
@@ -43,10 +37,9 @@ class BlockTable:
         return self.raw.numel()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """F.embedding(ids, the dequantized table): only the rows asked for are decoded, ROWS_AT_ONCE
-        at a time (8192 Q4_K rows of 2048 at once, a prefill piece's, grew the CPU's peak by 95 MB
-        of float32 and temporaries beside their 34 MB of bf16; the memory plan counts the bf16)."""
-        return dequantize_to(self.raw[ids], self.fmt, self.dtype, ROWS_AT_ONCE)
+        """F.embedding(ids, the dequantized table): only the rows asked for are decoded (a long
+        prompt's a slice at a time: `dequantize`'s CHUNK_WEIGHTS)."""
+        return dequantize(self.raw[ids], self.fmt, self.dtype)
 
 
 def embed_rows(ids: torch.Tensor, table: torch.Tensor | BlockTable) -> torch.Tensor:
