@@ -41,6 +41,7 @@ _TYPED = tl.constexpr(TYPED)  # as the kernels compare it
 TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GEMM_M = 128  # items (an expert's tokens) per prefill tile: the decode of a block's weights is shared by them
 FILL_N = 32  # gate/up output columns of a GEMM tile when it may fill (the GEMV's width)
+FILL_COPY = 2048  # elements a fill's copy program moves a step (each step a PCIe round trip)
 # A GEMM launch's (output columns, reduction step, warps) by the format it decodes: the fastest
 # of a sweep, H200, 4096 tokens through one layer under uniform routing (docs/benchmarks.md, BS).
 # A block format's decode costs instructions per weight; its best tiles decode 16 weights a
@@ -237,13 +238,15 @@ def grouped_expert_gemv(
     weights: torch.Tensor,
     count: torch.Tensor,
     fills: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    copy_block: int = FILL_COPY,
 ) -> torch.Tensor:
     """Weighted expert outputs [N, H] for work items 0..count-1 (rows past `count` untouched).
 
     x [T, H]; slots [C, slot_bytes] uint8; slot_ids, token_ids int32 [N]; weights [N];
     count: int32 [1] on the device (the valid number of items). `fills`: (flags int32 [N],
     rows int64 [N], addr int64 [rows]): items with a flag read row `rows[i]` from the host
-    address `addr[rows[i]]` and copy it into their slot on the way.
+    address `addr[rows[i]]` and copy it into their slot on the way, `copy_block` elements a
+    step (the fills bench sweeps it).
     """
     w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts[:3]
@@ -262,7 +265,7 @@ def grouped_expert_gemv(
                                       fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"], fn["g_row"],
                                       fn["u_row"], table, FILL=fills is not None, BIAS=fn["BIAS"],
                                       CLAMP=fn["CLAMP"], FMT_G=fn["FMT_G"], FMT_U=fn["FMT_U"], BLOCK_N=32,
-                                      BLOCK_K=128, COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048)
+                                      BLOCK_K=128, COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=copy_block)
     grid = (n, triton.cdiv(h_dim, 32))
     _down[grid](h, w, slot_ids, weights, count, y, h_dim, i_dim, slot_elems, down.offset // esize, fn["db_off"],
                 table, BIAS=fn["BIAS"], FMT_D=fn["FMT_D"], BLOCK_M=32, BLOCK_K=128)
@@ -373,7 +376,8 @@ def gemm_tiles(segments: list[tuple[int, int]]) -> list[int]:
 def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout, tiles: torch.Tensor,
                         tokens: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, y: torch.Tensor,
                         count: torch.Tensor | None = None,
-                        fills: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                        fills: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        copy_block: int = FILL_COPY) -> None:
     """y[dst[i]] = weights[i] * expert_{slot(i)}(x[tokens[i]]) for every item i of every valid tile.
 
     x [T, H]; slots [C, slot_bytes] uint8; tiles int32 [n * 3] from `gemm_tiles` (items sorted
@@ -381,7 +385,8 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
     count: None (every tile valid) or int32 [1] on the device, the valid number of tiles (the
     rest are skipped unread; y's rows of their items are untouched). `fills`: (flags int32 [n],
     rows int64 [n], addr int64 [rows]): a flagged tile reads its expert from the host address
-    `addr[rows[t]]` and copies it into its slot on the way. No host synchronisation either way.
+    `addr[rows[t]]` and copies it into its slot on the way (`copy_block`: as the GEMV's). No host
+    synchronisation either way.
     """
     w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts[:3]
@@ -412,7 +417,7 @@ def grouped_expert_gemm(x: torch.Tensor, slots: torch.Tensor, layout: SlotLayout
                                                 fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"], fn["g_row"],
                                                 fn["u_row"], FILL=fills is not None, BIAS=fn["BIAS"],
                                                 CLAMP=fn["CLAMP"], FMT_G=fn["FMT_G"], FMT_U=fn["FMT_U"],
-                                                COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=2048, **gu)
+                                                COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=copy_block, **gu)
     dn = dict(cfg, **gemm_tile(fn["FMT_D"]))
     _gemm_down[(n_tiles, triton.cdiv(h_dim, dn["BLOCK_N"]))](h, w, tiles, count, dst, weights, y, h_dim, i_dim,
                                                              slot_elems, down.offset // esize, fn["db_off"],

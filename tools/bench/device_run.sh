@@ -8,7 +8,7 @@
 # Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile; CAL_MODEL=q12 or
 # q4km: of that model's slot formats), wrong
 # (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files, GPU_K: a -k expression), zerocopy
-# (decode fills vs DMA), read (FTW read + pin), decode (qwen3-30b-a3b shape cut to 12 layers:
+# (decode fills vs DMA; ZC_FLAGS: its flags), read (FTW read + pin), decode (qwen3-30b-a3b shape cut to 12 layers:
 # decode per strategy, graphs off and on, beside the bounds; DECODE_MODEL q12 or q4km,
 # CACHE_FRACTION, DECODE_FLAGS: more ft-bench flags, for it and the ab part's decode), prefill (4096- and 8192-token
 # chunks beside the PCIe bound, layer streaming on and off, each followed by a 32-token answer
@@ -91,7 +91,7 @@ if has gpu; then
   tail -15 "$OUT/gpu_tests.txt"
 fi
 if has zerocopy; then
-  $PY -m ftkit.tools.bench.zero_copy --json "$OUT/zero_copy.json" 2>&1 | tee "$OUT/zero_copy.txt"
+  $PY -m ftkit.tools.bench.zero_copy ${ZC_FLAGS:-} --json "$OUT/zero_copy.json" 2>&1 | tee "$OUT/zero_copy.txt"
 fi
 if has gemm; then  # prefill's grouped expert GEMM alone, per format
   $PY -m ftkit.tools.bench.expert_gemm --formats ${GEMM_FORMATS:-bfloat16,mxfp4,q8_0,q4_k_m,iq4_xs,q4_0,q5_0,q2_k,q3_k,q5_k,q6_k,iq4_nl} \
