@@ -251,7 +251,7 @@ def _profiled(rt: Runtime, fn, path: Path) -> None:
         sync(rt)
     sort = "self_cuda_time_total" if rt.device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    gpu = prof.key_averages().table(sort_by=sort, row_limit=15) if rt.device.type == "cuda" else ""
+    gpu = prof.key_averages().table(sort_by=sort, row_limit=40) if rt.device.type == "cuda" else ""
     Path(path).write_text(table + "\n\n" + gpu)
     if os.environ.get("FTKIT_CHROME_TRACE"):  # the timeline too (Perfetto); torch gzips a .gz path
         prof.export_chrome_trace(str(Path(path).with_suffix(".trace.json.gz")))
