@@ -134,10 +134,10 @@ def _host(slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
                               device=DEV)
 
 
-@pytest.mark.parametrize("oss", [False, True])
-def test_gemv_fills_block_slots_from_the_host(oss):
+@pytest.mark.parametrize("oss,block_n", [(False, 32), (True, 32), (False, 8)])
+def test_gemv_fills_block_slots_from_the_host(oss, block_n):
     """Flagged items copy their expert's bytes (biases too) from the host into their slot and
-    compute from them: the same results as with every expert resident."""
+    compute from them: the same results as with every expert resident (at any rows a program)."""
     from ftkit.kernels.triton.experts import grouped_expert_gemv
 
     layout, slots, f32, floats = block_slots(Q4_K_M, 3, seed=2, hidden=HIDDEN, inter=INTER, **(OSS if oss else {}))
@@ -150,7 +150,7 @@ def test_gemv_fills_block_slots_from_the_host(oss):
     wt, count = torch.rand(3, generator=gen).to(DEV), torch.tensor([3], dtype=torch.int32, device=DEV)
     fills = tuple(torch.tensor(v, device=DEV) for v in ([0, 1, 1], [0, 1, 2]))
     got = grouped_expert_gemv(x, dev, layout, torch.tensor([1, 0, 2], dtype=torch.int32, device=DEV), tid, wt, count,
-                              (fills[0].to(torch.int32), fills[1], addr))
+                              (fills[0].to(torch.int32), fills[1], addr), block_n=block_n)
     assert torch.equal(dev.cpu()[[1, 0, 2]], host)
     want = grouped_expert_gemv(x, _stack(floats), f32, torch.arange(3, dtype=torch.int32, device=DEV), tid, wt, count)
     _same(got.cpu(), want.cpu(), exact=False)

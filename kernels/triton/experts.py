@@ -239,6 +239,7 @@ def grouped_expert_gemv(
     count: torch.Tensor,
     fills: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     copy_block: int = FILL_COPY,
+    block_n: int = 32,
 ) -> torch.Tensor:
     """Weighted expert outputs [N, H] for work items 0..count-1 (rows past `count` untouched).
 
@@ -246,7 +247,8 @@ def grouped_expert_gemv(
     count: int32 [1] on the device (the valid number of items). `fills`: (flags int32 [N],
     rows int64 [N], addr int64 [rows]): items with a flag read row `rows[i]` from the host
     address `addr[rows[i]]` and copy it into their slot on the way, `copy_block` elements a
-    step (the fills bench sweeps it).
+    step; `block_n`: gate/up rows a program (a fill has as many copy programs as row tiles; the
+    fills bench sweeps both).
     """
     w, esize = _slot_view(slots, layout)
     gate, up, down = layout.parts[:3]
@@ -258,13 +260,13 @@ def grouped_expert_gemv(
     x, table = x.contiguous(), lut(x.device)
     slot_elems = layout.slot_bytes // esize
     flag, rows, addr = fills if fills is not None else (slot_ids, slot_ids, slot_ids)
-    n_gu = triton.cdiv(i_dim, 32)
+    n_gu = triton.cdiv(i_dim, block_n)
     copy_progs = n_gu if fills is not None else 0  # as many as read gate/up: the down third in step
     _gate_up[(n, n_gu + copy_progs)](x, w, slot_ids, token_ids, count, flag, rows, addr, h, h_dim, i_dim,
                                       slot_elems, up.offset // esize, down.offset // esize, fn["tail"], n_gu,
                                       fn["gb_off"], fn["ub_off"], fn["alpha"], fn["limit"], fn["g_row"],
                                       fn["u_row"], table, FILL=fills is not None, BIAS=fn["BIAS"],
-                                      CLAMP=fn["CLAMP"], FMT_G=fn["FMT_G"], FMT_U=fn["FMT_U"], BLOCK_N=32,
+                                      CLAMP=fn["CLAMP"], FMT_G=fn["FMT_G"], FMT_U=fn["FMT_U"], BLOCK_N=block_n,
                                       BLOCK_K=128, COPY_PROGS=max(copy_progs, 1), COPY_BLOCK=copy_block)
     grid = (n, triton.cdiv(h_dim, 32))
     _down[grid](h, w, slot_ids, weights, count, y, h_dim, i_dim, slot_elems, down.offset // esize, fn["db_off"],

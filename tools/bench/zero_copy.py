@@ -39,15 +39,27 @@ from ftkit.vocab import slot_layout
 from .cpu_experts import MIXES
 from .presets import preset_spec
 
+REPLAYS = 16  # calls in a timed graph, each on host rows the one before did not read
 
-def _gbps(fn, nbytes: int, seconds: float = 1.0) -> float:
-    fn()
+
+def _gbps(calls: list, nbytes: int, seconds: float = 1.0) -> float:
+    """GB/s of `calls` (each moving `nbytes`) replayed from one CUDA graph, so the GPU's time is
+    measured, not the launches' host time (one call of one or two misses takes less than its
+    Python)."""
+    for c in calls:  # compiled and warm before the capture
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
     torch.cuda.synchronize()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        fn()
-        n += 1
-    torch.cuda.synchronize()
+        g.replay()
+        n += len(calls)
+        torch.cuda.synchronize()
     return n * nbytes / (time.perf_counter() - t0) / 1e9
 
 
@@ -76,8 +88,10 @@ class HostLoad:
             self.thread.join()
 
 
-def layer_results(fmt: str, host_rows: int, copy_block: int, seconds: float = 1.0) -> list[dict]:
-    """The fills bench's rows for experts in `fmt` (a format, or a mix of MIXES)."""
+def layer_results(fmt: str, host_rows: int, copy_block: int, block_n: int, seconds: float = 1.0,
+                  gemm: bool = True) -> list[dict]:
+    """The fills bench's rows for experts in `fmt` (a format, or a mix of MIXES); `gemm`: the
+    extend's GEMM rows too."""
     spec = preset_spec("qwen3-30b-a3b", 1)
     layout = slot_layout(spec, MIXES.get(fmt, fmt))
     size = layout.slot_bytes
@@ -94,22 +108,24 @@ def layer_results(fmt: str, host_rows: int, copy_block: int, seconds: float = 1.
         cursor[0] = (cursor[0] + n) % (host_rows - n)
         return cursor[0]
 
-    def dma(n: int, kernel) -> None:
-        r = next_rows(n)
-        for i in range(n):
-            dev[i].copy_(host[r + i], non_blocking=True)
-        kernel(None)
+    def dma(n: int, kernel) -> list:
+        """A graph's worth of calls: copy engines, then the kernel over resident slots."""
+        def call(r: int) -> None:
+            for i in range(n):
+                dev[i].copy_(host[r + i], non_blocking=True)
+            kernel(None)
+        return [lambda r=next_rows(n): call(r) for _ in range(REPLAYS)]
 
-    def fill_through(n: int, kernel) -> None:
-        r = next_rows(n)
-        kernel((ones, torch.arange(r, r + 16, device="cuda"), addr))
+    def fill_through(n: int, kernel) -> list:
+        return [lambda r=torch.arange(r0, r0 + 16, device="cuda"): kernel((ones, r, addr))
+                for r0 in (next_rows(n) for _ in range(REPLAYS))]
 
     def check(n: int, kernel, rows: int, name: str) -> None:
         """The fill-through kernel fills the right bytes and computes (its first `rows` output
         rows) what it computes resident."""
-        fill_through(n, kernel)
+        r = next_rows(n)
+        kernel((ones, torch.arange(r, r + 16, device="cuda"), addr))
         torch.cuda.synchronize()
-        r = cursor[0]
         assert torch.equal(dev[:n].cpu(), host[r : r + n]), f"the fill-through {name} filled the wrong bytes"
         ref = kernel(None)[:rows].clone()
         again = kernel((ones, torch.arange(r, r + 16, device="cuda"), addr))[:rows]  # another specialization
@@ -119,10 +135,10 @@ def layer_results(fmt: str, host_rows: int, copy_block: int, seconds: float = 1.
     def measure(kind: str, n: int, kernel, rows: int) -> dict:
         check(n, kernel, rows, kind)
         nbytes = n * size
-        return {"format": fmt, "copy_block": copy_block, "kernel": kind, "slots": n,
-                "dma_gbps": _gbps(lambda: dma(n, kernel), nbytes, seconds),
-                "fill_through_gbps": _gbps(lambda: fill_through(n, kernel), nbytes, seconds),
-                "resident_gbps": _gbps(lambda: kernel(None), nbytes, seconds)}
+        return {"format": fmt, "copy_block": copy_block, "block_n": block_n, "kernel": kind, "slots": n,
+                "dma_gbps": _gbps(dma(n, kernel), nbytes, seconds),
+                "fill_through_gbps": _gbps(fill_through(n, kernel), nbytes, seconds),
+                "resident_gbps": _gbps([lambda: kernel(None)] * REPLAYS, nbytes, seconds)}
 
     x1 = torch.randn((1, spec.hidden_size), dtype=torch.bfloat16, device="cuda")
     slots = torch.arange(16, dtype=torch.int32, device="cuda")
@@ -134,12 +150,12 @@ def layer_results(fmt: str, host_rows: int, copy_block: int, seconds: float = 1.
         tokens = torch.zeros(16, dtype=torch.int32, device="cuda")
 
         def gemv(fills, count: torch.Tensor = count, tokens: torch.Tensor = tokens) -> torch.Tensor:
-            return grouped_expert_gemv(x1, dev, layout, slots, tokens, weights, count, fills, copy_block)
+            return grouped_expert_gemv(x1, dev, layout, slots, tokens, weights, count, fills, copy_block, block_n)
 
         results.append(measure("GEMV", n, gemv, n))
     per = 4  # an extend's tokens per missed expert (32 tokens, top-8: a few each)
     x32 = torch.randn((32, spec.hidden_size), dtype=torch.bfloat16, device="cuda")
-    for n in (4, 8, 16):
+    for n in (4, 8, 16) if gemm else ():
         tiles = torch.tensor(gemm_tiles([(s, per) for s in range(n)]), dtype=torch.int32, device="cuda")
         tok = torch.randint(0, 32, (n * per,), dtype=torch.int32, device="cuda")
         dst = torch.arange(n * per, dtype=torch.int32, device="cuda")
@@ -162,6 +178,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=128, help="host slots to cycle through (>> GPU L2)")
     ap.add_argument("--formats", default="bfloat16", help="expert formats, comma-separated (or q4_k_m)")
     ap.add_argument("--copy-blocks", default=str(FILL_COPY), help="elements a copy step, comma-separated")
+    ap.add_argument("--block-n", default="32", help="the GEMV's gate/up rows a program, comma-separated")
     ap.add_argument("--host-load", type=int, default=0, help="threads reading host memory meanwhile")
     ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds a figure")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -170,13 +187,14 @@ def main() -> None:
     with HostLoad(args.host_load):
         for fmt in args.formats.split(","):
             for block in (int(b) for b in args.copy_blocks.split(",")):
-                results += layer_results(fmt, args.rows, block, args.seconds)
+                for i, block_n in enumerate(int(b) for b in args.block_n.split(",")):
+                    results += layer_results(fmt, args.rows, block, block_n, args.seconds, gemm=i == 0)
     table = Table(title="one layer's fills + the grouped kernel (pinned host -> GPU), GB/s of expert bytes"
                   + (f", {args.host_load} threads reading host memory" if args.host_load else ""))
-    for col in ("format", "copy step", "kernel", "misses", "DMA + kernel", "fill-through", "all resident"):
+    for col in ("format", "copy step", "rows", "kernel", "misses", "DMA + kernel", "fill-through", "all resident"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(r["format"], str(r["copy_block"]), r["kernel"], str(r["slots"]),
+        table.add_row(r["format"], str(r["copy_block"]), str(r["block_n"]), r["kernel"], str(r["slots"]),
                       *(f"{r[k]:.1f}" for k in ("dma_gbps", "fill_through_gbps", "resident_gbps")))
     Console().print(table)
     if args.json:
