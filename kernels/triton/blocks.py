@@ -68,14 +68,6 @@ def _i8(p, mask):
 
 
 @triton.jit
-def _float(q, bias: tl.constexpr):
-    """float32(q - bias) for 0 <= q < 2**23 without an int-to-float conversion (a quarter-rate
-    instruction on Hopper: two of them a weight bound Q6_K's decode): q's bits as a float's
-    mantissa under 2**23's exponent, then 2**23 + bias subtracted; exact, as the conversion is."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
-
-
-@triton.jit
 def _f16(p, mask):
     """The little-endian fp16 at bytes p, p + 1 as float32 (byte loads: no alignment needed)."""
     bits = (_u8(p, mask) | (_u8(p + 1, mask) << 8)).to(tl.uint16)
@@ -127,7 +119,7 @@ def _k_scale_min(s, sb, mask):
     low = sb < 4
     sc = tl.where(low, a & 63, (b & 0xF) | ((c >> 6) << 4))
     mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return _float(sc, 0), _float(mn, 0)
+    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
@@ -242,17 +234,17 @@ def tile(base, n, kb, nmask, ROW, FMT: tl.constexpr, lut_ptr):
         b = base + rows * (ROW // 256 * 144) + kb * 144
         sc, mn = _k_scale_min(b + 4, g, one)
         q = (_u8(b + 16 + 32 * (g // 2) + lane, mask) >> (4 * (g % 2))) & 0xF
-        w = (_f16(b, one) * sc) * _float(q, 0) - _f16(b + 2, one) * mn
+        w = (_f16(b, one) * sc) * q.to(tl.float32) - _f16(b + 2, one) * mn
     elif FMT == 13:  # q6_k: one super-block, halves of 128 weights (sub-blocks 0-3, 4-7)
         b = base + rows * (ROW // 256 * 210) + kb * 210
         half, quarter = g // 4, g % 4
         low = (_u8(b + 64 * half + 32 * (quarter % 2) + lane, mask) >> (4 * (quarter // 2))) & 0xF
         high = (_u8(b + 128 + 32 * half + lane, mask) >> (2 * quarter)) & 3
-        scale = _float(_u8(b + 192 + 2 * g + lane // 16, mask) ^ 0x80, 128)
-        w = (_f16(b + 208, one) * scale) * _float(low | (high << 4), 32)
+        scale = _i8(b + 192 + 2 * g + lane // 16, mask).to(tl.float32)
+        w = (_f16(b + 208, one) * scale) * ((low | (high << 4)) - 32).to(tl.float32)
     elif FMT == 4:  # q8_0: eight blocks of 32
         b = base + rows * (ROW // 32 * 34) + (kb * 8 + g) * 34
-        w = _float(_u8(b + 2 + lane, mask) ^ 0x80, 128) * _f16(b, one & (kb * 256 + g * 32 < ROW))
+        w = _i8(b + 2 + lane, mask).to(tl.float32) * _f16(b, one & (kb * 256 + g * 32 < ROW))
     else:
         w = weights(base, rows, k, mask, ROW, FMT, lut_ptr)
     return w
