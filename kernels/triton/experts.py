@@ -41,7 +41,7 @@ _TYPED = tl.constexpr(TYPED)  # as the kernels compare it
 TORCH_FLOAT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GEMM_M = 128  # items (an expert's tokens) per prefill tile: the decode of a block's weights is shared by them
 FILL_N = 32  # gate/up output columns of a GEMM tile when it may fill (the GEMV's width)
-FILL_COPY = 2048  # elements a fill's copy program moves a step (each step a PCIe round trip)
+FILL_COPY = 2048  # elements a fill's copy program moves a step (2048-16384 read alike: H200, 8 misses)
 # A GEMM launch's (output columns, reduction step, warps) by the format it decodes: the fastest
 # of a sweep, H200, 4096 tokens through one layer under uniform routing (docs/benchmarks.md, BS).
 # A block format's decode costs instructions per weight; its best tiles decode 16 weights a

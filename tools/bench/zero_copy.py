@@ -11,8 +11,10 @@ the slots as it goes: what the device planner runs), and, as the floor, the kern
 resident slots. GB/s = expert bytes / time. Needs CUDA. (A separate zero-copy copy kernel before
 the GEMV was measured too and dropped: no faster than DMA, and slower than the fill-through
 GEMV for one or two misses.) `--copy-blocks` sweeps the elements a fill's copy programs move
-a step (each step waits for its PCIe reads); `--host-load N` keeps N threads reading host memory
-meanwhile, as the CPU side of hybrid decode does.
+a step (each step waits for its PCIe reads), `--block-n` the GEMV's gate/up rows a program (so
+a fill's reading programs); `--host-load N` keeps N threads reading host memory meanwhile, as
+the CPU side of hybrid decode does. On an H100 host one q4_k_m fill read at ~20 GB/s whatever
+the step or the programs (docs/benchmarks-history.md, third session of 2026-12-07).
 """
 
 from __future__ import annotations
