@@ -145,9 +145,11 @@ def preset_dense_formats(spec: ModelSpec, preset: str) -> dict[str, str]:
     return {n: formats[g] for n, g in names.items() if formats[g] in BLOCK_FORMATS}
 
 
-def _weights(spec: ModelSpec, seed: int) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+def _weights(spec: ModelSpec, seed: int, distinct: int | None = None
+             ) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
     """Random float32 weights of `spec`: dense by canonical name, experts per MoE layer stacked
-    by part ([E, I, H] gate and up, [E, H, I] down)."""
+    by part ([E, I, H] gate and up, [E, H, I] down); `distinct`: that many random experts a part
+    and layer, cycled (a quick write at a large shape)."""
     if spec.family not in SOURCE_FAMILIES:
         raise ValueError(f"HF and GGUF demo checkpoints are written for {', '.join(SOURCE_FAMILIES)}, "
                          f"not {spec.family}")
@@ -155,8 +157,12 @@ def _weights(spec: ModelSpec, seed: int) -> tuple[dict[str, torch.Tensor], dict[
     dense = {n: _random(n, s, gen) for n, s in FAMILIES[spec.family].dense_shapes(spec).items()}
     h, i = spec.hidden_size, spec.moe_intermediate_size
     shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
-    experts = {layer: {part: torch.stack([_random(part, shape, gen) for _ in range(spec.num_experts)])
+    drawn = min(distinct or spec.num_experts, spec.num_experts)
+    experts = {layer: {part: torch.stack([_random(part, shape, gen) for _ in range(drawn)])
                        for part, shape in shapes.items()} for layer in spec.moe_layers}
+    if drawn < spec.num_experts:
+        index = torch.arange(spec.num_experts) % drawn
+        experts = {layer: {part: t[index] for part, t in parts.items()} for layer, parts in experts.items()}
     return dense, experts
 
 
@@ -195,15 +201,34 @@ def write_random_hf(out: Path, spec: ModelSpec, seed: int = 0, side_files: Calla
     return out
 
 
-def write_random_gguf(out: Path, spec: ModelSpec, seed: int = 0, force: bool = False) -> Path:
-    """`spec`'s random weights (the same as write_random_hf's for a seed) as a float32 GGUF
-    file laid out as llama.cpp's converter writes the family (stacked `ffn_*_exps` experts, no
-    vocabulary); written to a temporary sibling, renamed at the end."""
+def spm_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary of `size` tokens as GGUF stores one (tokens, scores, types):
+    <unk>, <s>, </s>, the 256 byte tokens `<0xNN>` a SentencePiece tokenizer falls back to, then
+    distinct word pieces. What llama.cpp needs to load a generated model's file (its tools
+    tokenize and sample through it); the pieces mean nothing."""
+    if size < 260:
+        raise ValueError(f"a SentencePiece vocabulary of {size} tokens has no room for its byte tokens")
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [2, 3, 3] + [6] * 256  # llama.cpp's UNKNOWN, CONTROL, BYTE
+    pieces = size - len(tokens)
+    tokens += [f"\u2581t{i}" for i in range(pieces)]
+    return tokens, [0.0] * 259 + [-float(i) for i in range(pieces)], types + [1] * pieces
+
+
+def write_random_gguf(out: Path, spec: ModelSpec, seed: int = 0, force: bool = False, dtype: str = "float32",
+                      vocab: bool = False, distinct_experts: int | None = None) -> Path:
+    """`spec`'s random weights (the same as write_random_hf's for a seed) as a GGUF file laid out
+    as llama.cpp's converter writes the family (stacked `ffn_*_exps` experts), its tensors
+    float32 or bfloat16 (`dtype`; norms and routers stay float32, as the converter keeps them); with `vocab`,
+    a generated SentencePiece vocabulary of the spec's size (`spm_vocab`), which llama.cpp's
+    tools need to load a file; written to a temporary sibling, renamed at the end."""
     import gguf
 
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to replace it")
-    dense, experts = _weights(spec, seed)
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"a random GGUF is written in float32 or bfloat16, not {dtype}")
+    dense, experts = _weights(spec, seed, distinct_experts)
     arch = FAMILIES[spec.family].gguf_archs[0]
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), arch)
@@ -216,11 +241,29 @@ def write_random_gguf(out: Path, spec: ModelSpec, seed: int = 0, force: bool = F
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", spec.rope_theta)
+    if vocab:
+        tokens, scores, types = spm_vocab(spec.vocab_size)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+
+    def add(name: str, t: torch.Tensor) -> None:
+        if dtype == "bfloat16" and t.dim() > 1 and "ffn_gate_inp" not in name:  # (the converter keeps
+            # norms and routers float32); numpy has no bfloat16: its bytes, typed BF16
+            w.add_tensor(name, t.to(torch.bfloat16).view(torch.uint8).numpy(),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            w.add_tensor(name, t.numpy())
+
     for name, t in dense.items():
-        w.add_tensor(_source_name(name, _GGUF_NAMES), t.numpy())
+        add(_source_name(name, _GGUF_NAMES), t)
     for layer, parts in experts.items():
         for part, stacked in parts.items():
-            w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", stacked.numpy())
+            add(f"blk.{layer}.ffn_{part}_exps.weight", stacked)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()

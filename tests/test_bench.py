@@ -423,6 +423,23 @@ def test_sweep_writes_points_and_charts(tiny, tmp_path):
     assert len(ET.parse(out / "threads.svg").getroot().findall(f"{ns}polyline")) == 2
 
 
+def test_write_gguf_for_llama_cpp(tmp_path):
+    """`ft-bench write --gguf`: a bf16 GGUF of the preset with a vocabulary, which ft-diagnose
+    passes (llama-quantize quantizes it on the GPU machine); with --quant, one line: that file
+    is quantized by llama-quantize."""
+    from ftkit.tools.diagnose.report import diagnose
+
+    out = tmp_path / "tiny.gguf"
+    r = subprocess.run([*BENCH, "write", "-o", str(out), "--preset", "tiny", "--gguf"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out}: 4 layers x 16 experts (tiny), bfloat16" in " ".join(r.stdout.split())
+    assert diagnose(out)["verdict"] == "PASS"
+    r = subprocess.run([*BENCH, "write", "-o", str(tmp_path / "q.gguf"), "--preset", "tiny", "--gguf", "--quant",
+                        "q4_k_m"], capture_output=True, text=True)
+    assert r.returncode == 1 and "quantize the file with llama-quantize" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "q.gguf").exists()
+
+
 def test_write_quantized_lays_experts_out_as_llama_quantize(tmp_path):
     """`ft-bench write --quant q4_k_m`: the experts in GGUF blocks as llama-quantize's preset lays
     them out per layer (ffn_down q6_k on the layers use_more_bits picks), the dense tensors as it

@@ -53,3 +53,38 @@ def test_sources_are_written_atomically_and_never_over_a_file(tmp_path: Path) ->
     with pytest.raises(FileExistsError):
         write_random_hf(tmp_path / "hf", spec)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"]  # no temporary left behind
+
+
+def test_a_bf16_gguf_with_a_vocabulary_converts_to_the_rounded_weights(tmp_path: Path) -> None:
+    """What llama.cpp's tools take (`ft-bench write --gguf`): bfloat16 matrices, float32 norms and
+    routers (as llama.cpp's converter keeps them), a SentencePiece vocabulary of the spec's size
+    (its byte tokens included); converted, the weights are the float32 file's rounded to bf16,
+    and the vocabulary becomes a tokenizer."""
+    import gguf as gguf_py
+
+    from ftkit.runtime.random_model import spm_vocab
+
+    spec = demo_spec(512)
+    f32 = write_random_gguf(tmp_path / "f32.gguf", spec, distinct_experts=3)
+    bf16 = write_random_gguf(tmp_path / "bf16.gguf", spec, dtype="bfloat16", vocab=True, distinct_experts=3)
+    types = {t.name: t.tensor_type.name for t in gguf_py.GGUFReader(bf16).tensors}
+    assert {types[n] for n in types if n.endswith("norm.weight") or "ffn_gate_inp" in n} == {"F32"}
+    assert {types[n] for n in types if n.endswith(("_exps.weight", "attn_q.weight", "token_embd.weight"))} == {"BF16"}
+    tokens, scores, kinds = spm_vocab(512)
+    assert len(set(tokens)) == len(scores) == len(kinds) == 512 and "<0xFF>" in tokens
+    with pytest.raises(ValueError, match="no room for its byte tokens"):
+        spm_vocab(200)
+    models = []
+    for src in (f32, bf16):
+        out = tmp_path / f"{src.stem}.ftw"
+        assert CliRunner().invoke(ftw_convert, [str(src), "-o", str(out)]).exit_code == 0
+        models.append(FTWModel(out))
+    a, b = models
+    assert (b.path / "tokenizer.json").is_file()
+    banks_a, banks_b = a.read_banks(pin=False), b.read_banks(pin=False)
+    for row in (0, 3, spec.num_expert_rows - 1):  # experts cycle through the three drawn
+        pa, pb = banks_a.parts(row), banks_b.parts(row)
+        assert all(torch.equal(pa[p].view(torch.float32).to(torch.bfloat16), pb[p].view(torch.bfloat16)) for p in pa)
+    assert torch.equal(banks_a.parts(0)["gate"], banks_a.parts(3)["gate"])
+    dense_a, dense_b = a.dense_state(), b.dense_state()
+    assert all(torch.equal(dense_a[n].to(dense_b[n].dtype), dense_b[n]) for n in dense_a)

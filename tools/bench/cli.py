@@ -17,6 +17,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from rich.table import Table
 
 from ftkit import __version__
+from ftkit.errors import InputError
 from ftkit.runtime.checkpoint.quant_presets import PRESETS as QUANT_PRESETS
 from ftkit.runtime.checkpoint.quant_presets import expert_formats
 from ftkit.runtime.cli import PREFIX_FLAGS, SERVE_FLAGS, runtime_flags
@@ -25,7 +26,7 @@ from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
 from ftkit.runtime.engine.sampling import Sampler, SamplingParams
 from ftkit.runtime.ftw.manifest import write_json_atomic
 from ftkit.runtime.profile import cache_dir
-from ftkit.runtime.random_model import preset_dense_formats, write_random_ftw
+from ftkit.runtime.random_model import preset_dense_formats, write_random_ftw, write_random_gguf
 from ftkit.vocab import expert_layout, human_bytes
 
 from . import agent_trace, hostmem, run, soak
@@ -85,12 +86,25 @@ def write(
         help=f"experts (and a qwen3_moe's attention, embedding and lm_head) in GGUF blocks, laid out as "
              f"llama-quantize's preset lays them: {', '.join(QUANT_PRESETS)}"
     )] = None,
+    gguf: Annotated[bool, typer.Option(
+        help="write OUT as one GGUF file instead (bfloat16 or float32, a generated vocabulary), as llama.cpp's "
+             "converter would: what llama-quantize quantizes and llama.cpp runs beside ftkit"
+    )] = False,
     force: Annotated[bool, typer.Option(help="replace OUT if it exists")] = False,
 ) -> None:
-    """Write a random-weight FTW at a preset's shapes (its experts quantized with --quant)."""
+    """Write a random-weight FTW at a preset's shapes (its experts quantized with --quant), or a
+    GGUF file of it (--gguf)."""
 
     def body() -> None:
         spec = preset_spec(preset, layers)
+        if gguf:
+            if quant:
+                raise InputError("--gguf writes floats; quantize the file with llama-quantize")
+            with console.status(f"writing {out}"):
+                write_random_gguf(out, spec, force=force, dtype=dtype, vocab=True, distinct_experts=distinct_experts)
+            console.print(f"wrote {out}: {spec.num_layers} layers x {spec.num_experts} experts ({preset}), {dtype}, "
+                          f"{human_bytes(out.stat().st_size)}")
+            return
         formats = expert_formats(spec, quant) if quant else None
         layout = expert_layout(spec, formats or dtype)
         with Progress("writing", BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=console) as bar:

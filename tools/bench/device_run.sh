@@ -32,7 +32,11 @@
 # graphs off and on), nextprefill (the same model: a LONG_CHUNK-token prompt without and with
 # an anchor every ANCHORS tokens; REPEAT turns), serve (ft-run serve driven through the openai SDK,
 # beside the engine's own figures: ft-bench serve on SERVE_MODEL, q12 or q4km; SERVE_CACHE, SERVE_FLAGS,
-# SERVE_TAG names the outputs).
+# SERVE_TAG names the outputs), llamacpp (llama.cpp beside ftkit on one Q4_K_M file: llama.cpp's
+# source carried as .llama/llama-src.tgz (tools/bench/llama_source.sh), built for CUDA; the q12
+# shape written as a bf16 GGUF, quantized by llama-quantize, converted by ftw-convert; llama-bench
+# at LLAMA_NCMOE layers' experts on the CPU (default "8 12": a third of the experts on the GPU,
+# then none) and ft-bench decode of the same file, uniform and real routing, at CACHE_FRACTION).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -189,6 +193,30 @@ if has nextprefill; then  # without anchors and with one every ANCHORS tokens
   for a in 0 ${ANCHORS:-2048}; do
     nextprefill $a ${PREFILL_STRATEGIES:-hybrid} $J "$OUT/nextprefill-$a.json" --trace-dir "$OUT/nextprefill-$a-trace" \
         2>&1 | tee "$OUT/nextprefill-$a.txt"
+  done
+fi
+if has llamacpp; then  # llama.cpp and ftkit on one Q4_K_M file (see the header)
+  L=$W/llama-build
+  if [ ! -x "$L/bin/llama-bench" ]; then
+    mkdir -p "$W/llama-src" && tar xzf .llama/llama-src.tgz -C "$W/llama-src"
+    { cmake -S "$W/llama-src" -B "$L" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
+      && cmake --build "$L" -j "$(nproc)" --target llama-bench llama-quantize; } > "$OUT/llama-build.txt" 2>&1 \
+      || { tail -20 "$OUT/llama-build.txt"; echo "llama.cpp did not build"; }
+  fi
+  [ -f "$W/q12-bf16.gguf" ] || $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --gguf \
+      --dtype bfloat16 --distinct-experts 4 --out "$W/q12-bf16.gguf" 2>&1 | tail -1
+  [ -f "$W/q12-q4km.gguf" ] || "$L/bin/llama-quantize" "$W/q12-bf16.gguf" "$W/q12-q4km.gguf" Q4_K_M "$(nproc)" \
+      > "$OUT/llama-quantize.txt" 2>&1
+  [ -f "$W/lq4km.ftw/manifest.json" ] || $PY -m ftkit.tools.convert "$W/q12-q4km.gguf" -o "$W/lq4km.ftw" 2>&1 | tail -2
+  for n in ${LLAMA_NCMOE:-8 12}; do
+    "$L/bin/llama-bench" -m "$W/q12-q4km.gguf" -ngl 99 -ncmoe $n -t ${THREADS:-15} -p 512 -n 128 -r 3 -o md 2>&1 \
+      | tee -a "$OUT/llamacpp.txt" | grep -E '^\|'
+  done
+  for routing in reuse:0 real; do
+    $PY -m ftkit.tools.bench.cli decode -m "$W/lq4km.ftw" --cache-fraction ${CACHE_FRACTION:-0.33} --threads ${THREADS:-15} \
+        --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-64} --strategies cpu,hybrid --graphs on --chunks 512 \
+        --routing $routing $J "$OUT/llamacpp-ftkit-$routing.json" 2>&1 | tee -a "$OUT/llamacpp.txt" | grep -E 'hybrid|cpu'
   done
 fi
 if has ab; then  # trees alternated on one machine: AB="ab-old=O1 .=N1 ab-old=O2 .=N2"
