@@ -36,7 +36,10 @@
 # source carried as .llama/llama-src.tgz (tools/bench/llama_source.sh), built for CUDA; the q12
 # shape written as a bf16 GGUF, quantized by llama-quantize, converted by ftw-convert; llama-bench
 # at LLAMA_NCMOE layers' experts on the CPU (default "8 12": a third of the experts on the GPU,
-# then none) and ft-bench decode of the same file, uniform and real routing, at CACHE_FRACTION).
+# then none) and ft-bench decode of the same file, uniform and real routing, at CACHE_FRACTION;
+# tests/test_llama_quantize.py with that llama-quantize first;
+# the CUDA build and the files take more than one call's 10 minutes: they stay in WORK while the
+# machine is warm, so a second call with this part goes on from them).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -204,6 +207,8 @@ if has llamacpp; then  # llama.cpp and ftkit on one Q4_K_M file (see the header)
       && cmake --build "$L" -j "$(nproc)" --target llama-bench llama-quantize; } > "$OUT/llama-build.txt" 2>&1 \
       || { tail -20 "$OUT/llama-build.txt"; echo "llama.cpp did not build"; }
   fi
+  LLAMA_QUANTIZE="$L/bin/llama-quantize" $PY -m pytest -q tests/test_llama_quantize.py > "$OUT/llama-quantize-tests.txt" 2>&1
+  tail -1 "$OUT/llama-quantize-tests.txt"
   [ -f "$W/q12-bf16.gguf" ] || $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --gguf \
       --dtype bfloat16 --distinct-experts 4 --out "$W/q12-bf16.gguf" 2>&1 | tail -1
   [ -f "$W/q12-q4km.gguf" ] || "$L/bin/llama-quantize" "$W/q12-bf16.gguf" "$W/q12-q4km.gguf" Q4_K_M "$(nproc)" \
