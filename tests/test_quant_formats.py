@@ -27,11 +27,12 @@ from ftkit.runtime.checkpoint.gguf import GGUFSource
 from ftkit.runtime.checkpoint.quant_presets import preset_formats
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
+from ftkit.runtime.engine.memory import CPU_PRODUCTS, dense_device_bytes
 from ftkit.runtime.engine.resolve import Machine, resolve
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
-from ftkit.runtime.models.block_table import BlockTable
+from ftkit.runtime.models.block_table import BlockLinear, BlockTable
 from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.cli import app as diagnose_app
 from ftkit.tools.diagnose.report import diagnose
@@ -405,9 +406,10 @@ def test_torch_path_runs_the_blocks_dequantized_per_expert(quant_gguf, tmp_path,
 @pytest.mark.parametrize("key", ["qwen3_moe_wide-q4_k_m", "mixtral_wide-every"])
 def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key):
     """A GPU's plan keeps the embedding table in its GGUF blocks (models/block_table.py), priced
-    at those bytes; lm_head and the rest are dequantized at load, as the CPU's plan does with all.
-    Looked up row by row (here on the CPU), the table gives the tokens of the model loaded
-    dequantized."""
+    at those bytes, lm_head and the rest dequantized at load; a CPU's plan at bfloat16 keeps the
+    attention projections and lm_head too (multiplied by the CPU kernel), at float32 (the exact
+    reference) none. Looked up row by row (here on the CPU), the table gives the tokens of the
+    model loaded dequantized."""
     path, _ = quant_gguf(key)
     ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
     listed = ftw.manifest.dense["tensors"]
@@ -415,10 +417,15 @@ def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key
     assert want["embed.weight"] in BLOCK_FORMATS and "lm_head.weight" in listed  # the fixture: untied, quantized
     opts = RuntimeOptions(strategy="offload", cache_experts=8, dtype="bfloat16")
     gpu = resolve(ftw, dataclasses.replace(opts, device="cuda"), Machine(torch.device("cuda"), free_bytes=64 << 30))
-    cpu = resolve(ftw, opts, Machine(torch.device("cpu"), free_bytes=64 << 30))
-    assert gpu.blocks == want and cpu.blocks == {}
+    cpu16 = resolve(ftw, dataclasses.replace(opts, strategy="cpu"), Machine(torch.device("cpu"), free_bytes=64 << 30))
+    cpu = resolve(ftw, dataclasses.replace(opts, strategy="cpu", dtype="float32"),
+                  Machine(torch.device("cpu"), free_bytes=64 << 30))
+    products = {n: t["dtype"] for n, t in listed.items() if t["dtype"] in BLOCK_FORMATS and CPU_PRODUCTS.fullmatch(n)}
+    assert gpu.blocks == want and cpu.blocks == {} and cpu16.blocks == want | products and "lm_head.weight" in products
     shape = tuple(listed["embed.weight"]["shape"])
-    assert cpu.memory.dense_bytes - gpu.memory.dense_bytes == 2 * int(np.prod(shape)) - stored_nbytes(want["embed.weight"], shape) > 0
+    floats = dense_device_bytes({n: t["shape"] for n, t in listed.items()}, torch.bfloat16, ftw.spec.family)
+    assert floats - gpu.memory.dense_bytes == 2 * int(np.prod(shape)) - stored_nbytes(want["embed.weight"], shape) > 0
+    assert cpu16.memory.dense_bytes < gpu.memory.dense_bytes
     prompt = [3, 17, 5, 42, 8, 11, 29, 2, 40, 7]
     runs = []
     for r in (cpu, dataclasses.replace(cpu, blocks=want)):
@@ -430,17 +437,61 @@ def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key
 
 
 def test_the_loader_dequantizes_blocks_a_slice_at_a_time(quant_gguf, tmp_path, monkeypatch):
-    """Loaded at bf16, a dense tensor stored in blocks is dequantized into bf16 a few rows at a
-    time (never whole in float32): bit for bit its float32 dequantization cast to bf16; the
-    float32-kept tensors stay float32."""
+    """Loaded at bf16, a dense tensor stored in blocks and not kept so (`Resolved.blocks`) is
+    dequantized into bf16 a few rows at a time (never whole in float32): bit for bit its float32
+    dequantization cast to bf16; the float32-kept tensors stay float32."""
     path, _ = quant_gguf("qwen3_moe_wide-q4_k_m")
     ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
     monkeypatch.setattr("ftkit.kernels.dequant.CHUNK_WEIGHTS", 256 * 3)  # three rows of 256 at once
-    rt = Runtime(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="bfloat16"))
+    r = resolve(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="bfloat16"), Machine.detect("cpu"))
+    rt = Runtime(ftw, dataclasses.replace(r, blocks={}))
     full, blocks = ftw.dense_state(), [n for n, r in ftw.dense_refs.items() if r.dtype in BLOCK_FORMATS]
     assert blocks and all(rt.decoder.w[n].dtype == torch.bfloat16 for n in blocks)
     assert all(torch.equal(t, full[n].to(t.dtype)) for n, t in rt.decoder.w.items())
     rt.close()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_cpu_products_on_blocks_are_the_products_with_the_dequantized_weight(int8):
+    """The CPU kernel's product on a weight's GGUF rows (`Kernel.linear`, what `BlockLinear`
+    runs): the float32 path is F.linear with the dequantized weight up to summation order; the
+    int8 path (activations quantized per 256, as the experts' int8 path) within its error."""
+    from ftkit.kernels.cpu import load
+
+    kernel = load()
+    if kernel is None:
+        pytest.skip("no compiled CPU kernel")
+    gen = torch.Generator().manual_seed(5)
+    for fmt in ("q4_k", "q6_k", "q8_0", "q5_k", "iq4_nl", "mxfp4", "q4_0", "bfloat16"):
+        w = torch.randn(130, 512, generator=gen) * 0.05
+        raw = w.to(torch.bfloat16).view(torch.uint8) if fmt == "bfloat16" else quantize(w, fmt) \
+            if fmt in QUANTIZERS else torch.from_numpy(random_blocks(fmt, (130, 512), np.random.default_rng(5), scale=0.01))
+        deq = raw.view(torch.bfloat16).float() if fmt == "bfloat16" else dequantize(raw, fmt)
+        x = torch.randn(11, 512, generator=gen)
+        want = torch.nn.functional.linear(x, deq.reshape(130, 512))
+        got = kernel.linear(raw.reshape(130, -1).contiguous(), fmt, (130, 512), x, 2, int8=int8)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < (2e-2 if int8 else 1e-6), (fmt, err)
+    with pytest.raises(ValueError, match="cannot multiply q4_k rows of 100 weights"):
+        kernel.linear(torch.zeros(2, 100, dtype=torch.uint8), "q4_k", (2, 100), torch.zeros(1, 100), 1)
+
+
+def test_a_cpu_at_bfloat16_multiplies_attention_and_lm_head_in_their_blocks(quant_gguf, tmp_path):
+    """At bf16 on a CPU the attention projections and lm_head stay in their blocks (`BlockLinear`)
+    and the model's logits stay close to those with every dense tensor dequantized."""
+    path, _ = quant_gguf("qwen3_moe_wide-q4_k_m")
+    ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
+    r = resolve(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="bfloat16"), Machine.detect("cpu"))
+    logits = []
+    for plan in (r, dataclasses.replace(r, blocks={})):
+        rt = Runtime(ftw, plan)
+        kept = [n for n, t in rt.decoder.w.items() if isinstance(t, BlockLinear)]
+        assert sorted(kept) == sorted(n for n in plan.blocks if n != "embed.weight")
+        with torch.inference_mode():
+            logits.append(rt.step.forward(torch.tensor([3, 17, 5, 42, 8]), rt.new_kv(8))[-1].float())
+        rt.close()
+    assert "lm_head.weight" in r.blocks
+    assert ((logits[0] - logits[1]).abs().max() / logits[1].abs().max()).item() < 0.05
 
 
 def test_block_table_rows_are_the_dequantized_rows():

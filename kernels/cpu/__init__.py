@@ -139,6 +139,9 @@ class Kernel:
         self.lib.ftk_runner_wait.argtypes = [_ptr, ctypes.POINTER(ctypes.c_int64)]
         self.lib.ftk_runner_stop.argtypes = [_ptr]
         self.lib.ftk_read.argtypes = [_ptr, _i64, ctypes.c_int]
+        self.lib.ftk_linear.restype = ctypes.c_int
+        self.lib.ftk_linear.argtypes = [ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int, _ptr,
+                                        ctypes.c_int]
         self.lib.ftk_peak.restype = ctypes.c_double
         self.lib.ftk_peak.argtypes = [ctypes.c_int, _i64, ctypes.c_int]
         self.isa: str = self.lib.ftk_isa().decode()
@@ -152,6 +155,22 @@ class Kernel:
         row of `out` for each assignment in order instead (a compact `out` of just these rows).
         `int8`: the int8 path (`int8_activations`)."""
         self.run(self.prepare(layout, slots, assignments, x, weights, out, k, threads, out_rows, int8))
+
+    def linear(self, raw: torch.Tensor, fmt: str, shape: tuple[int, int], x: torch.Tensor, threads: int,
+               int8: bool = False) -> torch.Tensor:
+        """x @ W.T, float32 [T, N], for x float32 [T, K] and W [N, K] stored as `fmt` rows (`raw`:
+        uint8 [N, bytes a row], GGUF blocks as stored or a float's bytes), decoded where they
+        are multiplied; `int8`: on int8 activations where the format has them (`int8_activations`)."""
+        n, k = shape
+        x = x.to(torch.float32).contiguous()
+        if fmt not in FORMAT_CODES or x.dim() != 2 or x.shape[1] != k or not raw.is_contiguous():
+            raise ValueError(f"the CPU kernel's linear takes float32 [T, {k}] and {fmt} rows, got {tuple(x.shape)}")
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        rc = self.lib.ftk_linear(FORMAT_CODES[fmt] | (INT8 if int8 else 0), raw.data_ptr(), n, k, x.data_ptr(),
+                                 x.shape[0], out.data_ptr(), threads)
+        if rc:
+            raise ValueError(f"the CPU kernel cannot multiply {fmt} rows of {k} weights")
+        return out
 
     def run(self, call: _Call | None) -> None:
         """One `experts` call from its `prepare`d arguments."""

@@ -1380,6 +1380,49 @@ int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const u
                               nullptr, nullptr, clamp});
 }
 
+// out[t * N + j] = row j of an [N, K] weight . x[t] for T tokens of x [T, K] (float32): a dense
+// projection on a CPU, the weight stored row after row in format `dtype`'s low byte (a GGUF
+// block format as stored, or a float), on int8 activations where `dtype` has INT8 and the format
+// has them (as the experts' int8 path). Pairs of rows shared over OpenMP's `threads`. Returns 0,
+// or -1 for an unknown format or a K its blocks do not split.
+int ftk_linear(int dtype, const uint8_t* w, int N, int K, const float* x, int T, float* out, int threads) {
+  const int code = dtype & 0xff;
+  if (code >= N_FORMATS || K % FORMATS[code].block) return -1;
+  const Format* f = &FORMATS[code];
+  const size_t rb = f->row_bytes(K);
+  std::vector<uint8_t> xq_buf;
+  const uint8_t* xq = nullptr;
+  size_t qb = 0;
+#if INT8_PATH
+  if ((dtype & INT8) && f->int8(K)) {
+    qb = q8_bytes(K);
+    uint8_t* p = aligned(xq_buf, size_t(T) * qb);
+    for (int t = 0; t < T; ++t) quantize_q8(x + size_t(t) * K, K, p + size_t(t) * qb);
+    xq = p;
+  }
+#endif
+  const int pairs = (N + 1) / 2;
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
+  for (int pr = 0; pr < pairs; ++pr) {
+    const int j = 2 * pr, r = std::min(2, N - j);
+    const uint8_t* rows[2] = {w + size_t(j) * rb, w + size_t(j + r - 1) * rb};
+    for (int t0 = 0; t0 < T; t0 += TBMAX) {
+      const int tb = std::min(TBMAX, T - t0);
+      const float* xs[TBMAX];
+      const uint8_t* xqs[TBMAX];
+      for (int t = 0; t < tb; ++t) {
+        xs[t] = x + size_t(t0 + t) * K;
+        xqs[t] = xq ? xq + size_t(t0 + t) * qb : nullptr;
+      }
+      float s[2][TBMAX];
+      dot_rows(f, r, tb, rows, K, xs, xq ? xqs : nullptr, s);
+      for (int q = 0; q < r; ++q)
+        for (int t = 0; t < tb; ++t) out[size_t(t0 + t) * N + j + q] = s[q][t];
+    }
+  }
+  return 0;
+}
+
 // The GPU side's turn at a shared split (see `take`): the next expert to fill, or -1 once the
 // CPU has taken the rest. `claim` starts as n << 32 (front 0, back n).
 int ftk_take_front(int64_t* claim) { return take(claim, true); }

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
+from ftkit.kernels.cpu import load
+
 from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
-from ..models.block_table import BlockTable
+from ..models.block_table import BlockLinear, BlockTable
 from ..models.kv import KVCache
 from ..models.stored import ftw_family
 from ..prefix_cache.boundaries import Boundaries
@@ -71,8 +73,7 @@ class Runtime:
         # each tensor cast as it is read, blocks dequantized a slice at a time into their dtype: the
         # host never holds the dense tensors' float32 values at once (q4km cut to two layers, loaded
         # at bf16 on the dev box: peak RSS 4.28 GB with all of them at once, 2.48 GB so)
-        weights = {k: BlockTable(v.to(self.device), r.blocks[k], self.ftw.dense_refs[k].shape, self.dtype)
-                   if k in r.blocks else v.to(self.device, dtype(k))
+        weights = {k: self._blocks(k, v, r) if k in r.blocks else v.to(self.device, dtype(k))
                    for k, v in self.ftw.dense_tensors(r.blocks, dtype)}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
         self.store = ExpertStore(
@@ -94,6 +95,14 @@ class Runtime:
             opts.anchors, opts.anchor_slots,
         ) if opts.prefix_cache else None
         self.load_seconds = time.perf_counter() - t0
+
+    def _blocks(self, name: str, raw: torch.Tensor, r: Resolved) -> BlockTable | BlockLinear:
+        """A dense tensor the plan keeps in its GGUF blocks (`Resolved.blocks`): the embedding
+        table, or on a CPU a projection the CPU kernel multiplies as stored."""
+        shape, fmt = self.ftw.dense_refs[name].shape, r.blocks[name]
+        if name == "embed.weight":
+            return BlockTable(raw.to(self.device), fmt, shape, self.dtype)
+        return BlockLinear(raw.contiguous(), fmt, shape, self.dtype, load(), r.threads)
 
     def _graphs(self) -> GraphDecode | None:
         """CUDA graph decode for this model, or None (said in one line why)."""

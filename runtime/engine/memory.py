@@ -9,6 +9,7 @@ under `--gpu-budget`: the slots get what everything else leaves.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -154,12 +155,21 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: 
     return (context + 3 * t) * h * b + routes + max(experts, mlp, attention)
 
 
-def device_blocks(formats: Mapping[str, str], cuda: bool) -> dict[str, str]:
-    """{name: format} of the dense tensors a GPU keeps in their GGUF blocks (models/block_table.py),
-    given every dense tensor's stored format: the embedding table where it is blocks and not
-    also lm_head (which every token reads whole: dequantized, as the rest is, at load)."""
+CPU_PRODUCTS = re.compile(r"lm_head\.weight|layers\.\d+\.attn\.[qkvo]\.weight")  # read only through `linear`
+
+
+def device_blocks(formats: Mapping[str, str], cuda: bool, cpu_products: bool = False) -> dict[str, str]:
+    """{name: format} of the dense tensors kept in their GGUF blocks (models/block_table.py),
+    given every dense tensor's stored format: the embedding table where it is blocks and not also
+    lm_head (which every token reads whole) on a GPU, or on a CPU with `cpu_products` (a 16-bit
+    run with the compiled CPU kernel), which then keeps the attention projections and lm_head in
+    blocks too (`CPU_PRODUCTS`: the CPU kernel multiplies them as stored); the rest is dequantized
+    at load."""
     embed, tied = formats.get("embed.weight"), "lm_head.weight" not in formats
-    return {"embed.weight": embed} if cuda and not tied and embed in BLOCK_FORMATS else {}
+    out = {"embed.weight": embed} if (cuda or cpu_products) and not tied and embed in BLOCK_FORMATS else {}
+    if cpu_products and not cuda:
+        out |= {n: f for n, f in formats.items() if f in BLOCK_FORMATS and CPU_PRODUCTS.fullmatch(n)}
+    return out
 
 
 def dense_device_bytes(shapes: Mapping[str, Sequence[int]], dtype: DType, family: str,

@@ -159,7 +159,7 @@ class MoEDecoder:
             mine = [x for (q, _, _), x in zip(pieces, xs, strict=True) if q == s]
             outs.append(mine[-1][-1:] if last_only else torch.cat(mine) if len(mine) > 1 else mine[0])
         # each sequence's own product: rows stacked would be summed in another order (not bitwise)
-        return [F.linear(self.norm(x, "final_norm.weight"), self.lm_head) for x in outs]
+        return [linear(self.norm(x, "final_norm.weight"), self.lm_head) for x in outs]
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
@@ -179,7 +179,7 @@ class MoEDecoder:
             x, h = self.layer(i, x, h, mix)
         for c in caches:
             c.advance(1)
-        return F.linear(h, self.lm_head)
+        return linear(h, self.lm_head)
 
     def layer(self, i: int, x: torch.Tensor, h: torch.Tensor, mix: Mixer, add_norm: AddNorm | None = None,
               experts: Experts | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from ftkit.errors import shown
 from ftkit.kernels.triton import optional
 
 from ..spec import ModelSpec
+from .block_table import BlockLinear
 from .rope import rotary_dim
 
 
@@ -40,9 +41,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     return weight * h.to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | BlockLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear. One token on CUDA goes through the Triton GEMV instead (kernels/triton/gemv.py):
-    inside a CUDA graph cuBLAS took 5.1 us for a router's 128 x 2048 product, the GEMV 1.7."""
+    inside a CUDA graph cuBLAS took 5.1 us for a router's 128 x 2048 product, the GEMV 1.7. A
+    weight kept in its GGUF blocks on a CPU (`BlockLinear`) is multiplied by the CPU kernel."""
+    if isinstance(weight, BlockLinear):
+        y = weight.product(x)
+        return y if bias is None else y + bias
     if (x.is_cuda and weight.dim() == 2 and x.numel() == weight.shape[1] and x.is_contiguous()
             and weight.is_contiguous() and optional("gemv") is not None):
         return optional("gemv").gemv(x, weight, bias)
@@ -186,6 +191,10 @@ def attention(
     its first query's window). Returns [T, H, D]."""
     t, s = q.shape[0], k.shape[0]
     mask, causal, gqa = None, False, True
+    if t == 1 and not q.is_cuda:  # a CPU decode step: SDPA's CPU kernels took 0.2 / 2.1 / 17.7 ms
+        # for one bf16 query behind 40 / 500 / 4000 keys (32 heads of 128, 2 cores), 0.05 / 0.27 /
+        # 3.0 ms in float32; these products 0.09 / 0.25 / 1.3 ms either way
+        return decode_attention(q, k, v, None if window is None else torch.arange(s) > offset - window)
     if window is None and offset == 0:
         causal = True  # plain prefill: let SDPA pick its fused causal kernel
     elif window is not None or t > 1:
@@ -247,13 +256,14 @@ def _flash_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
     return torch.backends.cuda.can_use_flash_attention(SDPAParams(*_heads_first(q, k, v), None, 0.0, False, True))
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One query's GQA attention over a fixed-size key range: q [1, H, D]; k, v [S, KvH, D];
-    mask [S] bool (True: attend). Shapes do not depend on the position, so a CUDA graph
-    captured for S serves every position below S. Scores and softmax in float32."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """One query's GQA attention over a fixed-size key range: q [1, H, D]; k [S, KvH, D], v [S,
+    KvH, Dv]; mask [S] bool (True: attend), or None: every key. Shapes do not depend on the
+    position, so a CUDA graph captured for S serves every position below S. Scores and softmax
+    in float32."""
     heads, d = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     qf = q[0].view(kv_heads, heads // kv_heads, d).float()
     scores = torch.einsum("hgd,shd->hgs", qf, k.float()) * d**-0.5
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.einsum("hgs,shd->hgd", probs, v.float()).to(q.dtype).reshape(1, heads, d)
+    probs = torch.softmax(scores if mask is None else scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("hgs,shd->hgd", probs, v.float()).to(q.dtype).reshape(1, heads, v.shape[-1])
