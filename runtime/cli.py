@@ -51,7 +51,7 @@ Ratio = Annotated[float | None, typer.Option(help="B_P / B_H for hybrid without 
                                                   "this GPU is then not looked up)")]
 GpuBudget = Annotated[str | None, typer.Option(help="device bytes for everything ftkit places there, e.g. 8G; the expert cache gets what the rest of the memory plan leaves")]
 Verify = Annotated[bool, typer.Option("--verify", help="check every FTW checksum before loading")]
-Dtype = Annotated[str | None, typer.Option(help="compute dtype (default: the weights' dtype; GGUF blocks: float32 on the CPU, bfloat16 on a GPU)")]
+Dtype = Annotated[str | None, typer.Option(help="compute dtype (default: the weights' dtype; GGUF blocks: bfloat16, int8 activations in the CPU kernel; float32: the exact reference)")]
 NoPrefix = Annotated[bool, typer.Option("--no-prefix-cache", help="no K/V reuse across requests (A/B runs)")]
 NoAnchors = Annotated[bool, typer.Option("--no-anchors", help="hybrid models: save recurrent state at prompt tails only")]
 PrefixTokens = Annotated[int | None, typer.Option(help="prefix cache budget in tokens (default: the context)")]

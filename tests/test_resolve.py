@@ -247,12 +247,14 @@ def test_auto_on_a_gpu_runs_block_slots_there(q4):
     assert resolve(q4, RuntimeOptions(strategy="offload", cache_experts=8), Machine(torch.device("cpu"))).strategy == "offload"
 
 
-def test_gguf_blocks_compute_in_float32_on_the_cpu_and_bfloat16_on_a_gpu():
+def test_gguf_blocks_compute_in_bfloat16(monkeypatch):
     """Without --dtype a float model computes in its own dtype; a model whose dense tensors are
-    GGUF blocks in float32 on the CPU (the exact reference) and bfloat16 on a GPU (float32 there
-    would leave prefill without flash attention and double every dense read)."""
+    GGUF blocks in bfloat16 (the CPU kernel's int8 activations, a GPU's halved dense reads and
+    flash prefill), in float32 only on a CPU without the compiled kernel."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert [default_dtype(f, cpu) for f in ("q4_k", "q8_0", "bfloat16", "float32")] == [
-        "float32", "float32", "bfloat16", "float32"]
+        "bfloat16", "bfloat16", "bfloat16", "float32"]
+    monkeypatch.setattr("ftkit.runtime.engine.resolve.load", lambda: None)
+    assert [default_dtype(f, cpu) for f in ("q4_k", "bfloat16")] == ["float32", "bfloat16"]
     assert [default_dtype(f, cuda) for f in ("q4_k", "mxfp4", "float16", "float32")] == [
         "bfloat16", "bfloat16", "float16", "float32"]

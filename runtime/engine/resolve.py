@@ -143,13 +143,15 @@ def resolve_strategy(strategy: str, ratio: float | None, ratio_said: str, device
 
 
 def default_dtype(embed: str, device: torch.device) -> str:
-    """The compute dtype without --dtype: the weights' own float; for GGUF blocks, float32 on the
-    CPU (the exact reference: blocks dequantize exactly to float32) and bfloat16 on a GPU, where
-    float32 would double every dense read, leave prefill without flash attention and the CPU
-    branch without its int8 activations (llama.cpp's GPU path rounds activations too)."""
+    """The compute dtype without --dtype: the weights' own float; for GGUF blocks bfloat16, where
+    the CPU kernel multiplies experts, attention and lm_head on int8 activations as llama.cpp's
+    CPU path does (a 3-layer Q4_K_M on the dev box's 2 cores decoded 34.6 tok/s at float32, 88 at
+    bfloat16) and a GPU reads half the dense bytes with flash prefill; float32 only on a CPU
+    without the compiled kernel (the torch path gains nothing from 16 bits there). `--dtype
+    float32` stays the exact reference: blocks dequantize exactly to float32."""
     if embed not in BLOCK_FORMATS:
         return embed
-    return "bfloat16" if device.type == "cuda" else "float32"
+    return "bfloat16" if device.type == "cuda" or load() is not None else "float32"
 
 
 def cache_capacity(strategy: str, cache_slots: int | None, rows: int, staging: int = 0) -> int:

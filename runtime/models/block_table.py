@@ -8,8 +8,8 @@
   CPU kernel multiplies their blocks as stored, on int8 activations where the format has them,
   as the experts' int8 path (kernels/cpu). CPU decode reads every dense byte each token, and
   dequantized they were 2-4x the bytes: a Qwen3-30B-A3B shape cut to 3 layers (vocab 4096) as
-  llama-quantize's Q4_K_M, cpu strategy on the dev box's 2 cores, 38.5 tok/s at bfloat16 against
-  llama.cpp's 75.3 on the same file (docs/benchmarks.md).
+  llama-quantize's Q4_K_M, cpu strategy at bfloat16 on the dev box's 2 cores, decoded 51-53 tok/s
+  with them dequantized, 86-90 in blocks (llama.cpp: 264 on the same file; docs/benchmarks.md).
 
 On a GPU lm_head and attention stay dequantized: decoding their blocks in registers
 (kernels/triton/gemv.py's `block_gemv`) matched cuBLAS on bf16 only for Q4_K and Q8_0 (H100: 232
