@@ -29,13 +29,13 @@ from ftkit.kernels.dequant import dequantize
 
 
 @dataclass(frozen=True)
-class BlockTable:
-    """An embedding table as its stored GGUF rows; `rows` looks rows up."""
+class Blocks:
+    """A dense tensor [rows, columns] as its stored GGUF rows."""
 
     raw: torch.Tensor  # uint8 [rows, bytes a row]: the rows in their blocks, as stored
     fmt: str  # the block format (ftkit.vocab.BLOCK_FORMATS)
     shape: tuple[int, int]  # the logical [rows, columns]
-    dtype: torch.dtype  # what rows come out as: the compute dtype
+    dtype: torch.dtype  # what comes out: the compute dtype
 
     @property
     def device(self) -> torch.device:
@@ -44,6 +44,11 @@ class BlockTable:
     @property
     def nbytes(self) -> int:
         return self.raw.numel()
+
+
+@dataclass(frozen=True)
+class BlockTable(Blocks):
+    """An embedding table; `rows` looks rows up."""
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """F.embedding(ids, the dequantized table): only the rows asked for are decoded (a long
@@ -52,23 +57,12 @@ class BlockTable:
 
 
 @dataclass(frozen=True)
-class BlockLinear:
-    """A CPU projection's weight [N, K] as its stored GGUF rows; `product` multiplies by it."""
+class BlockLinear(Blocks):
+    """A CPU projection's weight [N, K]; `product` multiplies by it on the CPU kernel's
+    `threads`."""
 
-    raw: torch.Tensor  # uint8 [N, bytes a row], as stored
-    fmt: str
-    shape: tuple[int, int]
-    dtype: torch.dtype  # the compute dtype products come out in
-    kernel: Kernel
-    threads: int
-
-    @property
-    def device(self) -> torch.device:
-        return self.raw.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.numel()
+    kernel: Kernel | None = None
+    threads: int = 1
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for x [..., K]: float32 sums on int8 activations where the format has them,
