@@ -37,9 +37,10 @@
 # shape written as a bf16 GGUF, quantized by llama-quantize, converted by ftw-convert; llama-bench
 # at LLAMA_NCMOE layers' experts on the CPU (default "8 12": a third of the experts on the GPU,
 # then none) and ft-bench decode of the same file, uniform and real routing, at CACHE_FRACTION;
-# tests/test_llama_quantize.py with that llama-quantize first;
-# the CUDA build and the files take more than one call's 10 minutes: they stay in WORK while the
-# machine is warm, so a second call with this part goes on from them).
+# prompts of 512 and 4096 tokens in both; tests/test_llama_quantize.py with that llama-quantize
+# first; the CUDA build and the files take more than one call's 10 minutes: they stay in WORK while
+# the machine is warm, so a second call with this part goes on from them; CAL_MODEL=lq4km
+# calibrates on that file).
 # Everything ends up in $OUT/results.tgz (the GPU machine hands back few files); the tables
 # also go to stdout.
 set -uo pipefail
@@ -85,7 +86,23 @@ q4km() {  # q12 in llama-quantize's Q4_K_M mix, 4 distinct experts a layer repea
   [ -f "$W/q4km.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --quant q4_k_m \
       --distinct-experts 4 --out "$W/q4km.ftw" 2>&1 | tail -1; sync; }
 }
-if has calibrate; then  # CAL_MODEL (q12, q4km): B_H of that model's slot formats (ft-calibrate --model)
+L=$W/llama-build
+lq4km() {  # llama.cpp built for CUDA from .llama/llama-src.tgz; q12 as a bf16 GGUF, quantized by its
+  # llama-quantize to Q4_K_M, converted by ftw-convert (each step resumes where a timeout stopped it)
+  if [ ! -x "$L/bin/llama-bench" ]; then
+    mkdir -p "$W/llama-src" && tar xzf .llama/llama-src.tgz -C "$W/llama-src"
+    { cmake -S "$W/llama-src" -B "$L" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
+      && cmake --build "$L" -j "$(nproc)" --target llama-bench llama-quantize; } >> "$OUT/llama-build.txt" 2>&1 \
+      || { tail -20 "$OUT/llama-build.txt"; echo "llama.cpp did not build"; return 1; }
+  fi
+  [ -f "$W/q12-bf16.gguf" ] || $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --gguf \
+      --dtype bfloat16 --distinct-experts 4 --out "$W/q12-bf16.gguf" 2>&1 | tail -1
+  [ -f "$W/q12-q4km.gguf" ] || { "$L/bin/llama-quantize" "$W/q12-bf16.gguf" "$W/q12-q4km.tmp" Q4_K_M "$(nproc)" \
+      > "$OUT/llama-quantize.txt" 2>&1 && mv "$W/q12-q4km.tmp" "$W/q12-q4km.gguf"; }
+  [ -f "$W/lq4km.ftw/manifest.json" ] || $PY -m ftkit.tools.convert "$W/q12-q4km.gguf" -o "$W/lq4km.ftw" 2>&1 | tail -2
+}
+if has calibrate; then  # CAL_MODEL (q12, q4km, lq4km): B_H of that model's slot formats (ft-calibrate --model)
   cal=(); [ -n "${CAL_MODEL:-}" ] && { $CAL_MODEL; cal=(--model "$W/$CAL_MODEL.ftw"); }
   $PY -m ftkit.tools.calibrate.cli "${cal[@]}" --threads 4,8,15 --working-set 4G --out "$OUT/profile.json" --json 2> "$OUT/calibrate.txt" > /dev/null
   cat "$OUT/calibrate.txt"; PROFILE="$OUT/profile.json"
@@ -199,28 +216,16 @@ if has nextprefill; then  # without anchors and with one every ANCHORS tokens
   done
 fi
 if has llamacpp; then  # llama.cpp and ftkit on one Q4_K_M file (see the header)
-  L=$W/llama-build
-  if [ ! -x "$L/bin/llama-bench" ]; then
-    mkdir -p "$W/llama-src" && tar xzf .llama/llama-src.tgz -C "$W/llama-src"
-    { cmake -S "$W/llama-src" -B "$L" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
-      && cmake --build "$L" -j "$(nproc)" --target llama-bench llama-quantize; } > "$OUT/llama-build.txt" 2>&1 \
-      || { tail -20 "$OUT/llama-build.txt"; echo "llama.cpp did not build"; }
-  fi
+  lq4km
   LLAMA_QUANTIZE="$L/bin/llama-quantize" $PY -m pytest -q tests/test_llama_quantize.py > "$OUT/llama-quantize-tests.txt" 2>&1
   tail -1 "$OUT/llama-quantize-tests.txt"
-  [ -f "$W/q12-bf16.gguf" ] || $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --gguf \
-      --dtype bfloat16 --distinct-experts 4 --out "$W/q12-bf16.gguf" 2>&1 | tail -1
-  [ -f "$W/q12-q4km.gguf" ] || "$L/bin/llama-quantize" "$W/q12-bf16.gguf" "$W/q12-q4km.gguf" Q4_K_M "$(nproc)" \
-      > "$OUT/llama-quantize.txt" 2>&1
-  [ -f "$W/lq4km.ftw/manifest.json" ] || $PY -m ftkit.tools.convert "$W/q12-q4km.gguf" -o "$W/lq4km.ftw" 2>&1 | tail -2
   for n in ${LLAMA_NCMOE:-8 12}; do
-    "$L/bin/llama-bench" -m "$W/q12-q4km.gguf" -ngl 99 -ncmoe $n -t ${THREADS:-15} -p 512 -n 128 -r 3 -o md 2>&1 \
+    "$L/bin/llama-bench" -m "$W/q12-q4km.gguf" -ngl 99 -ncmoe $n -t ${THREADS:-15} -p 512,4096 -n 128 -r 3 -o md 2>&1 \
       | tee -a "$OUT/llamacpp.txt" | grep -E '^\|'
   done
   for routing in reuse:0 real; do
     $PY -m ftkit.tools.bench.cli decode -m "$W/lq4km.ftw" --cache-fraction ${CACHE_FRACTION:-0.33} --threads ${THREADS:-15} \
-        --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-64} --strategies cpu,hybrid --graphs on --chunks 512 \
+        --profile "$(realpath "$PROFILE")" --tokens ${TOKENS:-64} --strategies cpu,hybrid --graphs on --chunks 512,4096 \
         --routing $routing $J "$OUT/llamacpp-ftkit-$routing.json" 2>&1 | tee -a "$OUT/llamacpp.txt" | grep -E 'hybrid|cpu'
   done
 fi
