@@ -98,9 +98,9 @@ class CPUBranch:
         host = None if out is y else (out, torch.from_numpy(np.concatenate(idxs)))
         if hidden.device.type == "cpu" and split is None:
             # no device branch to overlap: the set runs here, in the caller's OpenMP team. On
-            # another thread it had a team of its own, whose threads fought torch's for the same
-            # cores: every torch op between the layers' calls ran 3-4x its time alone (3-layer
-            # Q4_K_M at bf16 on the dev box's 2 cores, alternated: 68.3 / 69.2 -> 80.9 / 81.6 tok/s)
+            # another thread, with a team of its own on the same cores, torch's ops between the
+            # layers' calls took 2-3x as long (3-layer Q4_K_M at bf16 on the dev box's 2 cores,
+            # alternated: 68.3 / 69.2 -> 80.9 / 81.6 tok/s)
             start = time.perf_counter()
             self.kernels.host(layout, slots, idxs, x, w, out, k, rows)
             busy = time.perf_counter() - start
