@@ -179,9 +179,9 @@ TINY_CONFIGS["qwen3_moe_wide"] = {**TINY_CONFIGS["qwen3_moe"], **_WIDE, "num_exp
 TINY_CONFIGS["mixtral_wide"] = {**TINY_CONFIGS["mixtral"], **_WIDE, "num_local_experts": 4}
 
 
-def tiny_config(name: str) -> PreTrainedConfig:
-    """The transformers config for TINY_CONFIGS[name]."""
-    kw = dict(TINY_CONFIGS[name])
+def tiny_config(name: str, config: dict[str, Any] | None = None) -> PreTrainedConfig:
+    """The transformers config for TINY_CONFIGS[name], or for `config` (with its model_type)."""
+    kw = dict(TINY_CONFIGS[name] if config is None else config)
     return AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
@@ -237,8 +237,10 @@ def make_hf_checkpoint(
     stacked: bool = False,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    config: dict[str, Any] | None = None,
 ) -> Path:
-    """Build the tiny checkpoint `name` into `out` and return `out`.
+    """Build the tiny checkpoint `name` (or family `name` at `config` instead of its tiny one)
+    into `out` and return `out`.
 
     Default files are what `save_pretrained` writes: experts one tensor per expert and
     projection. `stacked` writes transformers' in-memory names instead (`mlp.experts.gate_up_proj`
@@ -248,7 +250,7 @@ def make_hf_checkpoint(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     auto = AutoModelForImageTextToText if name in MULTIMODAL else AutoModelForCausalLM
-    model = auto.from_config(tiny_config(name), dtype=dtype, attn_implementation="eager")
+    model = auto.from_config(tiny_config(name, config), dtype=dtype, attn_implementation="eager")
     _init_weights(model, seed)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     # A quarter of the total forces at least four shards, even with greedy packing.

@@ -1,17 +1,28 @@
-"""Files quantized by llama.cpp's own llama-quantize, through the whole pipeline: ft-diagnose
-passes them and names their stored expert formats, ftw-convert keeps their blocks, and the cpu
-strategy at float32 decodes the greedy tokens of the gguf package's dequantized twin of the same
-file. Runs where a llama-quantize binary is named by LLAMA_QUANTIZE (device_run.sh's llamacpp
-part builds one; on the dev box: `cmake -B build && cmake --build build --target llama-quantize`
-in the source tools/bench/llama_source.sh bundles); skipped elsewhere, CI included."""
+"""Files quantized by llama.cpp's own llama-quantize, for every family, through the whole
+pipeline: ft-diagnose passes them and names their stored expert formats, ftw-convert keeps
+their blocks, and the cpu strategy at float32 decodes the greedy tokens of the gguf package's
+dequantized twin of the same file. Runs where a llama-quantize binary is named by
+LLAMA_QUANTIZE (device_run.sh's llamacpp part builds one; on the dev box: `cmake -B build &&
+cmake --build build --target llama-quantize` in the source tools/bench/llama_source.sh
+bundles); skipped elsewhere, CI included."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
+from test_deepseek_v3 import CONFIG as DEEPSEEK_V3
+from test_deepseek_v3 import make_checkpoint as make_deepseek_v3
+from test_deepseek_v3 import write_deepseek2_gguf
+from test_glm4_moe import CONFIG as GLM4_MOE
+from test_glm4_moe import write_glm4moe_gguf
+from test_gpt_oss import write_gpt_oss_gguf
+from test_qwen3_5_moe import write_qwen35moe_gguf
+from test_qwen3_next import write_qwen3next_gguf
 
+import fixtures as fx
 from ftkit.runtime.checkpoint.gguf import GGUFSource
 from ftkit.runtime.engine.generate import generate
 from ftkit.runtime.engine.loader import Runtime, RuntimeOptions
@@ -30,16 +41,50 @@ CASES = [(family, preset) for family in ("qwen3_moe_wide", "mixtral_wide") for p
     "Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q5_1", "MXFP4_MOE")]
 CASES += [(family, preset) for family in ("olmoe", "qwen2_moe") for preset in ("Q4_K_M", "Q3_K_S", "IQ4_XS", "MXFP4_MOE")]
 
+# The other families at rows of 256 (hidden, expert and dense widths; DeepSeek's q_lora_rank),
+# written by their own tests' GGUF writers, laid out as llama.cpp's converter lays each out:
+# MLA, shared experts, biases and sinks, linear attention
+_WIDE = {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 256}
+_Q35 = fx.TINY_CONFIGS["qwen3_5_moe"]
+MORE = {
+    "gpt_oss": lambda out: write_gpt_oss_gguf(fx.make_hf_checkpoint(
+        "gpt_oss", out.parent / "hf", config={**fx.TINY_CONFIGS["gpt_oss"], **_WIDE}), out),
+    "deepseek_v3": lambda out: write_deepseek2_gguf(make_deepseek_v3(
+        out.parent / "hf", {**DEEPSEEK_V3, **_WIDE, "q_lora_rank": 256}), out),
+    "glm4_moe": lambda out: write_glm4moe_gguf(fx.make_hf_checkpoint(
+        "glm4_moe", out.parent / "hf", config={"model_type": "glm4_moe", **GLM4_MOE, **_WIDE}), out),
+    "qwen3_next": lambda out: write_qwen3next_gguf(fx.make_hf_checkpoint(
+        "qwen3_next", out.parent / "hf",
+        config={**fx.TINY_CONFIGS["qwen3_next"], **_WIDE, "shared_expert_intermediate_size": 256}), out, "F32"),
+    "qwen3_5_moe": lambda out: write_qwen35moe_gguf(fx.make_hf_checkpoint(
+        "qwen3_5_moe", out.parent / "hf", config={**_Q35, "text_config": {
+            **_Q35["text_config"], **_WIDE, "shared_expert_intermediate_size": 256}}), out, "F32"),
+}
+MORE_CASES = [(family, preset) for family in MORE for preset in ("Q4_K_M", "Q5_K_S", "Q3_K_M", "Q2_K", "IQ4_XS", "Q6_K")]
+
 
 @pytest.mark.parametrize("family,preset", CASES)
 def test_llama_quantize_files_decode_as_their_dequantized_twin(hf_checkpoint, tmp_path_factory, family, preset):
     root = tmp_path_factory.mktemp(f"{family}-{preset}")
-    f32 = root / "f32.gguf"
-    write_gguf_from_hf(hf_checkpoint(family), f32, "F32")
+    write_gguf_from_hf(hf_checkpoint(family), root / "f32.gguf", "F32")
+    _check(root, preset)
+
+
+@pytest.mark.parametrize("family,preset", MORE_CASES)
+def test_llama_quantize_files_of_the_other_families(tmp_path_factory, family, preset):
+    root = tmp_path_factory.mktemp(f"{family}-{preset}")
+    MORE[family](root / "f32.gguf")
+    _check(root, preset)
+
+
+def _check(root: Path, preset: str) -> None:
+    """root/f32.gguf through `llama-quantize <preset>`, ft-diagnose, ftw-convert and cpu decode at
+    float32, against the gguf package's dequantized twin of the quantized file."""
     path = root / f"{preset}.gguf"
-    r = subprocess.run([QUANTIZE, str(f32), str(path), preset, "2"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([QUANTIZE, str(root / "f32.gguf"), str(path), preset, "2"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    stored = sorted({t.dtype for n, t in GGUFSource(path).tensors.items() if "_exps" in n})
+    stored = sorted({t.dtype for n, t in GGUFSource(path).tensors.items() if "_exps.weight" in n})
     assert set(stored) <= set(BLOCK_FORMATS)
     report = diagnose(path)
     assert report["verdict"] == "PASS", report["problems"]
