@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,16 @@ MORE = {
 }
 MORE_CASES = [(family, preset) for family in MORE for preset in ("Q4_K_M", "Q5_K_S", "Q3_K_M", "Q2_K", "IQ4_XS", "Q6_K")]
 
+# Unsloth-style mixes through llama-quantize's own overrides on top of Q4_K_M: a type per layer
+# and part (its --tensor-type takes a regex of tensor names), dense tensors of other types
+MIXES = {
+    "down-q8_0": ["--tensor-type", "ffn_down_exps=q8_0"],
+    "per-layer": ["--tensor-type", r"blk\.0\.ffn_down_exps=q5_k", "--tensor-type", r"blk\.1\.ffn_gate_exps=iq4_xs",
+                  "--tensor-type", r"blk\.1\.ffn_up_exps=q6_k"],
+    "dense": ["--tensor-type", "attn_q=q8_0", "--tensor-type", "attn_k=q4_0", "--output-tensor-type", "q8_0",
+              "--token-embedding-type", "q6_k"],
+}
+
 
 @pytest.mark.parametrize("family,preset", CASES)
 def test_llama_quantize_files_decode_as_their_dequantized_twin(hf_checkpoint, tmp_path_factory, family, preset):
@@ -77,12 +88,20 @@ def test_llama_quantize_files_of_the_other_families(tmp_path_factory, family, pr
     _check(root, preset)
 
 
-def _check(root: Path, preset: str) -> None:
-    """root/f32.gguf through `llama-quantize <preset>`, ft-diagnose, ftw-convert and cpu decode at
-    float32, against the gguf package's dequantized twin of the quantized file."""
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("family", ["qwen3_moe_wide", "mixtral_wide"])
+def test_llama_quantize_mixes_of_types_per_layer_and_part(hf_checkpoint, tmp_path_factory, family, mix):
+    root = tmp_path_factory.mktemp(f"{family}-{mix}")
+    write_gguf_from_hf(hf_checkpoint(family), root / "f32.gguf", "F32")
+    _check(root, "Q4_K_M", MIXES[mix])
+
+
+def _check(root: Path, preset: str, options: Sequence[str] = ()) -> None:
+    """root/f32.gguf through `llama-quantize [options] <preset>`, ft-diagnose, ftw-convert and cpu
+    decode at float32, against the gguf package's dequantized twin of the quantized file."""
     path = root / f"{preset}.gguf"
-    r = subprocess.run([QUANTIZE, str(root / "f32.gguf"), str(path), preset, "2"], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([QUANTIZE, *options, str(root / "f32.gguf"), str(path), preset, "2"], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     stored = sorted({t.dtype for n, t in GGUFSource(path).tensors.items() if "_exps.weight" in n})
     assert set(stored) <= set(BLOCK_FORMATS)
