@@ -10,7 +10,7 @@ The fraction starts from the profile and is then corrected from the runtime's ow
 Fills and CPU work balance when q * t_fill = (m - q) * t_cpu, so q / m = t_cpu / (t_fill + t_cpu).
 A profile that is wrong for this machine or workload therefore costs a few layers, not the run.
 
-With `shared` (hybrid on the native CPU runner, host slots) no fraction decides: every miss is left
+With `shared` (hybrid on the native CPU runner, CUDA without Triton) no fraction decides: every miss is left
 for the store to split while both branches run (`ExpertStore._share`). On a GPU the split is
 decided up front (the host must not wait on either branch), and from outcomes rather than rates
 (`balance`): rates leave out when each branch starts (the CPU call is put together after the first

@@ -167,10 +167,12 @@ class ExpertStore:
     def _plan(self, rows: list[int], items: int, hidden: torch.Tensor,
               streamed: set[int]) -> tuple[LayerPlan, bool, bool]:
         """The layer's plan, and how its misses are split: `shared` while both branches run
-        (host slots: `_share`), or up front with the CPU's end `signal`led to the stream. On a
-        GPU the stream waits for that signal before the merge, so the host goes straight on to
-        launch the layer's device work and the next layer's while both branches run; the split
-        then comes from how the last layers' branches ended (`Planner.balance`)."""
+        (CUDA without Triton: `_share`), or up front, with the CPU's end `signal`led to the
+        stream where the device has Triton. The stream waits for that signal before the merge,
+        so the host goes straight on to launch the layer's device work and the next layer's
+        while both branches run; the split then comes from how the last layers' branches ended
+        (`Planner.balance`). A CPU device splits up front from the rates and runs the branches
+        in turn."""
         fill_all = items > CPU_MAX_TOKENS * len(rows)
         native = not fill_all and self.cpu.shares(hidden)
         signal = native and self.cpu.zero_copy is not None
