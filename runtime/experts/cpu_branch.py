@@ -35,8 +35,9 @@ class CPUBranch:
         self.fills_prefill = fills_prefill
         self.executor = CPUExecutor(threads)
         self.kernel = kernels.kernel
-        self.runner = self.kernel.runner() if self.kernel is not None else None  # the branch's own thread
-        self.zero_copy = optional("zero_copy") if device.type == "cuda" and self.runner is not None else None
+        # the branch's own thread, beside a GPU only: a CPU device has nothing to overlap (`start`)
+        self.runner = self.kernel.runner() if self.kernel is not None and device.type != "cpu" else None
+        self.zero_copy = optional("zero_copy") if self.runner is not None else None
         self._done: tuple[torch.Tensor, object] | None = None  # the done word, and its mapped view
         self._done_value = 0
         self.signalled: int | None = None  # a signalled call not yet ended: the bytes it runs
@@ -61,13 +62,12 @@ class CPUBranch:
         w.copy_(weights.reshape(-1, 1), non_blocking=True)
         return x, w
 
-    def shares(self, hidden: torch.Tensor) -> bool:
+    def shares(self) -> bool:
         """Whether a hybrid layer's misses go to a split shared while both branches run: where
-        the CPU set runs on the runner's native thread beside a GPU. A CPU device's host slots
-        would share its cores with the runner's team: there the misses are split up front and
-        the branches run in turn (the demo's hybrid decode: 25-29 tok/s shared, 416-419 so)."""
-        native = self.runner is not None and hidden.device.type != "cpu"
-        return self.strategy == HYBRID and native
+        the CPU set runs on the runner's native thread, beside a GPU. A CPU device has no runner:
+        shared, its host slots' branch and the runner's team took the same cores (the demo's
+        hybrid decode: 25-29 tok/s so, 416-419 with the split up front and the branches in turn)."""
+        return self.strategy == HYBRID and self.runner is not None
 
     def start(self, experts: list[int], groups: dict[int, np.ndarray], hidden: torch.Tensor,
               weights: torch.Tensor, y: torch.Tensor, k: int,
@@ -76,7 +76,7 @@ class CPUBranch:
               ) -> tuple[Callable[[], float | None], tuple[torch.Tensor, torch.Tensor] | None]:
         """Start the CPU set `experts` (rows) from the host pool: one kernel call on the runner's native thread,
         or one torch job per expert on the thread pool without the kernel; on a CPU device
-        (nothing to overlap) the set runs at once on the calling thread, unless `split`. Returns
+        (nothing to overlap) the set runs at once on the calling thread. Returns
         a wait that gives the branch's own compute time (the planner weighs it by that, as it weighs fills
         by their copy time, not by the hand-over before them) and, on a GPU, the page-locked
         buffer it fills (the set's rows in `experts` order) with their rows of `y` (None: it
@@ -98,7 +98,7 @@ class CPUBranch:
             out = torch.empty((int(ends[-1]), y.shape[-1]), dtype=torch.float32, pin_memory=True)
             rows = None  # the compact rows of `out`, in order
         host = None if out is y else (out, torch.from_numpy(np.concatenate(idxs)))
-        if hidden.device.type == "cpu" and split is None:
+        if hidden.device.type == "cpu":
             # no device branch to overlap: the set runs here, in the caller's OpenMP team. On
             # another thread, with a team of its own on the same cores, torch's ops between the
             # layers' calls took 2-3x as long (3-layer Q4_K_M at bf16 on the dev box's 2 cores,

@@ -143,7 +143,7 @@ class ExpertStore:
         groups = _groups(order, counts, moe * self.spec.num_experts)
         rows = sorted(groups, key=lambda r: (-len(groups[r]), r))  # most-used first: worth filling
         streamed = self.streaming.begin(self.cache, moe, len(rows), t * k, final)
-        plan, shared, signal = self._plan(rows, t * k, hidden, streamed)
+        plan, shared, signal = self._plan(rows, t * k, streamed)
         weights = topk_weights.reshape(-1, 1)
         y = torch.zeros((t * k, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
         self._time_cuda_fills()
@@ -164,8 +164,7 @@ class ExpertStore:
         self._mark("exit")
         return y.view(t, k, -1).sum(dim=1)
 
-    def _plan(self, rows: list[int], items: int, hidden: torch.Tensor,
-              streamed: set[int]) -> tuple[LayerPlan, bool, bool]:
+    def _plan(self, rows: list[int], items: int, streamed: set[int]) -> tuple[LayerPlan, bool, bool]:
         """The layer's plan, and how its misses are split: `shared` while both branches run
         (CUDA without Triton: `_share`), or up front, with the CPU's end `signal`led to the
         stream where the device has Triton. The stream waits for that signal before the merge,
@@ -174,7 +173,7 @@ class ExpertStore:
         (`Planner.balance`). A CPU device splits up front from the rates and runs the branches
         in turn."""
         fill_all = items > CPU_MAX_TOKENS * len(rows)
-        native = not fill_all and self.cpu.shares(hidden)
+        native = not fill_all and self.cpu.shares()
         signal = native and self.cpu.zero_copy is not None
         shared = native and not signal
         plan = self.planner.plan(self.cache, rows, fill_all=fill_all, shared=shared)
