@@ -72,6 +72,9 @@ EXPERT_FORMATS = (*FLOAT_FORMATS, *BLOCK_FORMATS)
 # and from FTW v3 a GGUF's blocks as stored (STORED_DENSE_FORMATS), dequantized when loaded.
 DENSE_FORMATS = ("float32", "float16", "bfloat16")
 STORED_DENSE_FORMATS = (*DENSE_FORMATS, *BLOCK_FORMATS)
+# Dense block formats a GPU multiplies as stored (kernels/triton/block_gemv.py splits them into
+# planes), for rows of a multiple of 256 weights: what Q4_K_M and Q8_0 files hold.
+PLANE_FORMATS = ("q4_k", "q6_k", "q8_0")
 
 
 def format_of(name: str) -> Format:

@@ -32,13 +32,14 @@ from ftkit.runtime.engine.resolve import Machine, resolve
 from ftkit.runtime.engine.sampling import SamplingParams
 from ftkit.runtime.ftw.reader import FTWModel
 from ftkit.runtime.models import FAMILIES
-from ftkit.runtime.models.block_table import BlockLinear, BlockTable
+from ftkit.runtime.models.block_table import BlockLinear, BlockTable, PlaneLinear
 from ftkit.tools.convert.pipeline import convert, prepare
 from ftkit.tools.diagnose.cli import app as diagnose_app
 from ftkit.tools.diagnose.report import diagnose
 from ftkit.vocab import (
     BLOCK_FORMATS,
     FORMATS,
+    PLANE_FORMATS,
     FormatError,
     expert_layout,
     slot_layout,
@@ -290,9 +291,12 @@ def test_diagnose_passes_and_prices_the_quantized_bytes(quant_gguf, key):
     assert r["memory"]["host_expert_pool_bytes"] == spec.num_expert_rows * layout.slot_bytes
     assert r["memory"]["expert_dtype"] == layout.describe()
     assert not [n for n in r["notes"] if "cpu strategy only" in n]  # the GPU kernels read blocks too
-    # the GPU keeps the embedding table (not tied to lm_head here) in its blocks: priced at those bytes
+    # the GPU keeps the embedding table (not tied to lm_head here) in its blocks, and lm_head where
+    # the block GEMV takes its format: priced at those bytes
     family, tensors = FAMILIES[spec.family], GGUFSource(path).tensors
     kept = {"embed.weight": tensors["token_embd.weight"]}
+    if tensors["output.weight"].dtype in PLANE_FORMATS and tensors["output.weight"].shape[-1] % 256 == 0:
+        kept["lm_head.weight"] = tensors["output.weight"]
     assert "output.weight" in tensors and kept["embed.weight"].dtype in BLOCK_FORMATS
     as_bf16 = sum(2 * int(np.prod(s)) for n, s in family.dense_shapes(spec).items() if not n.endswith(family.float32_suffixes))
     as_f32 = sum(4 * int(np.prod(s)) for n, s in family.dense_shapes(spec).items() if n.endswith(family.float32_suffixes))
@@ -319,7 +323,7 @@ def test_ftw_convert_keeps_the_expert_blocks(quant_gguf, tmp_path, key):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
-    assert text.count("stay in those blocks (FTW v3): a GPU keeps the embedding table in them") == 1
+    assert text.count("stay in those blocks (FTW v3): a GPU keeps the embedding table in them (and lm_head") == 1
     model = FTWModel(out)
     assert [lay.formats for lay in model.layout.layers] == gguf_layer_formats(path)
     listed = model.manifest.dense["tensors"]
@@ -406,10 +410,10 @@ def test_torch_path_runs_the_blocks_dequantized_per_expert(quant_gguf, tmp_path,
 @pytest.mark.parametrize("key", ["qwen3_moe_wide-q4_k_m", "mixtral_wide-every"])
 def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key):
     """A GPU's plan keeps the embedding table in its GGUF blocks (models/block_table.py), priced
-    at those bytes, lm_head and the rest dequantized at load; a CPU's plan at bfloat16 keeps the
-    attention projections and lm_head too (multiplied by the CPU kernel), at float32 (the exact
-    reference) none. Looked up row by row (here on the CPU), the table gives the tokens of the
-    model loaded dequantized."""
+    at those bytes, and lm_head where the block GEMV takes its format (Q4_K, Q6_K, Q8_0), the rest
+    dequantized at load; a CPU's plan at bfloat16 keeps the attention projections and lm_head too
+    (multiplied by the CPU kernel), at float32 (the exact reference) none. Looked up row by row
+    (here on the CPU), the table gives the tokens of the model loaded dequantized."""
     path, _ = quant_gguf(key)
     ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
     listed = ftw.manifest.dense["tensors"]
@@ -421,10 +425,15 @@ def test_a_gpu_keeps_the_embedding_table_in_its_blocks(quant_gguf, tmp_path, key
     cpu = resolve(ftw, dataclasses.replace(opts, strategy="cpu", dtype="float32"),
                   Machine(torch.device("cpu"), free_bytes=64 << 30))
     products = {n: t["dtype"] for n, t in listed.items() if t["dtype"] in BLOCK_FORMATS and CPU_PRODUCTS.fullmatch(n)}
-    assert gpu.blocks == want and cpu.blocks == {} and cpu16.blocks == want | products and "lm_head.weight" in products
-    shape = tuple(listed["embed.weight"]["shape"])
+    head = listed["lm_head.weight"]
+    gpu_head = {"lm_head.weight": head["dtype"]} if head["dtype"] in PLANE_FORMATS and head["shape"][-1] % 256 == 0 else {}
+    assert gpu_head or key == "mixtral_wide-every"  # Q4_K_M's lm_head is Q6_K
+    assert gpu.blocks == want | gpu_head and cpu.blocks == {} and cpu16.blocks == want | products
+    assert "lm_head.weight" in products
     floats = dense_device_bytes({n: t["shape"] for n, t in listed.items()}, torch.bfloat16, ftw.spec.family)
-    assert floats - gpu.memory.dense_bytes == 2 * int(np.prod(shape)) - stored_nbytes(want["embed.weight"], shape) > 0
+    assert floats - gpu.memory.dense_bytes == sum(2 * int(np.prod(listed[n]["shape"]))
+                                                  - stored_nbytes(f, tuple(listed[n]["shape"]))
+                                                  for n, f in (want | gpu_head).items()) > 0
     assert cpu16.memory.dense_bytes < gpu.memory.dense_bytes
     prompt = [3, 17, 5, 42, 8, 11, 29, 2, 40, 7]
     runs = []
@@ -515,18 +524,20 @@ def test_block_table_rows_are_the_dequantized_rows():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_on_a_gpu_the_table_in_blocks_decodes_as_the_dequantized_one(quant_gguf, tmp_path, graphs):
-    """On CUDA the embedding table stays in its blocks (its rows decoded inside the captured
-    step too): the greedy tokens of the same model with it dequantized at load."""
+    """On CUDA the embedding table and the Q6_K lm_head stay in their blocks (the table's rows
+    decoded, lm_head multiplied by the block GEMV, inside the captured step too): the greedy
+    tokens of the same model with them dequantized at load."""
     path, _ = quant_gguf("qwen3_moe_wide-q4_k_m")
     ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
     opts = RuntimeOptions(device="cuda", strategy="hybrid", cache_experts=8, bandwidth_ratio=1.0, graphs=graphs)
     r = resolve(ftw, opts)
-    assert r.blocks.keys() == {"embed.weight"} and r.dtype == torch.bfloat16
+    assert r.blocks == {"embed.weight": "q4_k", "lm_head.weight": "q6_k"} and r.dtype == torch.bfloat16
     prompt, params = [3, 17, 5, 42, 8, 11, 29, 2, 40, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     runs = []
     for resolved in (r, dataclasses.replace(r, blocks={})):
         rt = Runtime(ftw, resolved)
         assert isinstance(rt.decoder.w["embed.weight"], BlockTable) == bool(resolved.blocks)
+        assert isinstance(rt.decoder.lm_head, PlaneLinear) == bool(resolved.blocks)
         runs.append(generate(rt, prompt, params).token_ids)
         rt.close()
     assert runs[0] == runs[1] and len(set(runs[0])) > 1

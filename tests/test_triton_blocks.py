@@ -63,22 +63,49 @@ def test_every_block_format_decodes_as_dequant_does(gather):
         _same(out.cpu(), dequantize(raw, fmt))
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_dense_block_gemv_equals_the_product_with_the_dequantized_weight(fmt):
-    """A dense weight kept in its blocks (an lm_head, an attention projection) times one token:
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0"])
+def test_dense_block_gemv_equals_the_product_with_the_dequantized_weight(fmt, monkeypatch):
+    """A dense weight kept in its blocks (an lm_head, an attention projection), split into planes
+    holding exactly its stored bytes (`unpack` gives them back), times one and three tokens:
     F.linear with the dequantized weight, within float32 rounding; rows past a program's tile
-    masked, a row of several super-blocks, and the bias added."""
-    from ftkit.kernels.triton.gemv import block_gemv
+    masked, a reduction of three super-blocks (a step's tail masked), the bias added."""
+    from ftkit.kernels.triton.block_gemv import (
+        MAX_TOKENS,
+        Planes,
+        block_gemv,
+        dequantized,
+        pack,
+        unpack,
+    )
+    from ftkit.runtime.models.block_table import PlaneLinear
 
-    rng, gen = np.random.default_rng(3), torch.Generator().manual_seed(3)
-    n, k = 37, 512
-    raw = (quantize(torch.randn(n, k, generator=gen), fmt) if fmt in QUANTIZERS
-           else torch.from_numpy(random_blocks(fmt, (n, k), rng, scale=0.01)))
-    x, bias = torch.randn(1, k, generator=gen), torch.randn(n, generator=gen)
-    got = block_gemv(x.to(DEV), raw.to(DEV), fmt, n, k, bias.to(DEV), bn=8)
-    _same(got.cpu(), torch.nn.functional.linear(x, dequantize(raw, fmt), bias), exact=False)
+    gen = torch.Generator().manual_seed(3)
+    n, k = 37, 768
+    raw = quantize(torch.randn(n, k, generator=gen), fmt)
+    planes = pack(raw.to(DEV), fmt, n, k)
+    assert torch.equal(unpack(planes).cpu(), raw) and planes.nbytes == raw.numel()
+    assert torch.equal(dequantized(planes, torch.float32).cpu(), dequantize(raw, fmt))
+    monkeypatch.setattr(PlaneLinear, "ROWS", 16)  # rows 0-15, 16-31, 32-36 dequantized in turn
+    halves = Planes.cat([planes.rows(0, 20), planes.rows(20, n)])
+    assert torch.equal(unpack(halves).cpu(), raw)
+    bias = torch.randn(n, generator=gen)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, k, generator=gen)
+        got = block_gemv(x.to(DEV), halves, bias.to(DEV), bn=8, chunks=8)
+        _same(got.cpu(), torch.nn.functional.linear(x, dequantize(raw, fmt), bias), exact=False)
+    with pytest.raises(ValueError, match="tokens"):
+        block_gemv(torch.zeros(MAX_TOKENS + 1, k, device=DEV), planes)
+    # as the runtime holds it (lm_head on a GPU): a batched step's tokens through the kernel, a
+    # prompt's every position against the weight dequantized a few rows at a time
+    head = PlaneLinear(planes, torch.float32)
+    assert head.shape == (n, k) and head.nbytes == raw.numel()
+    for tokens in (MAX_TOKENS, MAX_TOKENS + 1):
+        x = torch.randn(1, tokens, k, generator=gen)
+        got = head.product(x.to(DEV))
+        assert got.shape == (1, tokens, n)
+        _same(got.cpu(), torch.nn.functional.linear(x, dequantize(raw, fmt)), exact=False)
     with pytest.raises(ValueError, match="uint8"):
-        block_gemv(x.to(DEV), raw[:, 1:].to(DEV), fmt, n, k)
+        pack(raw[:, 1:].to(DEV), fmt, n, k)
 
 
 @triton.jit

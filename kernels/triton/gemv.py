@@ -18,9 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftkit.kernels.triton.blocks import CODES, lut, tile, x256
-from ftkit.vocab import stored_nbytes
-
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, b_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -66,49 +63,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty((*x.shape[:-1], n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _gemv[(triton.cdiv(n, bn),)](x, weight, bias if bias is not None else weight, out, n, k, BN=bn, BK=bk,
                                  HAS_BIAS=bias is not None, num_warps=num_warps)
-    return out
-
-
-@triton.jit
-def _block_gemv(x_ptr, w_ptr, lut_ptr, b_ptr, out_ptr, N, K, FMT: tl.constexpr, BN: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    nm = n < N
-    acc = tl.zeros([BN, 8, 32], tl.float32)
-    for kb in range(0, tl.cdiv(K, 256)):
-        acc += tile(w_ptr, n.to(tl.int64), kb, nm, K, FMT, lut_ptr) * x256(x_ptr, kb, K)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=nm)
-
-
-def block_tiles(n: int) -> int:
-    """Rows a program of the block GEMV: as `tiles`, about 1024 programs where the rows allow,
-    at most 32 (a [32, 256] float32 tile of decoded weights a step)."""
-    bn = 1
-    while bn < 32 and n // (2 * bn) >= 1024:
-        bn *= 2
-    return bn
-
-
-def block_gemv(x: torch.Tensor, raw: torch.Tensor, fmt: str, n: int, k: int, bias: torch.Tensor | None = None,
-               bn: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """F.linear(x, W, bias) for one token x [1, K] or [K] (CUDA) and W [n, k] stored as GGUF
-    `fmt` rows (`raw` uint8 [n, bytes a row], kernels/dequant.py's layouts), decoded in
-    registers by `blocks.tile`; products summed in float32, one rounding to x's dtype. On an H100
-    (tools/bench/dense_kernels.py, inside a CUDA graph) lm_head's 151936 x 2048 took 232 us as
-    Q4_K, 229 as Q8_0 and 896 as Q6_K (its three byte gathers a weight), cuBLAS 220 on bf16; the
-    output projection 22 / 13 / 20 us against 7.5 for the bf16 GEMV: so the runtime keeps dense
-    products on dequantized weights, and this is the candidate to make faster."""
-    if x.numel() != k or not x.is_contiguous() or fmt not in CODES:
-        raise ValueError(f"block_gemv takes one contiguous token of {k} features and a block format, got "
-                         f"{tuple(x.shape)} and {fmt!r}")
-    if raw.dtype != torch.uint8 or tuple(raw.shape) != (n, stored_nbytes(fmt, (k,))) or not raw.is_contiguous():
-        raise ValueError(f"block_gemv takes {fmt} rows as contiguous uint8 [{n}, {stored_nbytes(fmt, (k,))}], got "
-                         f"{raw.dtype} {tuple(raw.shape)}")
-    bn = bn or block_tiles(n)
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    _block_gemv[(triton.cdiv(n, bn),)](x, raw, lut(x.device), bias if bias is not None else x, out, n, k,
-                                       FMT=CODES[fmt], BN=bn, HAS_BIAS=bias is not None, num_warps=num_warps)
     return out

@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 
 from ftkit.kernels.cpu import load
+from ftkit.kernels.triton import optional
 
 from ..experts.pool import HostPool
 from ..experts.store import ExpertStore
 from ..ftw.manifest import FTWError
 from ..ftw.reader import FTWModel
-from ..models.block_table import BlockLinear, BlockTable
+from ..models.block_table import BlockLinear, BlockTable, PlaneLinear
 from ..models.kv import KVCache
 from ..models.stored import ftw_family
 from ..prefix_cache.boundaries import Boundaries
@@ -96,12 +97,15 @@ class Runtime:
         ) if opts.prefix_cache else None
         self.load_seconds = time.perf_counter() - t0
 
-    def _blocks(self, name: str, raw: torch.Tensor, r: Resolved) -> BlockTable | BlockLinear:
+    def _blocks(self, name: str, raw: torch.Tensor, r: Resolved) -> BlockTable | BlockLinear | PlaneLinear:
         """A dense tensor the plan keeps in its GGUF blocks (`Resolved.blocks`): the embedding
-        table, or on a CPU a projection the CPU kernel multiplies as stored."""
+        table, or a projection multiplied as stored: on a GPU its blocks split into planes for the
+        block GEMV, on a CPU by the CPU kernel."""
         shape, fmt = self.ftw.dense_refs[name].shape, r.blocks[name]
         if name == "embed.weight":
             return BlockTable(raw.to(self.device), fmt, shape, self.dtype)
+        if self.device.type == "cuda":
+            return PlaneLinear(optional("block_gemv").pack(raw.to(self.device), fmt, *shape), self.dtype)
         return BlockLinear(raw.contiguous(), fmt, shape, self.dtype, load(), r.threads)
 
     def _graphs(self) -> GraphDecode | None:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ftkit.vocab import BLOCK_FORMATS, human_bytes, stored_nbytes
+from ftkit.vocab import BLOCK_FORMATS, PLANE_FORMATS, human_bytes, stored_nbytes
 
 from ..models import FAMILIES
 from ..models.kv_size import DType, KVSize, kv_size, sliding_layers
@@ -158,17 +158,24 @@ def prefill_workspace_bytes(spec: ModelSpec, context: int, dtype: DType, chunk: 
 CPU_PRODUCTS = re.compile(r"lm_head\.weight|layers\.\d+\.attn\.[qkvo]\.weight")  # read only through `linear`
 
 
-def device_blocks(formats: Mapping[str, str], cuda: bool, cpu_products: bool = False) -> dict[str, str]:
+def device_blocks(formats: Mapping[str, str], cuda: bool, cpu_products: bool = False,
+                  gpu_products: bool = False, shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, str]:
     """{name: format} of the dense tensors kept in their GGUF blocks (models/block_table.py),
     given every dense tensor's stored format: the embedding table where it is blocks and not also
     lm_head (which every token reads whole) on a GPU, or on a CPU with `cpu_products` (a 16-bit
     run with the compiled CPU kernel), which then keeps the attention projections and lm_head in
-    blocks too (`CPU_PRODUCTS`: the CPU kernel multiplies them as stored); the rest is dequantized
-    at load."""
+    blocks too (`CPU_PRODUCTS`: the CPU kernel multiplies them as stored); on a GPU with
+    `gpu_products` (a 16-bit run with Triton) lm_head too where its format is one of
+    PLANE_FORMATS and its rows (`shapes`) split into 256s (the block GEMV's). The rest is
+    dequantized at load."""
     embed, tied = formats.get("embed.weight"), "lm_head.weight" not in formats
     out = {"embed.weight": embed} if (cuda or cpu_products) and not tied and embed in BLOCK_FORMATS else {}
     if cpu_products and not cuda:
         out |= {n: f for n, f in formats.items() if f in BLOCK_FORMATS and CPU_PRODUCTS.fullmatch(n)}
+    head = formats.get("lm_head.weight")
+    if (gpu_products and cuda and head in PLANE_FORMATS and shapes is not None
+            and shapes["lm_head.weight"][-1] % 256 == 0):
+        out["lm_head.weight"] = head
     return out
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ftkit.kernels.cpu import int8_activations, load
+from ftkit.kernels.triton import optional
 from ftkit.vocab import (
     AUTO,
     BLOCK_FORMATS,
@@ -271,9 +272,11 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
     if budget is None and machine.free_bytes is not None:
         budget = max(0, machine.free_bytes - (rows * slot_bytes if device.type == "cpu" else 0))
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
-    blocks = device_blocks({name: t["dtype"] for name, t in dense.items()}, device.type == "cuda",
-                           cpu_products=device.type == "cpu" and int8_activations(dtype) and load() is not None)
     shapes = {name: t["shape"] for name, t in dense.items()}
+    blocks = device_blocks({name: t["dtype"] for name, t in dense.items()}, device.type == "cuda",
+                           cpu_products=device.type == "cpu" and int8_activations(dtype) and load() is not None,
+                           gpu_products=device.type == "cuda" and dtype != torch.float32
+                           and optional("block_gemv") is not None, shapes=shapes)
     plan = base_plan(spec, dense_device_bytes(shapes, dtype, spec.family, blocks),
                      slot_bytes, dtype, opts.kv_tokens, budget, prefix, cuda=device.type == "cuda",
                      graphs=opts.graphs and family.graphs_unsupported(spec) is None, chunk=opts.prefill_chunk,

@@ -11,21 +11,28 @@
   llama-quantize's Q4_K_M, cpu strategy at bfloat16 on the dev box's 2 cores, decoded 51-53 tok/s
   with them dequantized, 86-90 in blocks (llama.cpp: 264 on the same file; docs/benchmarks.md).
 
-On a GPU lm_head and attention stay dequantized: decoding their blocks in registers
-(kernels/triton/gemv.py's `block_gemv`) matched cuBLAS on bf16 only for Q4_K and Q8_0 (H100: 232
-and 229 us against 220) and took 896 us on Q4_K_M's Q6_K (docs/benchmarks.md). A float32 run
-keeps them dequantized everywhere: it is the exact reference.
+- On a GPU computing in 16 bits, lm_head in Q4_K, Q6_K or Q8_0 (`PlaneLinear`): its blocks split
+  into planes at load and multiplied by kernels/triton/block_gemv.py. Every token reads lm_head
+  whole; Qwen3-30B-A3B's (151936 x 2048) as Q4_K_M's Q6_K on an H100, inside a CUDA graph:
+  152.5 us against cuBLAS's 204.8 on bf16 (the old byte-gathering kernel: 896). The attention projections stay dequantized there: at their sizes the
+  block GEMV is no faster than the bf16 one (latency-bound: 7.4-9.1 us against 7.7-9.3).
+A float32 run keeps them dequantized everywhere: it is the exact reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ftkit.kernels.cpu import Kernel
 from ftkit.kernels.dequant import dequantize
+from ftkit.kernels.triton import optional
+
+if TYPE_CHECKING:
+    from ftkit.kernels.triton.block_gemv import Planes
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,41 @@ class BlockLinear(Blocks):
         k = self.shape[1]
         y = self.kernel.linear(self.raw, self.fmt, self.shape, x.reshape(-1, k), self.threads, int8=True)
         return y.to(self.dtype).reshape(*x.shape[:-1], self.shape[0])
+
+
+@dataclass(frozen=True)
+class PlaneLinear:
+    """A GPU projection's weight [N, K] in GGUF blocks split into planes (`block_gemv.pack`);
+    `product` multiplies by it."""
+
+    planes: Planes
+    dtype: torch.dtype  # what comes out: the compute dtype
+    ROWS = 16384  # rows dequantized at once for a product of many tokens (128 MB of float32 at K 2048)
+
+    @property
+    def device(self) -> torch.device:
+        return self.planes.device
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.planes.n, self.planes.k
+
+    @property
+    def nbytes(self) -> int:
+        return self.planes.nbytes
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for x [..., K]: up to `block_gemv.MAX_TOKENS` tokens through the block GEMV,
+        more (a prompt's every position) against the weight dequantized ROWS rows at a time."""
+        kernels = optional("block_gemv")
+        n, k = self.shape
+        flat = x.reshape(-1, k).contiguous()
+        if flat.shape[0] <= kernels.MAX_TOKENS:
+            y = kernels.block_gemv(flat, self.planes)
+        else:
+            y = torch.cat([F.linear(flat, kernels.dequantized(self.planes.rows(a, min(n, a + self.ROWS)), x.dtype))
+                           for a in range(0, n, self.ROWS)], dim=-1)
+        return y.reshape(*x.shape[:-1], n)
 
 
 def embed_rows(ids: torch.Tensor, table: torch.Tensor | BlockTable) -> torch.Tensor:

@@ -92,8 +92,9 @@ class Inventory:
 
     def dense_note(self, dtype: str | None = None) -> str | None:
         """The one line that says what becomes of the dense tensors stored in GGUF blocks: kept
-        in FTW as stored (on a GPU the embedding table stays so, on a 16-bit CPU run the
-        attention and lm_head too, the rest is dequantized exactly to float32 when loaded), or dequantized to
+        in FTW as stored (on a GPU the embedding table stays so, on a 16-bit run lm_head too where
+        its format is Q4_K, Q6_K or Q8_0, on a 16-bit CPU run the attention and lm_head too, the
+        rest is dequantized exactly to float32 when loaded), or dequantized to
         `dtype` while converting; None where none are."""
         blocks = sorted({self.source.tensors[name].dtype for name, _ in self.dense.values()} & set(BLOCK_FORMATS))
         if not blocks:
@@ -101,8 +102,8 @@ class Inventory:
         if dtype:
             return f"dense tensors stored as {'/'.join(blocks)} are dequantized to {dtype}"
         return (f"dense tensors stored as {'/'.join(blocks)} stay in those blocks (FTW v3): a GPU keeps the "
-                f"embedding table in them, a CPU computing in 16 bits its attention and lm_head too, the rest is "
-                f"dequantized exactly to float32 when loaded")
+                f"embedding table in them (and lm_head in q4_k, q6_k or q8_0 at 16 bits), a CPU computing in 16 "
+                f"bits its attention and lm_head too, the rest is dequantized exactly to float32 when loaded")
 
     def skipped_note(self) -> str | None:
         """The family's line on the tensors it skips by design (models/base.py), or None."""

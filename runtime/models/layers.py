@@ -19,7 +19,7 @@ from ftkit.errors import shown
 from ftkit.kernels.triton import optional
 
 from ..spec import ModelSpec
-from .block_table import BlockLinear
+from .block_table import BlockLinear, PlaneLinear
 from .rope import rotary_dim
 
 
@@ -41,11 +41,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     return weight * h.to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | BlockLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | BlockLinear | PlaneLinear,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear. One token on CUDA goes through the Triton GEMV instead (kernels/triton/gemv.py):
     inside a CUDA graph cuBLAS took 5.1 us for a router's 128 x 2048 product, the GEMV 1.7. A
-    weight kept in its GGUF blocks on a CPU (`BlockLinear`) is multiplied by the CPU kernel."""
-    if isinstance(weight, BlockLinear):
+    weight kept in its GGUF blocks on a CPU (`BlockLinear`) is multiplied by the CPU kernel, one
+    on a GPU (`PlaneLinear`) by the block GEMV."""
+    if isinstance(weight, BlockLinear | PlaneLinear):
         y = weight.product(x)
         return y if bias is None else y + bias
     if (x.is_cuda and weight.dim() == 2 and x.numel() == weight.shape[1] and x.is_contiguous()

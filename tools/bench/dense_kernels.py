@@ -9,7 +9,8 @@ two launches), at that shape:
 - the dense products of one token (Q/K/V, output projection, router, lm_head) through cuBLAS
   (`F.linear`) and through the Triton GEMV (kernels/triton/gemv.py) at several tile shapes,
   each over enough distinct copies of the weight that nothing is served from the GPU's L2, and
-  through the block GEMV on the weight in Q4_K, Q6_K and Q8_0 blocks;
+  through the block GEMV on the weight in Q4_K, Q6_K and Q8_0 blocks (split into planes) at a
+  sweep of its tiles;
 - the router's softmax-top-k, the device planner's `plan` (8 misses, half filled, so 4 victim
   passes: every layer's rows are cycled through a cache that cannot hold them) and the merge,
   at several warp counts;
@@ -38,14 +39,15 @@ from ftkit.kernels.dequant import dequantize
 from ftkit.kernels.quantize import quantize
 from ftkit.kernels.triton import attention, zero_copy
 from ftkit.kernels.triton import plan as dplan
-from ftkit.kernels.triton.gemv import block_gemv, gemv, tiles
+from ftkit.kernels.triton.block_gemv import block_gemv, block_tiles, pack
+from ftkit.kernels.triton.gemv import gemv, tiles
 from ftkit.kernels.triton.norm import add_rms_norm
 from ftkit.kernels.triton.router import softmax_topk
+from ftkit.vocab import PLANE_FORMATS
 
 from .presets import PRESETS, preset_spec
 
 COLD_BYTES = 256 << 20  # weights cycled per replay: past the H200's 50 MB L2
-BLOCK_GEMV_FORMATS = ("q4_k", "q6_k", "q8_0")  # a Q4_K_M file's attention and lm_head; Q8_0's
 
 
 @triton.jit
@@ -96,23 +98,34 @@ def _linears(rows: list, shapes: dict[str, tuple[int, int]]) -> None:
             err = (fn(ws[0]).float() - ref).abs().max().item()
             us = _us_per_call([lambda w=w, fn=fn: fn(w) for w in ws])
             rows.append(dict(kernel=name, variant=label, us=us, gbps=nbytes / us / 1e3, max_err=err))
-        _block_linears(rows, name, xk, ws[0])
+        if n >= 1024:  # a router's weight stays float in GGUF files
+            _block_linears(rows, name, xk, ws[0])
         del ws
 
 
 def _block_linears(rows: list, name: str, x: torch.Tensor, w: torch.Tensor) -> None:
     """The same product with the weight kept in GGUF blocks (what a Q4_K_M file stores for
-    attention and lm_head): the block GEMV, its error against the product with the dequantized
-    weight, GB/s of block bytes."""
+    attention and lm_head), split into planes (kernels/triton/block_gemv.py): the block GEMV at
+    its tiles and a sweep of them, its error against the product with the dequantized weight,
+    GB/s of block bytes."""
     n, k = w.shape
-    for fmt in BLOCK_GEMV_FORMATS:
+    for fmt in PLANE_FORMATS:
         raw = quantize(w.float().cpu(), fmt).cuda()
         ref = F.linear(x.float(), dequantize(raw, fmt))
+        planes = pack(raw, fmt, n, k)
         copies = max(1, min(64, math.ceil(COLD_BYTES / raw.numel())))
-        raws = [raw] + [raw.clone() for _ in range(copies - 1)]
-        err = (block_gemv(x, raw, fmt, n, k).float() - ref).abs().max().item()
-        us = _us_per_call([lambda r=r, fmt=fmt: block_gemv(x, r, fmt, n, k) for r in raws])
-        rows.append(dict(kernel=name, variant=f"block gemv {fmt}", us=us, gbps=raw.numel() / us / 1e3, max_err=err))
+        ps = [planes] + [pack(raw.clone(), fmt, n, k) for _ in range(copies - 1)]
+        bn0, c0, w0 = block_tiles(n, k)
+        sweep = {(bn0, c0, w0)} | ({(bn, c, warps) for bn in {bn0, min(32, bn0 * 2)} for c in (4, 8, 16)
+                                    if c * 64 <= k for warps in (4, 8)} if fmt != "q8_0" else set())
+        for bn, c, warps in sorted(sweep):
+            calls = [lambda p=p, bn=bn, c=c, warps=warps: block_gemv(x, p, bn=bn, chunks=c, num_warps=warps)
+                     for p in ps]
+            err = (calls[0]().float() - ref).abs().max().item()
+            us = _us_per_call(calls)
+            tag = " (tiles)" if (bn, c, warps) == (bn0, c0, w0) else ""
+            rows.append(dict(kernel=name, variant=f"block gemv {fmt} bn={bn} c={c} w={warps}{tag}", us=us,
+                             gbps=raw.numel() / us / 1e3, max_err=err))
 
 
 def _small(rows: list, spec) -> None:

@@ -140,15 +140,16 @@ def cuda_flash(spec: ModelSpec) -> bool:
 def memory_plan(family: Family, spec: ModelSpec, layout: ExpertLayout,
                 dense_formats: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Host and GPU bytes to serve the model with its experts in `layout` and the dense tensors
-    stored in `dense_formats` (the GPU keeps an embedding table in GGUF blocks where it is: engine/
-    memory.py's `device_blocks`). `min_gpu_bytes` is
+    stored in `dense_formats` (the GPU keeps an embedding table, and lm_head in Q4_K, Q6_K or
+    Q8_0, in GGUF blocks where they are: engine/memory.py's `device_blocks`). `min_gpu_bytes` is
     the smallest `--gpu-budget` that `ft-run` accepts on CUDA with `--kv-tokens` KV_TOKENS and
     `--no-prefix-cache`: the runtime's own plan (engine/memory.py) with top_k expert slots, one
     token's experts for the layer being computed. The CUDA context and allocator slack come on
     top; more slots mean fewer expert fetches."""
     slot = layout.slot_bytes
     dense = dense_device_bytes(family.dense_shapes(spec), PLAN_DTYPE, spec.family,
-                               device_blocks(dense_formats or {}, cuda=True))
+                               device_blocks(dense_formats or {}, cuda=True, gpu_products=True,
+                                             shapes=family.dense_shapes(spec)))
     graphs = family.graphs_unsupported(spec) is None  # the runtime decodes through them
     least = base_plan(spec, dense, slot, PLAN_DTYPE, KV_TOKENS, cuda=True, graphs=graphs,
                       flash=cuda_flash(spec)).with_sizes(expert_slots=spec.top_k)
