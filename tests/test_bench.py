@@ -468,3 +468,26 @@ def test_write_quantized_lays_experts_out_as_llama_quantize(tmp_path):
     from ftkit.runtime.engine.sampling import SamplingParams
 
     assert len(generate(rt, [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)).token_ids) == 4
+
+
+def test_cpu_experts_compares_kernel_sources_in_one_process(tmp_path):
+    """`cpu_experts --compare`: the kernel built from each source copy, alternated round by round;
+    each source's figures and mean, all positive (two copies of the kernel's own source here)."""
+    from ftkit.kernels.cpu import SOURCE, load
+
+    if load() is None:
+        pytest.skip("no C++ compiler")
+    copies = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        for f in (SOURCE, SOURCE.with_name("int8_dots.h")):
+            (d / f.name).write_bytes(f.read_bytes())
+        copies.append(str(d / SOURCE.name))
+    r = subprocess.run([sys.executable, "-m", "ftkit.tools.bench.cpu_experts", "--compare", *copies, "--threads", "1",
+                        "--rounds", "2", "--gib", "0.02", "--seconds", "0.05", "--dtype", "q4_k_m", "--int8",
+                        "--no-torch"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    means = [line for line in r.stdout.splitlines() if " mean " in line]
+    assert len(means) == 2 and all(float(line.split("mean ")[1].split()[0]) > 0 for line in means), r.stdout
+    assert sum("round " in line for line in r.stdout.splitlines()) == 4

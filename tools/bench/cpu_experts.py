@@ -8,7 +8,9 @@ for most layers: gate and up q4_k, down q6_k): the GB/s are then of the quantize
 kernel reads them, and GFLOP/s count the SwiGLU's 6 H I flops per token and expert, beside the
 cores' peak at that thread count from registers alone (`Kernel.peak_gflops`: float32 FMAs, or
 with `--int8` the int8 path's byte products; parts whose format has no int8 kernel still
-multiply in float32).
+multiply in float32). `--compare A/experts.cpp B/experts.cpp ...` measures instead the kernel
+built from each copy of the source, the builds taking turns for `--rounds` rounds in this one
+process: a kernel change's A/B on a machine whose memory speed drifts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ftkit.kernels.cpu import load
+from ftkit.kernels.cpu import Kernel, build, load
 from ftkit.kernels.quantize import QUANTIZERS
 from ftkit.tools.calibrate.measure import (
     QWEN3_30B_A3B,
@@ -58,6 +60,10 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true",
                     help="the kernel's int8 path (activations quantized, as a run in bf16 computes)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--compare", type=Path, nargs="+", metavar="SOURCE",
+                    help="instead: the kernel built from each of these experts.cpp copies (int8_dots.h beside "
+                         "each), alternated in this process for --rounds rounds: an A/B on one machine")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of --compare")
     args = ap.parse_args()
     console = Console()
     kernel = load()
@@ -67,6 +73,9 @@ def main() -> None:
     layout = layout_for(hidden, inter, MIXES.get(args.dtype, args.dtype))
     slots = working_set((layout,), int(args.gib * 2**30))
     cycle = ExpertCycle((layout,), slots, args.tokens, args.experts_per_call, int8=args.int8)
+    if args.compare:
+        _compare(console, args.compare, cycle, [int(v) for v in args.threads.split(",")], args.rounds, args.seconds)
+        return
     runner = kernel.runner() if args.shared else None
     copier = _copier(args.overlap, args.gib)
     rows = []
@@ -116,6 +125,22 @@ def main() -> None:
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _compare(console: Console, sources: list[Path], cycle: ExpertCycle, threads: list[int], rounds: int,
+             seconds: float) -> None:
+    """GB/s of the kernel built from each source, the builds taking turns round by round, so a
+    machine's drift hits them alike."""
+    kernels = {s: Kernel(build(source=s)) for s in sources}
+    got: dict[tuple[Path, int], list[float]] = {}
+    for r in range(rounds):
+        for source, kernel in kernels.items():
+            for t in threads:
+                got.setdefault((source, t), []).append(cpu_experts_gbps(kernel, cycle, t, seconds))
+                console.print(f"round {r + 1}: {source} at {t} threads {got[source, t][-1]:.1f} GB/s", soft_wrap=True)
+    for (source, t), rates in got.items():
+        console.print(f"{source} at {t} threads: {' / '.join(f'{g:.1f}' for g in rates)}, "
+                      f"mean {sum(rates) / len(rates):.1f} GB/s", soft_wrap=True)
 
 
 def _copier(overlap: bool, gib: float) -> Copier | None:
