@@ -229,16 +229,6 @@ class Team {
   std::condition_variable cv_;
 };
 
-// f(k) for k in 0..n-1 on the team's threads, each taking the next k as it finishes one.
-template <class F>
-void team_items(Team& team, long n, F f) {
-  std::atomic<long> next{0};
-  auto body = [&](int) {
-    for (long k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(k);
-  };
-  team.run(body);
-}
-
 // Weight rows by stored dtype: `vec` loads W weights at element i as floats, `one` a single one.
 struct LoadF32 {
   static size_t row_bytes(int n) { return size_t(n) * 4; }
@@ -1072,32 +1062,69 @@ void down_rows(const Call& c, long e, int j0, int j1, const float* h) {
   });
 }
 
-// Every expert of the call: all gate/up rows, a barrier, all down rows.
+// The first bytes of the rows a work item reads (see `run_all`), so they arrive while the item
+// before runs.
+void prefetch_rows(const Format* f, const uint8_t* part, int n, int i0, int rows) {
+  const size_t rb = f->row_bytes(n);
+  prefetch_start(part + size_t(i0) * rb, size_t(rows) * rb);
+}
+
+// Every expert of the call: all gate/up items, then all down items, from one counter. A down item
+// waits for its own expert's gate/up items only (they all went out before it, and no thread
+// holding one waits), not for the whole call's; each thread claims its next item when it starts
+// one and prefetches that item's first rows, so its reads do not stop and start again at every
+// item. H100 host, 15 threads, q4_k_m int8, 8 experts a call, alternated in one process: 88.6 ->
+// 94.2 GB/s (ahead in each of 4 rounds); without the claim ahead, the barrier alone gone: 87.9.
 void run_all(const Call& c, float* h) {
   const int I = c.I, H = c.H;
   const int cg = chunk_rows(I, c.n, c.threads, 4, 16), cd = chunk_rows(H, c.n, c.threads, 16, 64);
   const long chunks_gu = (I + cg - 1) / cg, chunks_d = (H + cd - 1) / cd;
-  auto gate_up = [&](long k) {
-    const int i0 = int(k % chunks_gu) * cg;
-    gate_up_rows(c, k / chunks_gu, i0, std::min(I, i0 + cg), h);
+  const long n_gu = c.n * chunks_gu, total = n_gu + c.n * chunks_d;
+  std::vector<std::atomic<long>> gu_left(c.n);
+  for (long e = 0; e < c.n; ++e) gu_left[e].store(chunks_gu, std::memory_order_relaxed);
+  std::atomic<long> next{0};
+  auto prefetch = [&](long k) {
+    if (k < n_gu) {
+      const long e = k / chunks_gu;
+      const int i0 = int(k % chunks_gu) * cg, rows = std::min(I, i0 + cg) - i0;
+      prefetch_rows(c.fmt[0], c.slots[e] + c.part_off[0], H, i0, rows);
+      prefetch_rows(c.fmt[1], c.slots[e] + c.part_off[1], H, i0, rows);
+    } else {
+      const long e = (k - n_gu) / chunks_d;
+      const int j0 = int((k - n_gu) % chunks_d) * cd;
+      prefetch_rows(c.fmt[2], c.slots[e] + c.part_off[2], I, j0, std::min(H, j0 + cd) - j0);
+    }
   };
-  auto down = [&](long k) {
-    const int j0 = int(k % chunks_d) * cd;
-    down_rows(c, k / chunks_d, j0, std::min(H, j0 + cd), h);
+  auto run = [&](long k) {
+    if (k < n_gu) {
+      const long e = k / chunks_gu;
+      const int i0 = int(k % chunks_gu) * cg;
+      gate_up_rows(c, e, i0, std::min(I, i0 + cg), h);
+      gu_left[e].fetch_sub(1, std::memory_order_acq_rel);
+      return;
+    }
+    const long e = (k - n_gu) / chunks_d;
+    for (int spins = 0; gu_left[e].load(std::memory_order_acquire) > 0; ++spins)
+      if (spins < 4096) pause();
+      else std::this_thread::yield();  // a holder of its gate/up items may be waiting for this core
+    const int j0 = int((k - n_gu) % chunks_d) * cd;
+    down_rows(c, e, j0, std::min(H, j0 + cd), h);
   };
-  if (c.team) {  // the end of a team's run is the barrier
-    team_items(*c.team, c.n * chunks_gu, gate_up);
-    team_items(*c.team, c.n * chunks_d, down);
+  auto body = [&](int) {
+    long k = next.fetch_add(1, std::memory_order_relaxed);
+    while (k < total) {
+      const long after = next.fetch_add(1, std::memory_order_relaxed);
+      if (after < total) prefetch(after);
+      run(k);
+      k = after;
+    }
+  };
+  if (c.team) {
+    c.team->run(body);
     return;
   }
 #pragma omp parallel num_threads(c.threads)
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (long k = 0; k < c.n * chunks_gu; ++k) gate_up(k);
-    // implicit barrier: every h row is complete before any down row reads it
-#pragma omp for schedule(dynamic, 1)
-    for (long k = 0; k < c.n * chunks_d; ++k) down(k);
-  }
+  body(0);
 }
 
 // The experts this call takes from a shared split, one at a time, with no barrier between them:
