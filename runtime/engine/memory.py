@@ -173,8 +173,8 @@ def device_blocks(formats: Mapping[str, str], cuda: bool, cpu_products: bool = F
     if cpu_products and not cuda:
         out |= {n: f for n, f in formats.items() if f in BLOCK_FORMATS and CPU_PRODUCTS.fullmatch(n)}
     head = formats.get("lm_head.weight")
-    if (gpu_products and cuda and head in PLANE_FORMATS and shapes is not None
-            and shapes["lm_head.weight"][-1] % 256 == 0):
+    rows = (shapes or {}).get("lm_head.weight")
+    if gpu_products and cuda and head in PLANE_FORMATS and rows and rows[-1] % 256 == 0:
         out["lm_head.weight"] = head
     return out
 
