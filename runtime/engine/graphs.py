@@ -46,13 +46,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from ftkit.kernels.triton import optional
 
 from ..experts.store import ExpertStore
 from ..models import FAMILIES
-from ..models.block_table import PlaneLinear, embed_rows
+from ..models.block_table import embed_rows
 from ..models.decoder import Experts, Mixer, MoEDecoder
 from ..models.kv import KVCache
 from ..models.kv_size import attention_layers, ring_extend, ring_rows, sliding_layers
@@ -97,12 +96,6 @@ def _fused_attention(decoder: MoEDecoder):
     if s.qk_norm not in (QK_NORM_HEAD, QK_NORM_NONE) or s.extra.get("clip_qkv"):
         return None
     return optional("decode")
-
-
-def _head(h: torch.Tensor, weight: torch.Tensor | PlaneLinear) -> torch.Tensor:
-    """The logits of h: lm_head through cuBLAS (which streams it at HBM rate), or the block GEMV
-    where lm_head is kept in blocks."""
-    return weight.product(h) if isinstance(weight, PlaneLinear) else F.linear(h, weight)
 
 
 def _concat_qkv(w: dict[str, torch.Tensor], i: int,
@@ -377,7 +370,7 @@ class GraphDecode:
         x, h = self._layers(state, layers, mix, self.store.device_planner)
         if layers.stop < s.num_layers:
             return x, h
-        logits = _head(h, dec.lm_head)
+        logits = linear(h, dec.lm_head)
         # the next step's inputs when decoding greedily (`pipeline`, `pipeline_batch`; `step` and
         # `batch` write both before each step)
         token, pos = (self.token, self.pos) if batch is None else (batch.token, batch.pos)
@@ -542,7 +535,7 @@ class GraphDecode:
         _, h = self._layers(self._embed(input_ids), range(dec.spec.num_layers), mix, plan if on_device else None)
         for c, n in zip(caches, counts, strict=True):
             c.advance(n)
-        return _head(h[-1:] if last_only else h, dec.lm_head)
+        return linear(h[-1:] if last_only else h, dec.lm_head)
 
     def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = embed_rows(ids, self.decoder.w["embed.weight"])

@@ -14,8 +14,10 @@
 - On a GPU computing in 16 bits, lm_head in Q4_K, Q6_K or Q8_0 (`PlaneLinear`): its blocks split
   into planes at load and multiplied by kernels/triton/block_gemv.py. Every token reads lm_head
   whole; Qwen3-30B-A3B's (151936 x 2048) as Q4_K_M's Q6_K on an H100, inside a CUDA graph:
-  152.5 us against cuBLAS's 204.8 on bf16 (the old byte-gathering kernel: 896). The attention projections stay dequantized there: at their sizes the
-  block GEMV is no faster than the bf16 one (latency-bound: 7.4-9.1 us against 7.7-9.3).
+  152.5 us against cuBLAS's 204.8 on bf16 (the old byte-gathering kernel: 896). The attention
+  projections stay dequantized there: at their sizes the block GEMV is latency-bound and no
+  faster than the bf16 GEMV (Q/K/V 7.7-9.6 us against 9.2, output projection 8.4-10.4 against
+  7.6).
 A float32 run keeps them dequantized everywhere: it is the exact reference.
 """
 
