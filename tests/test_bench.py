@@ -289,6 +289,20 @@ def test_reuse_knob_moves_the_hit_rate(tiny):
     assert rates[1] < rates[0] / 2
 
 
+@pytest.mark.parametrize("k", [3, 8, 10])
+def test_synthetic_routing_picks_in_one_launch_as_torch_does(k):
+    """The CUDA pick (here through Triton's interpreter) gives the torch path's ids, weights and
+    cursor, across the sequence's wrap."""
+    from ftkit.tools.bench.routing import pick
+
+    rows = torch.randint(0, 64, (11, k))
+    cursors = [torch.tensor(7), torch.tensor(7)]
+    for t in (1, 3, 8, 1):
+        want, got = (pick(rows, c, t, torch.bfloat16, kernel=kernel) for c, kernel in zip(cursors, (False, True), strict=True))
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]) and got[1].dtype == torch.bfloat16
+        assert int(cursors[0]) == int(cursors[1])
+
+
 def test_timeline_splits_a_trace_by_routing_read_back(tmp_path):
     """Two host-planned layers in a Chrome trace as torch.profiler writes it (times in us)."""
     from ftkit.tools.bench import timeline

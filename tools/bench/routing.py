@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from ftkit.runtime.models.decoder import MoEDecoder
 
@@ -77,7 +79,10 @@ class Synthetic(RoutingOverride):
     `reuse` and draws the rest uniformly from the others. The sequence is drawn up front,
     `tokens` per layer (then cycled), so drawing never counts in a timed run and a prefill
     chunk or an extend gets the same locality as decode steps. The position in the sequence is a
-    device counter, so a CUDA graph replays the draw as an eager step makes it."""
+    device counter, so a CUDA graph replays the draw as an eager step makes it. The router still
+    runs and its choice is replaced, so a step costs what a real model's does, plus one launch
+    (`pick`) on CUDA: picked by six torch ops instead of the router, a cpu-strategy decode layer
+    spent ~10 us on them where the router takes ~5 (H100 trace, q4km)."""
 
     graph_safe = True
 
@@ -91,14 +96,45 @@ class Synthetic(RoutingOverride):
         self.cursor: dict[int, torch.Tensor] = {}  # layer -> int64 [] on the device
 
     def _route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.real_route(i, x)  # paid for as a real model pays it; its choice is replaced below
         rows, t = self.rows[i], x.shape[0]
         if i not in self.cursor:  # once (an eager call): picking then stays on the device
             rows = self.rows[i] = rows.to(x.device)
             self.cursor[i] = torch.zeros((), dtype=torch.int64, device=x.device)
-        cursor = self.cursor[i]
-        picked = rows[(cursor + torch.arange(t, device=x.device)) % rows.shape[0]]
+        return pick(rows, self.cursor[i], t, x.dtype, kernel=x.is_cuda and t <= PICK_TOKENS)
+
+
+PICK_TOKENS = 64  # a decode step's or an extend's tokens: one program picks them (a prompt's: torch)
+
+
+def pick(rows: torch.Tensor, cursor: torch.Tensor, t: int, dtype: torch.dtype,
+         kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [t, k], weights 1 / k as `dtype`): rows[(cursor + j) % len(rows)] for j < t, then
+    cursor += t (int64 [] on rows' device); in one launch where `kernel` (t <= PICK_TOKENS)."""
+    if not kernel:
+        picked = rows[(cursor + torch.arange(t, device=rows.device)) % rows.shape[0]]
         cursor.add_(t)
-        return _uniform(picked, x.dtype)
+        return _uniform(picked, dtype)
+    n, k = rows.shape
+    ids = torch.empty((t, k), dtype=rows.dtype, device=rows.device)
+    weights = torch.empty((t, k), dtype=dtype, device=rows.device)
+    w = torch.tensor(1.0 / k, dtype=dtype).item()  # 1 / k as `dtype` rounds it (exact in float32)
+    _pick[(1,)](rows, cursor, ids, weights, t, n, k, w, BT=triton.next_power_of_2(t), BK=triton.next_power_of_2(k),
+                num_warps=1)
+    return ids, weights
+
+
+@triton.jit
+def _pick(rows_ptr, cursor_ptr, ids_ptr, w_ptr, T, N, K, W, BT: tl.constexpr, BK: tl.constexpr):
+    """ids[t] = rows[(cursor + t) % N], weights W, cursor += T: one program, one warp."""
+    c = tl.load(cursor_ptr)
+    t, k = tl.arange(0, BT), tl.arange(0, BK)
+    m = (t[:, None] < T) & (k[None, :] < K)
+    src = ((c + t) % N)[:, None] * K + k[None, :]
+    tl.store(ids_ptr + t[:, None] * K + k[None, :], tl.load(rows_ptr + src, mask=m), mask=m)
+    tl.store(w_ptr + t[:, None] * K + k[None, :], tl.full([BT, BK], W, tl.float32), mask=m)
+    tl.debug_barrier()  # every lane has read the cursor
+    tl.store(cursor_ptr, c + T)
 
 
 def _markov(rng: np.random.Generator, tokens: int, experts: int, k: int, reuse: float) -> torch.Tensor:
