@@ -486,8 +486,9 @@ def test_cpu_products_on_blocks_are_the_products_with_the_dequantized_weight(int
 
 
 def test_a_cpu_at_bfloat16_multiplies_attention_and_lm_head_in_their_blocks(quant_gguf, tmp_path):
-    """At bf16 on a CPU the attention projections and lm_head stay in their blocks (`BlockLinear`)
-    and the model's logits stay close to those with every dense tensor dequantized."""
+    """At bf16 on a CPU the attention projections and lm_head stay in their blocks (`BlockLinear`),
+    the routers' bf16 rows go to the CPU kernel too, and the model's logits stay close to those
+    with every dense tensor dequantized."""
     path, _ = quant_gguf("qwen3_moe_wide-q4_k_m")
     ftw = FTWModel(_converted(path, tmp_path / "q.ftw"))
     r = resolve(ftw, RuntimeOptions(device="cpu", strategy="cpu", dtype="bfloat16"), Machine.detect("cpu"))
@@ -495,7 +496,9 @@ def test_a_cpu_at_bfloat16_multiplies_attention_and_lm_head_in_their_blocks(quan
     for plan in (r, dataclasses.replace(r, blocks={})):
         rt = Runtime(ftw, plan)
         kept = [n for n, t in rt.decoder.w.items() if isinstance(t, BlockLinear)]
-        assert sorted(kept) == sorted(n for n in plan.blocks if n != "embed.weight")
+        routers = [f"layers.{i}.router.weight" for i in rt.spec.moe_layers]
+        assert sorted(kept) == sorted([n for n in plan.blocks if n != "embed.weight"] + routers)
+        assert all(rt.decoder.w[n].fmt == "bfloat16" for n in routers)
         with torch.inference_mode():
             logits.append(rt.step.forward(torch.tensor([3, 17, 5, 42, 8]), rt.new_kv(8))[-1].float())
         rt.close()

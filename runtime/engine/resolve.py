@@ -93,6 +93,7 @@ class Resolved:
     dtype: torch.dtype  # compute dtype
     memory: MemoryPlan  # the device memory plan; its expert slots are the cache's size
     blocks: dict[str, str] = field(default_factory=dict)  # dense tensors kept in GGUF blocks (memory.device_blocks)
+    cpu_products: bool = False  # a 16-bit CPU run with the compiled CPU kernel: its dense products on the kernel
 
     @property
     def cache_slots(self) -> int:
@@ -273,8 +274,9 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
         budget = max(0, machine.free_bytes - (rows * slot_bytes if device.type == "cpu" else 0))
     prefix = (opts.prefix_cache_tokens or spec.max_position_embeddings) if opts.prefix_cache else 0
     shapes = {name: t["shape"] for name, t in dense.items()}
+    cpu_products = device.type == "cpu" and int8_activations(dtype) and load() is not None
     blocks = device_blocks({name: t["dtype"] for name, t in dense.items()}, device.type == "cuda",
-                           cpu_products=device.type == "cpu" and int8_activations(dtype) and load() is not None,
+                           cpu_products=cpu_products,
                            gpu_products=device.type == "cuda" and dtype != torch.float32
                            and optional("block_gemv") is not None, shapes=shapes)
     plan = base_plan(spec, dense_device_bytes(shapes, dtype, spec.family, blocks),
@@ -297,4 +299,4 @@ def resolve(ftw: FTWModel, opts: RuntimeOptions, machine: Machine | None = None,
         note(f"expert cache {requested} of {rows} slots ({human_bytes(requested * slot_bytes)}): what the GPU holds")
     staging = prefill_staging(spec, plan, budget, opts.stream_prefill) if strategy == CPU and device.type == "cuda" else 0
     memory = plan.with_sizes(expert_slots=cache_capacity(strategy, requested, rows, staging))
-    return Resolved(opts, device, strategy, ratio, profile, threads, dtype, memory, blocks)
+    return Resolved(opts, device, strategy, ratio, profile, threads, dtype, memory, blocks, cpu_products)

@@ -10,6 +10,9 @@
   dequantized they were 2-4x the bytes: a Qwen3-30B-A3B shape cut to 3 layers (vocab 4096) as
   llama-quantize's Q4_K_M, cpu strategy at bfloat16 on the dev box's 2 cores, decoded 51-53 tok/s
   with them dequantized, 86-90 in blocks (llama.cpp: 264 on the same file; docs/benchmarks.md).
+  A router's rows there too, as their 16-bit values (the loader): torch's bf16 product of a
+  128 x 2048 router took 96-150 us a call between the kernel's calls against ~40 on the kernel
+  (dev box, 2 cores; the 3-layer file's routing 0.51-0.67 -> 0.25-0.29 ms a token).
 
 - On a GPU computing in 16 bits, lm_head in Q4_K, Q6_K or Q8_0 (`PlaneLinear`): its blocks split
   into planes at load and multiplied by kernels/triton/block_gemv.py. Every token reads lm_head
@@ -39,10 +42,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Blocks:
-    """A dense tensor [rows, columns] as its stored GGUF rows."""
+    """A dense tensor [rows, columns] as its stored GGUF rows (a CPU router's: its 16-bit values)."""
 
     raw: torch.Tensor  # uint8 [rows, bytes a row]: the rows in their blocks, as stored
-    fmt: str  # the block format (ftkit.vocab.BLOCK_FORMATS)
+    fmt: str  # the block format (ftkit.vocab.BLOCK_FORMATS), or bfloat16 / float16 (a CPU router)
     shape: tuple[int, int]  # the logical [rows, columns]
     dtype: torch.dtype  # what comes out: the compute dtype
 
