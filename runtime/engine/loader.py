@@ -29,7 +29,6 @@ from .step import Step
 from .tokenizer import Tokenizer
 
 ROUTER = re.compile(r"layers\.\d+\.router\.weight")
-FLOAT_ROWS = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # 16-bit rows the CPU kernel multiplies
 
 
 @dataclass
@@ -80,10 +79,10 @@ class Runtime:
         # at bf16 on the dev box: peak RSS 4.28 GB with all of them at once, 2.48 GB so)
         weights = {k: self._blocks(k, v, r) if k in r.blocks else v.to(self.device, dtype(k))
                    for k, v in self.ftw.dense_tensors(r.blocks, dtype)}
-        if r.cpu_products:  # each router's 16-bit rows multiplied by the CPU kernel too (models/block_table.py)
-            weights |= {k: BlockLinear(v.view(torch.uint8), FLOAT_ROWS[v.dtype], tuple(v.shape), self.dtype, load(),
-                                       r.threads)
-                        for k, v in weights.items() if ROUTER.fullmatch(k) and v.dtype in FLOAT_ROWS}
+        if r.cpu_products:  # each router's 16-bit rows multiplied by the CPU kernel too (models/block_table.py);
+            fmt = str(self.dtype).removeprefix("torch.")  # a family's float32-kept routers stay tensors
+            weights |= {k: BlockLinear(v.view(torch.uint8), fmt, tuple(v.shape), self.dtype, load(), r.threads)
+                        for k, v in weights.items() if ROUTER.fullmatch(k) and v.dtype == self.dtype}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
         self.store = ExpertStore(
             self.spec, self.pool, r.strategy, r.cache_slots, self.device, r.threads, r.ratio, self.dtype,
