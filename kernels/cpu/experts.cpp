@@ -268,8 +268,9 @@ constexpr size_t PREFETCH = 4096;
 // The line at p into L2, not L1 (prefetcht1): a core has a few L1 miss buffers and many more
 // L2 ones, so prefetches into L1 capped the lines in flight a thread could stream with; into L2
 // the demand loads meet the lines there. Dev box (Zen 4), cpu_experts alternated in one
-// process, GB/s at 1 / 2 threads: q4_k_m int8 14.6 / 19.8 -> 17.7 / 24.3, bf16 15.9 / 24.9 ->
-// 20.2 / 28.6; its CPU-only decode of a 3-layer Q4_K_M file 114-119 -> 146-153 tok/s.
+// process, GB/s at 1 / 2 threads: q4_k_m int8 14.5 / 19.5 -> 18.1 / 26.6 (90% of a plain read at
+// 2), bf16 16.3 / 25.7 -> 21.1 / 29.8; its CPU-only decode of a 3-layer Q4_K_M file 114-119 ->
+// 146-153 tok/s. Not yet measured on the GPU machine's Xeon (docs/benchmarks-history.md).
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 // The first PREFETCH bytes of a work item's rows (the loops' prefetch runs that far ahead of
