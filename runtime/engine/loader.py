@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ from .memory import ANCHOR_SLOTS, PREFILL_CHUNK, longest_request
 from .resolve import Resolved, resolve
 from .step import Step
 from .tokenizer import Tokenizer
-
-ROUTER = re.compile(r"layers\.\d+\.router\.weight")
 
 
 @dataclass
@@ -81,8 +78,9 @@ class Runtime:
                    for k, v in self.ftw.dense_tensors(r.blocks, dtype)}
         if r.cpu_products:  # each router's 16-bit rows multiplied by the CPU kernel too (models/block_table.py);
             fmt = str(self.dtype).removeprefix("torch.")  # a family's float32-kept routers stay tensors
-            weights |= {k: BlockLinear(v.view(torch.uint8), fmt, tuple(v.shape), self.dtype, load(), r.threads)
-                        for k, v in weights.items() if ROUTER.fullmatch(k) and v.dtype == self.dtype}
+            routers = (f"layers.{i}.router.weight" for i in self.spec.moe_layers)
+            weights |= {k: BlockLinear(weights[k].view(torch.uint8), fmt, tuple(weights[k].shape), self.dtype, load(),
+                                       r.threads) for k in routers if weights[k].dtype == self.dtype}
         self.pool = HostPool.from_ftw(self.ftw, pin=self.device.type == "cuda", threads=opts.threads or 8)
         self.store = ExpertStore(
             self.spec, self.pool, r.strategy, r.cache_slots, self.device, r.threads, r.ratio, self.dtype,
