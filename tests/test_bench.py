@@ -487,7 +487,7 @@ def test_write_quantized_lays_experts_out_as_llama_quantize(tmp_path):
 def test_cpu_experts_compares_kernel_sources_in_one_process(tmp_path):
     """`cpu_experts --compare`: the kernel built from each source copy, alternated round by round;
     each source's figures and mean, all positive (two copies of the kernel's own source here)."""
-    from ftkit.kernels.cpu import SOURCE, load
+    from ftkit.kernels.cpu import HEADERS, SOURCE, load
 
     if load() is None:
         pytest.skip("no C++ compiler")
@@ -495,7 +495,7 @@ def test_cpu_experts_compares_kernel_sources_in_one_process(tmp_path):
     for name in ("a", "b"):
         d = tmp_path / name
         d.mkdir()
-        for f in (SOURCE, SOURCE.with_name("int8_dots.h")):
+        for f in (SOURCE, *(SOURCE.with_name(h) for h in HEADERS)):
             (d / f.name).write_bytes(f.read_bytes())
         copies.append(str(d / SOURCE.name))
     r = subprocess.run([sys.executable, "-m", "ftkit.tools.bench.cpu_experts", "--compare", *copies, "--threads", "1",

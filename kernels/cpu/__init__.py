@@ -54,7 +54,7 @@ def int8_activations(dtype: torch.dtype) -> bool:
     return dtype != torch.float32
 
 SOURCE = Path(__file__).with_name("experts.cpp")
-HEADERS = ("int8_dots.h",)  # included by experts.cpp: part of the build's key
+HEADERS = ("int8_dots.h", "decode_attention.h")  # included by experts.cpp: part of the build's key
 INT8 = 1 << 24  # experts.cpp's `INT8`
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 # experts.cpp's `Dtype` codes: every expert format has a kernel (GGUF blocks decoded as they are multiplied)
@@ -142,6 +142,9 @@ class Kernel:
         self.lib.ftk_linear.restype = ctypes.c_int
         self.lib.ftk_linear.argtypes = [ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int, _ptr, ctypes.c_int, _ptr,
                                         ctypes.c_int]
+        self.lib.ftk_attention.restype = ctypes.c_int
+        self.lib.ftk_attention.argtypes = [ctypes.c_int, _ptr, _ptr, _ptr, *[ctypes.c_int] * 6, *[_i64] * 4,
+                                           ctypes.c_float, _ptr, ctypes.c_int]
         self.lib.ftk_peak.restype = ctypes.c_double
         self.lib.ftk_peak.argtypes = [ctypes.c_int, _i64, ctypes.c_int]
         self.isa: str = self.lib.ftk_isa().decode()
@@ -281,6 +284,24 @@ class Kernel:
             n, tokens, k, ctrl.data_ptr(), ctrl.data_ptr() + 16 * 4, payload.data_ptr(), out.data_ptr(),
             busy_ns.data_ptr(), threads, None if clamp is None else clamp.ctypes.data)
         return Worker(self.lib, handle, (row_ptrs, ctrl, payload, out, busy_ns))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: int, threads: int,
+                  ) -> torch.Tensor | None:
+        """One query's attention (a decode step): q [1, heads, D] over keys lo.. of k [S, kv_heads,
+        D] and v [S, kv_heads, Dv] (float32, float16 or bfloat16 rows, each contiguous; query head
+        h reads KV head h // (heads / kv_heads)), scores scaled by D ** -0.5, softmax in float32.
+        Returns [1, heads, Dv] in q's dtype, or None for shapes the kernel does not take."""
+        code = FORMAT_CODES.get(str(k.dtype).removeprefix("torch."))
+        if (code is None or code > FORMAT_CODES["bfloat16"] or v.dtype != k.dtype or k.dim() != 3 or v.dim() != 3
+                or k.stride(2) != 1 or v.stride(2) != 1 or k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]):
+            return None
+        heads, d = q.shape[1], q.shape[2]
+        qf = q[0].to(torch.float32).contiguous()
+        out = torch.empty((heads, v.shape[2]), dtype=torch.float32)
+        rc = self.lib.ftk_attention(code, qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[0], lo, heads,
+                                    k.shape[1], d, v.shape[2], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                    d**-0.5, out.data_ptr(), threads)
+        return None if rc else out.to(q.dtype).view(1, heads, -1)
 
     def peak_gflops(self, threads: int, int8: bool = False, seconds: float = 0.3) -> float | None:
         """The cores' peak in GFLOP/s (2 a multiply-add) from registers only, at `threads`

@@ -87,6 +87,7 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline V load_bf16(const uint8_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -103,6 +104,7 @@ inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
 inline float vsum(V a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -125,6 +127,7 @@ inline V vfma(V a, V b, V c) { return a * b + c; }
 inline V vmul(V a, V b) { return a * b; }
 inline V vadd(V a, V b) { return a + b; }
 inline float vsum(V a) { return a; }
+inline void vstore(float* p, V a) { *p = a; }
 inline V load_bf16(const uint8_t* p) { uint16_t b; std::memcpy(&b, p, 2); return bf16_to_float(b); }
 inline V load_f16(const uint8_t* p) { uint16_t b; std::memcpy(&b, p, 2); return half_to_float(b); }
 inline V load_i8(const uint8_t* p) { return float(int8_t(*p)); }
@@ -842,6 +845,7 @@ void dot_blocks_n(int tb, const uint8_t* const* rows, int n, const float* const*
 }
 
 #include "int8_dots.h"
+#include "decode_attention.h"
 
 // What a part's format needs: its row size, its products of one and of two rows, (blocks) a row
 // decoder for the multi-token path, and (formats the int8 path has) its products on quantized
@@ -1413,6 +1417,18 @@ int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const u
                 const float* x, float* out, int threads, const float* clamp) {
   return dispatch(dtype, Call{H, I, part_off, n, slots, start, tok, weight, out_row, x, out, std::max(1, threads),
                               nullptr, nullptr, clamp});
+}
+
+// out[hq] = softmax(q[hq] . K[lo:S, hq / G] * scale) V[lo:S, hq / G] for each query head hq of q
+// [heads, D] (float32; G = heads / kv_heads), into out [heads, Dv] (float32): one decode step's
+// attention (decode_attention.h). K and V rows are `dtype` (F32, F16 or BF16), each contiguous,
+// at strides in elements between positions and between heads. Returns 0, or -1 for what it does
+// not take (another dtype, D or Dv not a multiple of the vector width, no keys).
+int ftk_attention(int dtype, const float* q, const uint8_t* k, const uint8_t* v, int S, int lo, int heads,
+                  int kv_heads, int D, int Dv, int64_t k_pos, int64_t k_head, int64_t v_pos, int64_t v_head,
+                  float scale, float* out, int threads) {
+  const Attention a{dtype, S, lo, heads, kv_heads, D, Dv, k_pos, k_head, v_pos, v_head, scale, q, k, v, out};
+  return a.run(threads);
 }
 
 // out[t * N + j] = row j of an [N, K] weight . x[t] for T tokens of x [T, K] (float32): a dense

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ftkit.errors import shown
+from ftkit.kernels.cpu import load as load_cpu_kernel
 from ftkit.kernels.triton import optional
 
 from ..spec import ModelSpec
@@ -195,8 +196,13 @@ def attention(
     mask, causal, gqa = None, False, True
     if t == 1 and not q.is_cuda:  # a CPU decode step: SDPA's CPU kernels took 0.2 / 2.1 / 17.7 ms
         # for one bf16 query behind 40 / 500 / 4000 keys (32 heads of 128, 2 cores), 0.05 / 0.27 /
-        # 3.0 ms in float32; these products 0.09 / 0.25 / 1.3 ms either way
-        return decode_attention(q, k, v, None if window is None else torch.arange(s) > offset - window)
+        # 3.0 ms in float32. On the CPU kernel, which reads the cache's rows as they are: 37 / 302
+        # / 2,400 / 9,600 us behind 64 / 1k / 8k / 32k bf16 keys, where torch's products
+        # (decode_attention, float32 copies of K and V) took 87 / 317 / 3,100-3,800 / 49,000
+        kernel = load_cpu_kernel()
+        lo = 0 if window is None else max(0, offset - window + 1)
+        out = kernel.attention(q, k, v, lo, torch.get_num_threads()) if kernel is not None else None
+        return out if out is not None else decode_attention(q, k, v, None if window is None else torch.arange(s) >= lo)
     if window is None and offset == 0:
         causal = True  # plain prefill: let SDPA pick its fused causal kernel
     elif window is not None or t > 1:

@@ -61,7 +61,7 @@ def main() -> None:
                     help="the kernel's int8 path (activations quantized, as a run in bf16 computes)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--compare", type=Path, nargs="+", metavar="SOURCE",
-                    help="instead: the kernel built from each of these experts.cpp copies (int8_dots.h beside "
+                    help="instead: the kernel built from each of these experts.cpp copies (its headers beside "
                          "each), alternated in this process for --rounds rounds: an A/B on one machine")
     ap.add_argument("--rounds", type=int, default=4, help="rounds of --compare")
     args = ap.parse_args()
