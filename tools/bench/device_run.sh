@@ -5,7 +5,7 @@
 #   OUT=/tmp/out PARTS="kernels calibrate gpu read decode" bash tools/bench/device_run.sh
 # PROFILE: the profile the parts price bounds with (default the committed H200 one; the calibrate
 # part replaces it with its own, so a later run in the same call can name that file).
-# Parts: kernels (build, check, CPU bandwidth at 1..16 threads), calibrate (profile; CAL_MODEL=q12 or
+# Parts: kernels (build, check, CPU bandwidth at 1..16 threads, a CPU decode step's attention), calibrate (profile; CAL_MODEL=q12 or
 # q4km: of that model's slot formats), wrong
 # (wrong-profile convergence), gpu (the CUDA tests; GPU_TESTS: other test files, GPU_K: a -k expression), zerocopy
 # (decode fills vs DMA; ZC_FLAGS: its flags), read (FTW read + pin), decode (qwen3-30b-a3b shape cut to 12 layers:
@@ -75,6 +75,7 @@ if has kernels; then
   $PY -c "from ftkit.kernels.cpu import load; k = load(); print('kernel:', k.path, k.isa)" 2>&1 | tee "$OUT/kernel.txt"
   $PY tests/test_cpu_kernels.py 2>&1 | tee -a "$OUT/kernel.txt"
   $PY -m ftkit.tools.bench.cpu_experts --threads 1,2,4,8,16 --gib 4 --json "$OUT/cpu_experts.json" 2>&1 | tee "$OUT/cpu_experts.txt"
+  $PY -m ftkit.tools.bench.cpu_attention --threads 15 2>&1 | tee "$OUT/cpu_attention.txt"
 fi
 q12() {  # the qwen3-30b-a3b shape cut to 12 layers, written once per machine
   [ -f "$W/q12.ftw/manifest.json" ] || { $PY -m ftkit.tools.bench.cli write --preset qwen3-30b-a3b --layers 12 --out "$W/q12.ftw" 2>&1 | tail -1; sync; }
