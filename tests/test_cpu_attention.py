@@ -63,6 +63,20 @@ def test_fallback_builds_attention(flags: tuple[str, ...]) -> None:
     kernel = Kernel(build(extra=flags))
     for dtype in ATOL:
         _check(kernel, dtype, 8, 2, 64, 64)
+    _check_nan(kernel)
+
+
+def _check_nan(kernel: Kernel) -> None:
+    q, k, v = torch.randn(1, 8, 64), torch.randn(300, 2, 64), torch.randn(300, 2, 64)
+    k[280, 1, 3] = float("nan")
+    out = kernel.attention(q, k, v, 0, threads=2)
+    assert out[0, 4:].isnan().all() and not out[0, :4].isnan().any()
+
+
+def test_kernel_attention_passes_nan_on() -> None:
+    """A NaN in the cache (a broken model) reaches the heads that read it, as torch's step would
+    give it, and no others: not clamped away into a plausible number."""
+    _check_nan(_kernel())
 
 
 def test_kernel_attention_independent_of_threads() -> None:

@@ -26,7 +26,8 @@ inline void prefetch_l2_span(const uint8_t* p, size_t bytes) {
 
 #if defined(__AVX512F__)
 inline V vexp_le0(V x) {
-  x = _mm512_max_ps(x, vset(-87.0f));  // below, float32 goes subnormal: e^-87 is 1.6e-38
+  // below -87 float32 goes subnormal (e^-87 is 1.6e-38); x second: a NaN comes through as itself
+  x = _mm512_max_ps(vset(-87.0f), x);
   const V n = _mm512_roundscale_ps(vmul(x, vset(1.4426950408889634f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   V r = vfma(n, vset(-0.693145751953125f), x);  // ln 2's high part: n * it is exact for |n| < 2^8
   r = vfma(n, vset(-1.4286068203094172e-06f), r);
@@ -36,7 +37,7 @@ inline V vexp_le0(V x) {
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // experts.cpp's AVX2 `V`
 inline V vexp_le0(V x) {
-  x = _mm256_max_ps(x, vset(-87.0f));
+  x = _mm256_max_ps(vset(-87.0f), x);
   const V n = _mm256_round_ps(vmul(x, vset(1.4426950408889634f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   V r = vfma(n, vset(-0.693145751953125f), x);
   r = vfma(n, vset(-1.4286068203094172e-06f), r);
