@@ -79,6 +79,20 @@ def test_kernel_attention_passes_nan_on() -> None:
     _check_nan(_kernel())
 
 
+def test_a_float32_query_over_bf16_keys_keeps_float32_scores() -> None:
+    """A 16-bit run's query is bf16 and its scores may take bf16 dot products; a query with more
+    precision than bf16 keeps the float32 ones (not rounded to bf16 on the way)."""
+    kernel = _kernel()
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 128, generator=gen) * 3
+    k, v = (_cache_rows(700, 2, 128, torch.bfloat16, gen) for _ in range(2))
+    ref = _reference(q, k, v, 0)
+    out = kernel.attention(q, k, v, 0, threads=2)
+    assert (out.double() - ref).abs().max().item() <= ATOL[torch.float32] * 10
+    rounded = (_reference(q.bfloat16(), k, v, 0) - ref).abs().max().item()
+    assert rounded > ATOL[torch.float32] * 100  # what rounding q to bf16 would have cost
+
+
 def test_kernel_attention_independent_of_threads() -> None:
     kernel = _kernel()
     gen = torch.Generator().manual_seed(7)

@@ -1428,7 +1428,7 @@ int ftk_experts(int dtype, int H, int I, const int64_t* part_off, int n, const u
 int ftk_attention(int dtype, const float* q, const uint8_t* k, const uint8_t* v, int S, int lo, int heads,
                   int kv_heads, int D, int Dv, int64_t k_pos, int64_t k_head, int64_t v_pos, int64_t v_head,
                   float scale, float* out, int threads) {
-  const Attention a{dtype, S, lo, heads, kv_heads, D, Dv, k_pos, k_head, v_pos, v_head, scale, q, k, v, out};
+  Attention a{dtype, S, lo, heads, kv_heads, D, Dv, k_pos, k_head, v_pos, v_head, scale, q, nullptr, k, v, out};
   return a.run(threads);
 }
 
