@@ -291,14 +291,14 @@ class Kernel:
         D] and v [S, kv_heads, Dv] (float32, float16 or bfloat16 rows, each contiguous; query head
         h reads KV head h // (heads / kv_heads)), scores scaled by D ** -0.5, softmax in float32.
         Returns [1, heads, Dv] in q's dtype, or None for shapes the kernel does not take."""
-        code = FORMAT_CODES.get(str(k.dtype).removeprefix("torch."))
-        if (code is None or code > FORMAT_CODES["bfloat16"] or v.dtype != k.dtype or k.dim() != 3 or v.dim() != 3
+        name = str(k.dtype).removeprefix("torch.")
+        if (name not in ("float32", "float16", "bfloat16") or v.dtype != k.dtype or k.dim() != 3 or v.dim() != 3
                 or k.stride(2) != 1 or v.stride(2) != 1 or k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]):
             return None
         heads, d = q.shape[1], q.shape[2]
         qf = q[0].to(torch.float32).contiguous()
         out = torch.empty((heads, v.shape[2]), dtype=torch.float32)
-        rc = self.lib.ftk_attention(code, qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[0], lo, heads,
+        rc = self.lib.ftk_attention(FORMAT_CODES[name], qf.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[0], lo, heads,
                                     k.shape[1], d, v.shape[2], k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                     d**-0.5, out.data_ptr(), threads)
         return None if rc else out.to(q.dtype).view(1, heads, -1)

@@ -26,27 +26,33 @@ inline void prefetch_l2_span(const uint8_t* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) prefetch_l2(p + o);
 }
 
-#if defined(__AVX512F__)
-inline V vexp_le0(V x) {
-  // below -87 float32 goes subnormal (e^-87 is 1.6e-38); x second: a NaN comes through as itself
-  x = _mm512_max_ps(vset(-87.0f), x);
-  const V n = _mm512_roundscale_ps(vmul(x, vset(1.4426950408889634f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = vfma(n, vset(-0.693145751953125f), x);  // ln 2's high part: n * it is exact for |n| < 2^8
-  r = vfma(n, vset(-1.4286068203094172e-06f), r);
-  V p = vset(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = vfma(p, r, vset(c));
-  return _mm512_scalef_ps(p, n);
-}
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // experts.cpp's AVX2 `V`
-inline V vexp_le0(V x) {
-  x = _mm256_max_ps(vset(-87.0f), x);
-  const V n = _mm256_round_ps(vmul(x, vset(1.4426950408889634f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))  // experts.cpp's `V`
+// e^r for x = n ln 2 + r: r from ln 2 in two parts (n * the high part is exact for |n| < 2^8),
+// then the Taylor polynomial to r^7
+inline V exp_reduced(V x, V n) {
   V r = vfma(n, vset(-0.693145751953125f), x);
   r = vfma(n, vset(-1.4286068203094172e-06f), r);
   V p = vset(1.0f / 5040);
   for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = vfma(p, r, vset(c));
+  return p;
+}
+constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#endif
+
+// e^x for x <= 0. Below -87 float32 goes subnormal (e^-87 is 1.6e-38), so x is clamped there;
+// x is max's second operand, so a NaN comes through as itself.
+#if defined(__AVX512F__)
+inline V vexp_le0(V x) {
+  x = _mm512_max_ps(vset(-87.0f), x);
+  const V n = _mm512_roundscale_ps(vmul(x, vset(1.4426950408889634f)), ROUND);
+  return _mm512_scalef_ps(exp_reduced(x, n), n);
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline V vexp_le0(V x) {
+  x = _mm256_max_ps(vset(-87.0f), x);
+  const V n = _mm256_round_ps(vmul(x, vset(1.4426950408889634f)), ROUND);
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return vmul(p, _mm256_castsi256_ps(e));  // n >= -126 here: 2^n is a normal float
+  return vmul(exp_reduced(x, n), _mm256_castsi256_ps(e));  // n >= -126 here: 2^n is a normal float
 }
 #else
 inline V vexp_le0(V x) { return std::exp(x); }
