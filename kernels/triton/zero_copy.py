@@ -4,7 +4,11 @@ Decode and short extends decide hits, fills and the CPU set on the GPU, so nothi
 can issue the copies or start the CPU branch. Instead:
 - fills are zero-copy reads of the host pool: its buffers are page-locked and mapped, a device
   table holds each row's address (`device_pointer`), and the grouped GEMV or GEMM (experts.py)
-  reads a missed expert from there and writes it into its victim slot on the way;
+  reads a missed expert from there and writes it into its victim slot on the way. (Copies issued
+  by the CPU worker to a copy engine, with the GEMV spinning until they land, were tried: a
+  copy can queue behind host-to-device copies issued before it, as `pull` says, or behind the
+  compute stream's own queue, and so behind the spinning kernel itself; one hung on an H100
+  host. The GPU only ever spins on words the CPU writes.)
 - `ring` writes a doorbell word the CPU worker polls, `wait_done` spins until the worker writes
   the matching word back; both do nothing in a layer that gives the CPU no items. Kernel
   boundaries order these against the payload written before (and read after) them. Between the
