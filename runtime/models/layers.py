@@ -196,9 +196,9 @@ def attention(
     mask, causal, gqa = None, False, True
     if t == 1 and not q.is_cuda:  # a CPU decode step: SDPA's CPU kernels took 0.2 / 2.1 / 17.7 ms
         # for one bf16 query behind 40 / 500 / 4000 keys (32 heads of 128, 2 cores), 0.05 / 0.27 /
-        # 3.0 ms in float32. On the CPU kernel, which reads the cache's rows as they are: 37 / 302
-        # / 2,400 / 9,600 us behind 64 / 1k / 8k / 32k bf16 keys, where torch's products
-        # (decode_attention, float32 copies of K and V) took 87 / 317 / 3,100-3,800 / 49,000
+        # 3.0 ms in float32. The CPU kernel reads the cache's rows as they are, 1.3-8x faster than
+        # torch's products over float32 copies of K and V (decode_attention), which remain for
+        # shapes it declines (figures: kernels/cpu/decode_attention.h, docs/benchmarks.md)
         kernel = load_cpu_kernel()
         lo = 0 if window is None else max(0, offset - window + 1)
         out = kernel.attention(q, k, v, lo, torch.get_num_threads()) if kernel is not None else None
